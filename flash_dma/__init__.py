@@ -1,0 +1,25 @@
+"""flash-dma: trainable dynamic-mask sparse attention.
+
+Public API (see ``docs/api.md``):
+
+- :func:`flash_dma_func`: attention with a broadcastable mask and a trainable bias.
+- :func:`build_block_mask` / :class:`BlockMask`: a reusable block summary of a mask.
+- :func:`get_available_backends`, :func:`flash_dma_func_auto`: backend selection.
+- :func:`flash_dmattn_func`, :func:`flash_sparse_attn_func`: v1-compatible entry points.
+"""
+
+from flash_dma.backends import get_available_backends
+from flash_dma.block_mask import BlockMask, build_block_mask
+from flash_dma.interface import flash_dma_func, flash_dma_func_auto, flash_dmattn_func, flash_sparse_attn_func
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockMask",
+    "build_block_mask",
+    "flash_dma_func",
+    "flash_dma_func_auto",
+    "flash_dmattn_func",
+    "flash_sparse_attn_func",
+    "get_available_backends",
+]

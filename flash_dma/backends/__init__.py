@@ -1,0 +1,53 @@
+"""Backend registry.
+
+A backend is a module with ``attention(problem) -> (out, lse)`` for a validated
+:class:`~flash_dma.inputs.AttentionProblem`; gradients flow through its autograd graph.
+
+- ``"triton"``: the Triton kernels. Available on CUDA devices, and on the CPU under the
+  Triton interpreter (``TRITON_INTERPRET=1``, for tests).
+- ``"reference"``: exact, chunked PyTorch. Available everywhere; the default off CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+BACKENDS = ("triton", "reference")
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def unavailable_reason(name: str, device: torch.device) -> str | None:
+    """Why ``name`` cannot run on ``device`` in this process, or None if it can."""
+    if name == "triton":
+        if device.type == "cuda":
+            return None if torch.cuda.is_available() else "CUDA is not available"
+        if device.type == "cpu" and triton_interpreting():
+            return None
+        return f"it needs a CUDA device (got {device.type}; on the CPU it runs only under TRITON_INTERPRET=1)"
+    return None
+
+
+def get_available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Names of the backends that can run on ``device`` (default: CUDA if present, else CPU), best first."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    return [name for name in BACKENDS if unavailable_reason(name, device) is None]
+
+
+def resolve_backend(name: str | None, device: torch.device):
+    """The backend module for ``name`` (None: the best for ``device``), or a ValueError saying why not."""
+    if name is None:
+        name = "triton" if device.type == "cuda" and unavailable_reason("triton", device) is None else "reference"
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))} or None, got {name!r}")
+    reason = unavailable_reason(name, device)
+    if reason is not None:
+        raise ValueError(f"backend: {name!r} is unavailable for tensors on {device}: {reason}")
+    return importlib.import_module(f"flash_dma.backends.{name}")

@@ -1,0 +1,171 @@
+"""Exact attention in plain PyTorch: the oracle for every kernel, and the CPU backend.
+
+It follows the contract of ``docs/api.md`` to the letter, computing in float32 (or in any
+``compute_dtype``: the tests run it in float64 as the oracle and in the input dtype to measure
+PyTorch's own rounding error). Queries are processed in chunks, and under autograd each chunk
+is checkpointed, so memory stays O(chunk x Sk) in the forward and the backward pass.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from flash_dma.block_mask import FULL, PARTIAL, BlockMask
+
+# Scores materialised per chunk (elements): bounds the memory of one chunk.
+_CHUNK_SCORES = 1 << 24
+
+
+def visible_positions(rows: torch.Tensor, seqlen_q: int, seqlen_k: int, window: tuple[int, int]) -> torch.Tensor:
+    """``[len(rows), Sk]`` bool: key j is visible to query i under the (bottom-right aligned) window."""
+    left, right = window
+    cols = torch.arange(seqlen_k, device=rows.device)
+    diagonal = rows[:, None] + (seqlen_k - seqlen_q)
+    visible = torch.ones(len(rows), seqlen_k, dtype=torch.bool, device=rows.device)
+    if left >= 0:
+        visible &= cols[None, :] >= diagonal - left
+    if right >= 0:
+        visible &= cols[None, :] <= diagonal + right
+    return visible
+
+
+def _group_heads(t: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[b, 1|Hkv|H, r, c]`` -> ``[b, 1|Hkv, 1|G, r, c]`` so that it broadcasts against grouped scores."""
+    heads = t.shape[1]
+    if heads in (1, num_kv_heads):
+        return t.unsqueeze(2)
+    return t.reshape(t.shape[0], num_kv_heads, heads // num_kv_heads, *t.shape[2:])
+
+
+def _attend_chunk(q, k, v, mask, bias, *, row_start, seqlen_q, softmax_scale, window, softcap):
+    """Attention of one chunk of queries. q: [B, c, H, D]; k, v: [B, Hkv, 1, Sk, D]."""
+    batch, rows, num_heads, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[3]
+    q = q.reshape(batch, rows, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(0, 2, 3, 1, 4)
+    scores = (q @ k.transpose(-1, -2)) * softmax_scale  # [B, Hkv, G, c, Sk]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + _group_heads(bias.to(scores.dtype), num_kv_heads)
+    positions = torch.arange(row_start, row_start + rows, device=q.device)
+    visible = visible_positions(positions, seqlen_q, seqlen_k, window)
+    if mask is not None:
+        visible = visible & mask
+    scores = scores.masked_fill(~visible, float("-inf"))
+    # The max shift cancels out of the softmax; detaching it keeps autograd exact and cheap.
+    if seqlen_k == 0:
+        row_max = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
+    else:
+        row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(row_max == float("-inf"), 0.0, row_max)
+    probs = torch.exp(scores - row_max)
+    denom = probs.sum(dim=-1, keepdim=True)
+    out = (probs @ v) / torch.where(denom > 0, denom, 1.0)  # rows with no visible key give 0
+    with torch.no_grad():
+        lse = torch.where(denom > 0, row_max + torch.log(denom), float("-inf")).squeeze(-1)
+    out = out.permute(0, 3, 1, 2, 4).reshape(batch, rows, num_heads, head_dim)
+    return out, lse.reshape(batch, num_heads, rows)
+
+
+def _effective_mask_rows(attn_mask, block_mask: BlockMask | None, start: int, stop: int, key: torch.Tensor):
+    """The mask the kernels apply for query rows [start, stop), grouped by ``_group_heads``, or None.
+
+    With a block summary, FULL blocks attend everywhere, EMPTY blocks nowhere, and PARTIAL
+    blocks follow ``attn_mask``.
+    """
+    num_kv_heads = key.shape[2]
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask[:, :, start:stop] if attn_mask.shape[2] > 1 else attn_mask
+        mask = _group_heads(mask if mask.dtype == torch.bool else mask != 0, num_kv_heads)
+    if block_mask is None:
+        return mask
+    state = _group_heads(block_mask.dense_rows(start, stop, key.shape[1]), num_kv_heads)
+    if mask is None:
+        return state == FULL
+    return (state == FULL) | ((state == PARTIAL) & mask)
+
+
+def reference_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    *,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    block_mask: BlockMask | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention as the contract defines it, differentiable in every float input.
+
+    Args:
+        query: ``[B, Sq, H, D]``.
+        key, value: ``[B, Sk, Hkv, D]``.
+        attn_mask: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` bool or 0/1 integer, or None.
+        attn_bias: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` float, or None.
+        softmax_scale: defaults to ``D ** -0.5``.
+        window: ``(left, right)``, -1 unbounded, bottom-right aligned; causal is ``(left, 0)``.
+        softcap: ``cap * tanh(x / cap)`` on the scaled scores when > 0.
+        block_mask: applied as described in ``_effective_mask_rows``.
+        compute_dtype: arithmetic dtype (float32 by default).
+        chunk_size: queries per chunk; by default about 16M scores per chunk.
+
+    Returns:
+        ``out`` ``[B, Sq, H, D]`` in ``query.dtype`` and ``lse`` ``[B, H, Sq]`` (natural log,
+        ``-inf`` for rows with no visible key) in float32 or ``compute_dtype`` if wider.
+    """
+    batch, seqlen_q, num_heads, head_dim = query.shape
+    seqlen_k = key.shape[1]
+    if softmax_scale is None:
+        softmax_scale = head_dim**-0.5
+    if chunk_size is None:
+        chunk_size = max(1, _CHUNK_SCORES // max(1, batch * num_heads * seqlen_k))
+    # [B, Sk, Hkv, D] -> [B, Hkv, 1, Sk, D]: broadcasts over the query heads of each group.
+    k = key.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    v = value.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    attend = functools.partial(
+        _attend_chunk, seqlen_q=seqlen_q, softmax_scale=softmax_scale, window=window, softcap=softcap
+    )
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, attn_bias)
+    )
+    outs, lses = [], []
+    # At least one (possibly empty) chunk, so that empty problems keep their autograd graph.
+    for start in range(0, max(seqlen_q, 1), chunk_size):
+        stop = min(seqlen_q, start + chunk_size)
+        q = query[:, start:stop].to(compute_dtype)
+        mask = _effective_mask_rows(attn_mask, block_mask, start, stop, key)
+        bias = None
+        if attn_bias is not None:
+            bias = attn_bias[:, :, start:stop] if attn_bias.shape[2] > 1 else attn_bias
+        fn = functools.partial(attend, row_start=start)
+        if needs_grad:
+            out, lse = checkpoint(fn, q, k, v, mask, bias, use_reentrant=False)
+        else:
+            out, lse = fn(q, k, v, mask, bias)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+    return out.to(query.dtype), lse.to(torch.promote_types(compute_dtype, torch.float32))
+
+
+def attention(problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backend entry point: ``(out, lse)`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
+    return reference_attention(
+        problem.query,
+        problem.key,
+        problem.value,
+        problem.attn_mask,
+        problem.attn_bias,
+        softmax_scale=problem.softmax_scale,
+        window=problem.window,
+        softcap=problem.softcap,
+        block_mask=problem.block_mask,
+    )

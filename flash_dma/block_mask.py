@@ -1,0 +1,192 @@
+"""The block summary of a mask: which tiles of the attention matrix hold any work.
+
+A :class:`BlockMask` cuts the ``[Sq, Sk]`` plane of each (batch, mask-head) into blocks of
+``block_size = (block_q, block_k)`` and records, per block, whether its mask is all false
+(EMPTY, skipped outright), all true (FULL, computed without reading the mask) or mixed
+(PARTIAL, computed with the element-wise mask). The kernels never look at the dense state:
+they walk sorted lists of the non-empty blocks, so an empty block costs no load, no math
+and no loop iteration.
+
+An axis that the mask broadcasts (size 1) is a single block spanning the whole axis, so the
+usual per-key mask ``[B, Hkv, 1, Sk]`` has one row of ``Sk / block_k`` blocks.
+
+Causal and window limits are not part of the summary: kernels apply them analytically, so one
+summary serves causal and non-causal calls, every layer, and the forward and backward passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+DEFAULT_BLOCK_SIZE = (128, 128)
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
+# Elements of the mask converted at a time while summarising; bounds the temporary memory.
+_SUMMARY_CHUNK_ELEMENTS = 1 << 26
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _block_lists(state: torch.Tensor) -> torch.Tensor:
+    """``[..., R, C]`` block states -> ``[..., R, 2, 2, C + 1]`` int32 lists.
+
+    Per row, ``[0]`` describes the PARTIAL blocks and ``[1]`` the FULL ones, each as two arrays:
+    ``[.., 0, :]`` the listed column indices in ascending order (then unused entries), and
+    ``[.., 1, :]`` their rank: ``rank[c]`` is the number of listed columns before column ``c``,
+    so ``rank[C]`` is the count. With the rank a kernel finds where any column range starts in
+    the list with one load, so causal and window limits cost no search.
+    """
+    lists = []
+    for code in (PARTIAL, FULL):
+        hit = state == code
+        # A stable sort of "not hit" keys puts the hits first, in ascending column order.
+        order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        order = torch.nn.functional.pad(order, (0, 1))
+        rank = torch.nn.functional.pad(hit.cumsum(-1, dtype=torch.int32), (1, 0))
+        lists.append(torch.stack([order, rank], dim=-2))
+    return torch.stack(lists, dim=-3).contiguous()
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMask:
+    """Reusable block summary of a ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` mask.
+
+    Build it with :func:`build_block_mask` (from an element-wise mask) or
+    :func:`flash_dma.masks.topk_block_mask` (directly from a bias), then pass it as
+    ``flash_dma_func(..., block_mask=...)`` to every layer that shares the mask.
+
+    Attributes:
+        state: ``[Bm, Hm, NQB, NKB]`` int8, EMPTY (0), PARTIAL (1) or FULL (2) per block.
+        kv_lists: ``[Bm, Hm, NQB, 2, 2, NKB + 1]`` int32, per query block the partial and full
+            key blocks (see ``_block_lists``); walked by the forward and dQ kernels.
+        q_lists: ``[Bm, Hm, NKB, 2, 2, NQB + 1]`` int32, the transpose; walked by the dK/dV kernel.
+        mask_shape: ``(Bm, Hm, Sqm, Skm)``, the shape of the mask it summarises.
+        block_size: ``(block_q, block_k)``. A broadcast axis (size 1) is one block.
+        needs_mask: whether PARTIAL blocks may occur, so that the element-wise mask must be
+            passed along with the summary.
+    """
+
+    state: torch.Tensor
+    kv_lists: torch.Tensor
+    q_lists: torch.Tensor
+    mask_shape: tuple[int, int, int, int]
+    block_size: tuple[int, int]
+    needs_mask: bool
+
+    @classmethod
+    def from_block_state(
+        cls,
+        state: torch.Tensor,
+        mask_shape: tuple[int, int, int, int],
+        block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
+        needs_mask: bool | None = None,
+    ) -> "BlockMask":
+        """Make a summary from per-block states ``[Bm, Hm, NQB, NKB]`` (EMPTY/PARTIAL/FULL)."""
+        _check_block_size(block_size)
+        expected = (
+            mask_shape[0],
+            mask_shape[1],
+            1 if mask_shape[2] == 1 else _cdiv(mask_shape[2], block_size[0]),
+            1 if mask_shape[3] == 1 else _cdiv(mask_shape[3], block_size[1]),
+        )
+        if tuple(state.shape) != expected:
+            raise ValueError(
+                f"state: expected shape {expected} for a mask of shape {tuple(mask_shape)} in blocks of "
+                f"{tuple(block_size)}, got {tuple(state.shape)}"
+            )
+        state = state.to(torch.int8)
+        if needs_mask is None:
+            needs_mask = bool((state == PARTIAL).any())
+        return cls(
+            state=state,
+            kv_lists=_block_lists(state),
+            q_lists=_block_lists(state.transpose(-1, -2)),
+            mask_shape=tuple(int(s) for s in mask_shape),
+            block_size=tuple(block_size),
+            needs_mask=needs_mask,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    def density(self) -> float:
+        """Fraction of blocks that are not empty (causal/window limits not counted)."""
+        return float((self.state != EMPTY).float().mean())
+
+    def dense_rows(self, start: int, stop: int, seqlen_k: int) -> torch.Tensor:
+        """Block states expanded to elements for query rows ``[start, stop)``: ``[Bm, Hm, rows, Sk]`` int8."""
+        block_q, block_k = self.block_size
+        rows = torch.arange(start, stop, device=self.device)
+        cols = torch.arange(seqlen_k, device=self.device)
+        rows = torch.zeros_like(rows) if self.state.shape[2] == 1 else rows // block_q
+        cols = torch.zeros_like(cols) if self.state.shape[3] == 1 else cols // block_k
+        return self.state[:, :, rows][:, :, :, cols]
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockMask(mask_shape={self.mask_shape}, block_size={self.block_size}, "
+            f"blocks={tuple(self.state.shape)}, needs_mask={self.needs_mask})"
+        )
+
+
+def _check_block_size(block_size) -> None:
+    if (
+        not isinstance(block_size, (tuple, list))
+        or len(block_size) != 2
+        or any(b not in SUPPORTED_BLOCK_SIZES for b in block_size)
+    ):
+        raise ValueError(f"block_size: expected a pair of values from {SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
+
+
+def _summarize(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
+    """Per-block EMPTY/PARTIAL/FULL states of a 4-D mask, reading it once in bounded chunks."""
+    nb, nh, sq, sk = mask.shape
+    block_q = block_q if sq > 1 else 1
+    block_k = block_k if sk > 1 else 1
+    nqb, nkb = _cdiv(sq, block_q), _cdiv(sk, block_k)
+    cols = torch.full((nkb,), block_k, dtype=torch.int32, device=mask.device)
+    cols[-1] = sk - (nkb - 1) * block_k
+    rows_per_chunk = max(1, _SUMMARY_CHUNK_ELEMENTS // max(1, nb * nh * nkb * block_k * block_q)) * block_q
+    states = []
+    for r0 in range(0, sq, rows_per_chunk):
+        chunk = mask[:, :, r0 : r0 + rows_per_chunk]
+        chunk = (chunk if chunk.dtype == torch.bool else chunk != 0).to(torch.int8)
+        n_rows = chunk.shape[2]
+        n_qb = _cdiv(n_rows, block_q)
+        chunk = torch.nn.functional.pad(chunk, (0, nkb * block_k - sk, 0, n_qb * block_q - n_rows))
+        ones = chunk.view(nb, nh, n_qb, block_q, nkb, block_k).sum(dim=(3, 5), dtype=torch.int32)
+        rows = torch.full((n_qb,), block_q, dtype=torch.int32, device=mask.device)
+        rows[-1] = n_rows - (n_qb - 1) * block_q
+        size = rows[:, None] * cols[None, :]
+        states.append(torch.where(ones == 0, EMPTY, torch.where(ones == size, FULL, PARTIAL)).to(torch.int8))
+    return torch.cat(states, dim=2)
+
+
+def build_block_mask(attn_mask: torch.Tensor, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BlockMask:
+    """Summarise a boolean mask into a reusable :class:`BlockMask`.
+
+    Args:
+        attn_mask: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` bool (True = attend) or 0/1 integer mask.
+        block_size: ``(block_q, block_k)``, each a power of two from 16 to 256. The kernels' tiles
+            divide the blocks, so smaller blocks skip finer but cost longer lists.
+
+    Returns:
+        A :class:`BlockMask` on the mask's device. The mask is read once, in chunks of bounded
+        size; no ``[Sq, Sk]`` temporary is made.
+    """
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(attn_mask).__name__}")
+    if attn_mask.dim() != 4:
+        raise ValueError(
+            f"attn_mask: expected a 4-D mask [1|B, 1|Hkv|H, 1|Sq, 1|Sk], got shape {tuple(attn_mask.shape)}"
+        )
+    if attn_mask.dtype.is_floating_point or attn_mask.dtype.is_complex:
+        raise TypeError(f"attn_mask: expected a bool or 0/1 integer tensor, got {attn_mask.dtype}")
+    _check_block_size(block_size)
+    state = _summarize(attn_mask, *block_size)
+    return BlockMask.from_block_state(state, tuple(attn_mask.shape), block_size, needs_mask=True)

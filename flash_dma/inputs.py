@@ -1,0 +1,229 @@
+"""Normalisation and validation of the arguments of the attention entry points.
+
+Every public entry point funnels its arguments through :func:`normalize_inputs`, which
+either returns an :class:`AttentionProblem` that every backend can trust, or raises a
+``TypeError``/``ValueError`` that names the argument, what was expected and what was given.
+Inputs are never modified: where a layout must change (a non-unit last stride), a new
+tensor is made.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flash_dma.block_mask import BlockMask
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+UNBOUNDED = -1
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """One attention call, validated.
+
+    ``window`` folds ``is_causal`` in: causal attention is ``window=(left, 0)``.
+    Tensors keep the caller's shapes and strides (broadcast dimensions stay size 1).
+    """
+
+    query: torch.Tensor  # [B, Sq, H, D]
+    key: torch.Tensor  # [B, Sk, Hkv, D]
+    value: torch.Tensor  # [B, Sk, Hkv, D]
+    attn_mask: torch.Tensor | None  # [1|B, 1|Hkv|H, 1|Sq, 1|Sk], bool or 0/1 integer
+    attn_bias: torch.Tensor | None  # [1|B, 1|Hkv|H, 1|Sq, 1|Sk], fp32 or query.dtype
+    block_mask: BlockMask | None
+    softmax_scale: float
+    window: tuple[int, int]
+    softcap: float
+    deterministic: bool
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """``(B, Sq, Sk, H, Hkv, D)``."""
+        batch, seqlen_q, num_heads, head_dim = self.query.shape
+        return batch, seqlen_q, self.key.shape[1], num_heads, self.key.shape[2], head_dim
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _check_qkv(query, key, value) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            layout = "[B, Sq, H, D]" if name == "query" else "[B, Sk, Hkv, D]"
+            raise ValueError(f"{name}: expected a 4-D tensor {layout}, got {t.dim()}-D with shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {t.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name}: expected dtype {query.dtype} (the dtype of query), got {t.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name}: expected device {query.device} (the device of query), got {t.device}")
+    if value.shape != key.shape:
+        raise ValueError(f"value: expected shape {tuple(key.shape)} (the shape of key), got {tuple(value.shape)}")
+    batch, _, num_heads, head_dim = query.shape
+    if key.shape[0] != batch:
+        raise ValueError(f"key: expected batch size {batch} (that of query), got {key.shape[0]}")
+    if key.shape[3] != head_dim:
+        raise ValueError(f"key: expected head dim {head_dim} (that of query), got {key.shape[3]}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"query: head dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    num_kv_heads = key.shape[2]
+    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"key: the number of query heads ({num_heads}) must be a multiple of the number of "
+            f"key/value heads, got {num_kv_heads} key/value heads"
+        )
+
+
+def check_broadcastable(name: str, t: torch.Tensor, shape: tuple[int, int, int, int, int, int]) -> None:
+    """Check that ``t`` is ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` for ``shape = (B, Sq, Sk, H, Hkv, D)``."""
+    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, _ = shape
+    if t.dim() != 4:
+        raise ValueError(
+            f"{name}: expected a 4-D tensor broadcastable to [B, H, Sq, Sk] = "
+            f"[{batch}, {num_heads}, {seqlen_q}, {seqlen_k}], got shape {tuple(t.shape)}"
+            + (" (a [B, Sk] padding mask becomes mask[:, None, None, :])" if t.dim() == 2 else "")
+        )
+    allowed = (
+        ("batch", (1, batch)),
+        ("heads", (1, num_kv_heads, num_heads)),
+        ("query length", (1, seqlen_q)),
+        ("key length", (1, seqlen_k)),
+    )
+    for dim, (label, sizes) in enumerate(allowed):
+        if t.shape[dim] not in sizes:
+            options = " or ".join(str(s) for s in sorted(set(sizes)))
+            raise ValueError(
+                f"{name}: dimension {dim} ({label}) must be {options}, got {t.shape[dim]} "
+                f"(shape {tuple(t.shape)}, broadcast to [B, H, Sq, Sk] = "
+                f"[{batch}, {num_heads}, {seqlen_q}, {seqlen_k}])"
+            )
+
+
+def _check_mask(mask: torch.Tensor, query: torch.Tensor, shape) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attn_mask: expected a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(
+            f"attn_mask: expected a bool (True = attend) or 0/1 integer tensor, got {mask.dtype}; "
+            "pass additive float masks as attn_bias"
+        )
+    if mask.device != query.device:
+        raise ValueError(f"attn_mask: expected device {query.device} (the device of query), got {mask.device}")
+    check_broadcastable("attn_mask", mask, shape)
+    # Integer masks must be 0/1. This reads the mask once; under torch.compile the check is skipped
+    # because it would force a graph break.
+    if mask.dtype != torch.bool and not torch.compiler.is_compiling():
+        if bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError("attn_mask: an integer mask must hold only 0 and 1 (use a bool mask, True = attend)")
+
+
+def _check_bias(bias: torch.Tensor, query: torch.Tensor, shape) -> None:
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"attn_bias: expected a torch.Tensor or None, got {type(bias).__name__}")
+    if bias.dtype not in (torch.float32, query.dtype):
+        raise TypeError(f"attn_bias: expected dtype float32 or {query.dtype} (the dtype of query), got {bias.dtype}")
+    if bias.device != query.device:
+        raise ValueError(f"attn_bias: expected device {query.device} (the device of query), got {bias.device}")
+    check_broadcastable("attn_bias", bias, shape)
+
+
+def _normalize_window(window_size, is_causal: bool) -> tuple[int, int]:
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size: expected a pair (left, right) of ints, got {window_size!r}")
+    left, right = window_size
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"window_size: expected int {side} size, got {type(value).__name__} {value!r}")
+        if value < UNBOUNDED:
+            raise ValueError(f"window_size: {side} size must be -1 (unbounded) or >= 0, got {value}")
+    # FlashAttention's convention: causal is a window with no keys to the right of the diagonal.
+    return (left, 0) if is_causal else (left, right)
+
+
+def _check_block_mask(block_mask, attn_mask, query, shape) -> None:
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"block_mask: expected a flash_dma.BlockMask (from build_block_mask) or None, got {type(block_mask).__name__}"
+        )
+    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, _ = shape
+    if block_mask.device != query.device:
+        raise ValueError(f"block_mask: expected device {query.device} (the device of query), got {block_mask.device}")
+    mb, mh, mq, mk = block_mask.mask_shape
+    for label, got, sizes in (
+        ("batch", mb, (1, batch)),
+        ("heads", mh, (1, num_kv_heads, num_heads)),
+        ("query length", mq, (1, seqlen_q)),
+        ("key length", mk, (1, seqlen_k)),
+    ):
+        if got not in sizes:
+            options = " or ".join(str(s) for s in sorted(set(sizes)))
+            raise ValueError(
+                f"block_mask: it was built for a mask of shape {block_mask.mask_shape}, whose {label} "
+                f"must be {options} for this call, got {got}"
+            )
+    if attn_mask is None and block_mask.needs_mask:
+        raise ValueError(
+            "block_mask: it was built from an element-wise mask and may hold partial blocks; "
+            "pass that mask as attn_mask too (block masks from topk_block_mask need none)"
+        )
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    # Kernels vectorise along the head dimension; any other stride pattern is fine.
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def normalize_inputs(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    attn_bias=None,
+    *,
+    softmax_scale=None,
+    is_causal=False,
+    window_size=(UNBOUNDED, UNBOUNDED),
+    softcap=0.0,
+    block_mask=None,
+    deterministic=False,
+) -> AttentionProblem:
+    """Validate the arguments of :func:`flash_dma.flash_dma_func` and return the problem they describe."""
+    _check_qkv(query, key, value)
+    shape = (query.shape[0], query.shape[1], key.shape[1], query.shape[2], key.shape[2], query.shape[3])
+    if attn_mask is not None:
+        _check_mask(attn_mask, query, shape)
+    if attn_bias is not None:
+        _check_bias(attn_bias, query, shape)
+    if block_mask is not None:
+        _check_block_mask(block_mask, attn_mask, query, shape)
+
+    if softmax_scale is None:
+        softmax_scale = query.shape[-1] ** -0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 disables it), got {softcap!r}")
+    for name, flag in (("is_causal", is_causal), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
+
+    return AttentionProblem(
+        query=_last_dim_contiguous(query),
+        key=_last_dim_contiguous(key),
+        value=_last_dim_contiguous(value),
+        attn_mask=attn_mask,
+        attn_bias=attn_bias,
+        block_mask=block_mask,
+        softmax_scale=float(softmax_scale),
+        window=_normalize_window(window_size, is_causal),
+        softcap=float(softcap),
+        deterministic=deterministic,
+    )

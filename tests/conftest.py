@@ -1,0 +1,32 @@
+"""Run the same suite on the CPU (kernels under the Triton interpreter) and on a CUDA GPU."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must happen before triton is first imported; the Makefile sets it too.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SLOW_ON_CPU = os.environ.get("FLASH_DMA_SLOW_TESTS", "0") == "1"
+
+
+def pytest_report_header(config):
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    mode = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled"
+    return f"flash-dma tests on {device}: torch {torch.__version__}, triton {triton.__version__} ({mode})"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_slow = pytest.mark.skip(reason="long lengths run on the GPU (or set FLASH_DMA_SLOW_TESTS=1)")
+    for item in items:
+        if "gpu_only" in item.keywords:
+            item.add_marker(skip_gpu)
+        elif "slow" in item.keywords and not SLOW_ON_CPU:
+            item.add_marker(skip_slow)

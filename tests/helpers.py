@@ -1,0 +1,197 @@
+"""Test cases, input factories and the error-tolerance rule shared by the suites.
+
+Tolerance follows FlashAttention's tests: a result in dtype X is compared with the float64
+reference, and its error may be at most twice the error of PyTorch computing the same thing
+in dtype X (the reference backend run with ``compute_dtype=X``), plus a small floor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from flash_dma.backends.reference import reference_attention
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+# The Triton interpreter cannot do bf16, so kernels are tested in fp32/fp16 on the CPU.
+KERNEL_DTYPES = (torch.bfloat16, torch.float16) if ON_GPU else (torch.float32, torch.float16)
+DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention problem. Mask and bias shapes are written like ``"B,Hkv,1,Sk"``."""
+
+    batch: int = 2
+    seqlen_q: int = 17
+    seqlen_k: int = 17
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    mask: str | None = None
+    bias: str | None = None
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    # "random": each element kept with probability 1/2; "blocks": 16x16 blocks that are empty,
+    # full or random; "rows": random, with about a quarter of the query rows fully masked.
+    mask_kind: str = "random"
+    bias_fp32: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __str__(self) -> str:
+        parts = [
+            f"B{self.batch}-Sq{self.seqlen_q}-Sk{self.seqlen_k}-H{self.heads}-Hkv{self.kv_heads}-D{self.head_dim}"
+        ]
+        if self.mask:
+            parts.append(f"mask[{self.mask}]" + ("" if self.mask_kind == "random" else f"{self.mask_kind}"))
+        if self.bias:
+            parts.append(f"bias[{self.bias}]" + ("fp32" if self.bias_fp32 else ""))
+        if self.causal:
+            parts.append("causal")
+        if self.window != (-1, -1):
+            parts.append(f"win{self.window[0]},{self.window[1]}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap:g}")
+        return "-".join(parts)
+
+    def with_(self, **changes) -> "Case":
+        return replace(self, **changes)
+
+    def dims(self, spec: str) -> tuple[int, ...]:
+        sizes = {
+            "1": 1,
+            "B": self.batch,
+            "H": self.heads,
+            "Hkv": self.kv_heads,
+            "Sq": self.seqlen_q,
+            "Sk": self.seqlen_k,
+        }
+        return tuple(sizes[s] for s in spec.split(","))
+
+    def generator(self, salt: str = "") -> torch.Generator:
+        seed = int.from_bytes(hashlib.sha256(f"{self}{salt}".encode()).digest()[:4], "little")
+        return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def make_mask(case: Case, gen: torch.Generator, device=DEVICE) -> torch.Tensor | None:
+    if case.mask is None:
+        return None
+    shape = case.dims(case.mask)
+    mask = torch.rand(shape, generator=gen) < 0.5
+    if case.mask_kind == "blocks":
+        # 16x16 blocks: empty, full or left random, so that whole tiles are skipped or taken.
+        nq, nk = -(-shape[2] // 16), -(-shape[3] // 16)
+        kind = torch.randint(0, 3, (*shape[:2], nq, nk), generator=gen)
+        kind = kind.repeat_interleave(16, 2).repeat_interleave(16, 3)[..., : shape[2], : shape[3]]
+        mask = torch.where(kind == 0, False, torch.where(kind == 1, True, mask))
+    elif case.mask_kind == "rows":
+        dead = torch.rand(*shape[:3], 1, generator=gen) < 0.25
+        mask = mask & ~dead
+    elif case.mask_kind != "random":
+        raise ValueError(case.mask_kind)
+    return mask.to(device)
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device=DEVICE, requires_grad: bool = False) -> dict:
+    """Fresh random inputs for ``case`` (seeded by the case, so a failure reproduces)."""
+    gen = case.generator()
+    q = torch.randn(case.batch, case.seqlen_q, case.heads, case.head_dim, generator=gen)
+    k = torch.randn(case.batch, case.seqlen_k, case.kv_heads, case.head_dim, generator=gen)
+    v = torch.randn(case.batch, case.seqlen_k, case.kv_heads, case.head_dim, generator=gen)
+    bias = None
+    if case.bias is not None:
+        bias = torch.randn(case.dims(case.bias), generator=gen).to(device, torch.float32 if case.bias_fp32 else dtype)
+        bias.requires_grad_(requires_grad)
+    q, k, v = (t.to(device, dtype).requires_grad_(requires_grad) for t in (q, k, v))
+    return {
+        "query": q,
+        "key": k,
+        "value": v,
+        "attn_mask": make_mask(case, gen, device),
+        "attn_bias": bias,
+    }
+
+
+def call_kwargs(case: Case) -> dict:
+    return {"is_causal": case.causal, "window_size": case.window, "softcap": case.softcap}
+
+
+def reference_outputs(case: Case, inputs: dict, dout: torch.Tensor | None, compute_dtype: torch.dtype, **kwargs):
+    """``(out, lse, grads)`` of the reference backend computing in ``compute_dtype``.
+
+    Inputs are cast to ``compute_dtype`` when it is float64 (the oracle) and kept otherwise
+    (PyTorch's own error in the input dtype). Grads are for q, k, v and bias, when ``dout`` is given.
+    """
+    window = (case.window[0], 0) if case.causal else case.window
+    cast = (lambda t: t.detach().double()) if compute_dtype == torch.float64 else (lambda t: t.detach())
+    leaves = {
+        name: cast(inputs[name]).requires_grad_(dout is not None)
+        for name in ("query", "key", "value", "attn_bias")
+        if inputs[name] is not None
+    }
+    out, lse = reference_attention(
+        leaves["query"],
+        leaves["key"],
+        leaves["value"],
+        inputs["attn_mask"],
+        leaves.get("attn_bias"),
+        window=window,
+        softcap=case.softcap,
+        compute_dtype=compute_dtype,
+        **kwargs,
+    )
+    grads = {}
+    if dout is not None:
+        out.backward(cast(dout))
+        grads = {name: t.grad for name, t in leaves.items()}
+    return out.detach(), lse, grads
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Max absolute difference; equal infinities (the -inf LSE of an empty row) count as exact."""
+    if actual.numel() == 0:
+        return 0.0
+    actual, expected = actual.double(), expected.double()
+    return torch.where(actual == expected, 0.0, actual - expected).abs().max().item()
+
+
+def _magnitude(t: torch.Tensor) -> float:
+    finite = t[t.isfinite()]
+    return finite.abs().max().item() if finite.numel() else 0.0
+
+
+def assert_close(name: str, actual, oracle, baseline, floor: float = 1e-5) -> None:
+    """``|actual - oracle| <= 2 |baseline - oracle| + floor * max(1, |oracle|)`` (max norm), no NaN."""
+    assert actual.shape == oracle.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(oracle.shape)}"
+    assert not torch.isnan(actual).any(), f"{name}: NaN in result"
+    error = max_error(actual, oracle)
+    allowed = 2 * max_error(baseline, oracle) + floor * max(1.0, _magnitude(oracle))
+    assert error <= allowed, f"{name}: max error {error:.3e} > allowed {allowed:.3e}"
+
+
+# Every broadcast pattern of a mask or bias that the contract allows, for [B, H, Sq, Sk].
+BROADCAST_SHAPES = (
+    "B,H,Sq,Sk",
+    "B,Hkv,Sq,Sk",
+    "1,1,Sq,Sk",
+    "B,Hkv,1,Sk",
+    "1,H,1,Sk",
+    "B,1,1,Sk",
+    "1,Hkv,Sq,1",
+    "B,H,Sq,1",
+    "1,1,1,1",
+)
+
+
+def broadcast_cases(base: Case) -> list[Case]:
+    """Each broadcast shape once as the mask and once as the bias, paired with a rotating partner."""
+    cases = []
+    for i, shape in enumerate(BROADCAST_SHAPES):
+        partner = BROADCAST_SHAPES[(i + 3) % len(BROADCAST_SHAPES)]
+        cases.append(base.with_(mask=shape, bias=partner))
+        cases.append(base.with_(mask=partner, bias=shape, bias_fp32=i % 2 == 0))
+    return cases

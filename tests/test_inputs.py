@@ -1,0 +1,115 @@
+"""Bad input gets a TypeError/ValueError naming the argument, the expectation and what was given."""
+
+import pytest
+import torch
+
+from flash_dma import build_block_mask, flash_dma_func
+from tests.helpers import DEVICE
+
+B, SQ, SK, H, HKV, D = 2, 8, 12, 4, 2, 16
+
+
+def _inputs(**overrides):
+    kwargs = {
+        "query": torch.randn(B, SQ, H, D, device=DEVICE),
+        "key": torch.randn(B, SK, HKV, D, device=DEVICE),
+        "value": torch.randn(B, SK, HKV, D, device=DEVICE),
+    }
+    kwargs.update(overrides)
+    return kwargs
+
+
+def _mask(*shape, dtype=torch.bool):
+    return torch.ones(shape, dtype=dtype, device=DEVICE)
+
+
+BAD_INPUTS = [
+    ("query-rank", dict(query=torch.randn(B, SQ, H * D)), ValueError, r"query: expected a 4-D tensor .* got 3-D"),
+    ("key-rank", dict(key=torch.randn(B, SK, D)), ValueError, r"key: expected a 4-D tensor"),
+    ("query-not-tensor", dict(query=[[1.0]]), TypeError, r"query: expected a torch.Tensor, got list"),
+    ("heads-not-multiple", dict(key=torch.randn(B, SK, 3, D), value=torch.randn(B, SK, 3, D)), ValueError,
+     r"multiple of the number of key/value heads, got 3"),
+    ("head-dim-too-large", dict(query=torch.randn(B, SQ, H, 257), key=torch.randn(B, SK, HKV, 257),
+                                value=torch.randn(B, SK, HKV, 257)), ValueError, r"head dim must be between 1 and 256, got 257"),
+    ("head-dim-mismatch", dict(key=torch.randn(B, SK, HKV, 8), value=torch.randn(B, SK, HKV, 8)), ValueError,
+     r"key: expected head dim 16 .* got 8"),
+    ("batch-mismatch", dict(key=torch.randn(1, SK, HKV, D), value=torch.randn(1, SK, HKV, D)), ValueError,
+     r"key: expected batch size 2 .* got 1"),
+    ("value-shape", dict(value=torch.randn(B, SK + 1, HKV, D)), ValueError, r"value: expected shape \(2, 12, 2, 16\)"),
+    ("mixed-dtypes", dict(key=torch.randn(B, SK, HKV, D, dtype=torch.float16)), TypeError,
+     r"key: expected dtype torch.float32 \(the dtype of query\), got torch.float16"),
+    ("float64", dict(query=torch.randn(B, SQ, H, D, dtype=torch.float64)), TypeError,
+     r"query: expected dtype float16, bfloat16 or float32, got torch.float64"),
+    ("mask-rank", dict(attn_mask=_mask(B, SK)), ValueError, r"attn_mask: expected a 4-D tensor .*mask\[:, None, None, :\]"),
+    ("mask-batch", dict(attn_mask=_mask(3, 1, 1, SK)), ValueError, r"attn_mask: dimension 0 \(batch\) must be 1 or 2, got 3"),
+    ("mask-heads", dict(attn_mask=_mask(B, 3, SQ, SK)), ValueError,
+     r"attn_mask: dimension 1 \(heads\) must be 1 or 2 or 4, got 3"),
+    ("mask-query-len", dict(attn_mask=_mask(B, H, SQ + 1, SK)), ValueError,
+     r"attn_mask: dimension 2 \(query length\) must be 1 or 8, got 9"),
+    ("mask-key-len", dict(attn_mask=_mask(B, H, SQ, 5)), ValueError,
+     r"attn_mask: dimension 3 \(key length\) must be 1 or 12, got 5"),
+    ("mask-float", dict(attn_mask=_mask(B, H, SQ, SK, dtype=torch.float32)), TypeError,
+     r"attn_mask: expected a bool .* got torch.float32; pass additive float masks as attn_bias"),
+    ("mask-int-values", dict(attn_mask=2 * _mask(B, H, SQ, SK, dtype=torch.int32)), ValueError,
+     r"attn_mask: an integer mask must hold only 0 and 1"),
+    ("bias-dtype", dict(attn_bias=torch.zeros(B, H, SQ, SK, dtype=torch.float16)), TypeError,
+     r"attn_bias: expected dtype float32 or torch.float32 .* got torch.float16"),
+    ("bias-int", dict(attn_bias=torch.zeros(B, H, SQ, SK, dtype=torch.int64)), TypeError, r"attn_bias: expected dtype"),
+    ("bias-heads", dict(attn_bias=torch.zeros(B, 8, SQ, SK)), ValueError,
+     r"attn_bias: dimension 1 \(heads\) must be 1 or 2 or 4, got 8"),
+    ("bias-not-broadcastable", dict(attn_bias=torch.zeros(B, H, 2, SK)), ValueError,
+     r"attn_bias: dimension 2 \(query length\) must be 1 or 8, got 2"),
+    ("window-negative", dict(window_size=(-2, 0)), ValueError, r"window_size: left size must be -1 \(unbounded\) or >= 0, got -2"),
+    ("window-float", dict(window_size=(4.0, 0)), TypeError, r"window_size: expected int left size, got float"),
+    ("window-not-pair", dict(window_size=3), TypeError, r"window_size: expected a pair \(left, right\) of ints, got 3"),
+    ("softcap-negative", dict(softcap=-1.0), ValueError, r"softcap: expected a finite float >= 0 .* got -1.0"),
+    ("softcap-nan", dict(softcap=float("nan")), ValueError, r"softcap: expected a finite float >= 0"),
+    ("scale-inf", dict(softmax_scale=float("inf")), ValueError, r"softmax_scale: expected a finite float or None, got inf"),
+    ("causal-not-bool", dict(is_causal=1), TypeError, r"is_causal: expected a bool, got int 1"),
+    ("backend-unknown", dict(backend="cuda"), ValueError, r"backend: expected one of 'triton', 'reference' or None, got 'cuda'"),
+    ("block-mask-type", dict(block_mask=_mask(B, H, SQ, SK)), TypeError, r"block_mask: expected a flash_dma.BlockMask"),
+    ("block-mask-shape", dict(block_mask=build_block_mask(_mask(B, H, SQ, 20))), ValueError,
+     r"block_mask: it was built for a mask of shape \(2, 4, 8, 20\), whose key length must be 1 or 12 for this call, got 20"),
+    ("block-mask-without-mask", dict(block_mask=build_block_mask(_mask(B, H, SQ, SK))), ValueError,
+     r"block_mask: it was built from an element-wise mask .* pass that mask as attn_mask too"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "error", "message"), [p[1:] for p in BAD_INPUTS], ids=[p[0] for p in BAD_INPUTS])
+def test_bad_input_raises_a_clear_error(overrides, error, message):
+    overrides = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in overrides.items()}
+    with pytest.raises(error, match=message):
+        flash_dma_func(**_inputs(**overrides))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+def test_tensors_on_different_devices_are_rejected():
+    with pytest.raises(ValueError, match=r"key: expected device cuda:0 \(the device of query\), got cpu"):
+        flash_dma_func(**_inputs(key=torch.randn(B, SK, HKV, D)))
+    with pytest.raises(ValueError, match=r"attn_bias: expected device cuda:0 .* got cpu"):
+        flash_dma_func(**_inputs(attn_bias=torch.zeros(B, H, SQ, SK)))
+
+
+def test_tensors_on_different_devices_are_rejected_on_meta():
+    # The same check, exercised on every machine: meta tensors never run.
+    with pytest.raises(ValueError, match=r"value: expected device cpu \(the device of query\), got meta"):
+        inputs = _inputs()
+        flash_dma_func(
+            inputs["query"].cpu(), inputs["key"].cpu(), torch.empty(B, SK, HKV, D, device="meta")
+        )
+    with pytest.raises(ValueError, match=r"attn_mask: expected device cpu .* got meta"):
+        flash_dma_func(**{k: v.cpu() for k, v in _inputs().items()}, attn_mask=torch.ones(1, 1, 1, SK, dtype=torch.bool, device="meta"))
+
+
+def test_unavailable_backend_is_explained(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"backend: 'triton' is unavailable for tensors on cpu: it needs a CUDA device"):
+        flash_dma_func(**{k: v.cpu() for k, v in _inputs().items()}, backend="triton")
+
+
+def test_integer_masks_of_zeros_and_ones_are_accepted():
+    mask = (torch.rand(B, 1, SQ, SK, device=DEVICE) < 0.5).to(torch.uint8)
+    inputs = _inputs()
+    expected = flash_dma_func(**inputs, attn_mask=mask.bool())
+    actual = flash_dma_func(**inputs, attn_mask=mask)
+    assert torch.equal(actual, expected)
