@@ -8,6 +8,14 @@ from flash_dma import build_block_mask, flash_dma_func, get_available_backends
 from flash_dma.backends.reference import reference_attention
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+
+
+def main(args) -> int:
+    return 0 if run(args.device) else 1
+
+
 def run(device: str | None = None, seed: int = 0) -> bool:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gen = torch.Generator(device="cpu").manual_seed(seed)

@@ -30,3 +30,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         elif "slow" in item.keywords and not SLOW_ON_CPU:
             item.add_marker(skip_slow)
+
+
+@pytest.fixture
+def poison_outputs(monkeypatch):
+    """Kernels' output buffers start as NaN, so an element a kernel fails to write shows up."""
+    from tests.helpers import poisoned_empty
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned_empty(torch.empty_like))

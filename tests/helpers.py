@@ -40,6 +40,9 @@ class Case:
     # full or random; "rows": random, with about a quarter of the query rows fully masked.
     mask_kind: str = "random"
     bias_fp32: bool = False
+    # Block summary passed explicitly (small blocks make short sequences span many blocks);
+    # None lets the backend summarise the mask itself.
+    block_size: tuple[int, int] | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __str__(self) -> str:
@@ -56,6 +59,8 @@ class Case:
             parts.append(f"win{self.window[0]},{self.window[1]}")
         if self.softcap:
             parts.append(f"cap{self.softcap:g}")
+        if self.block_size and self.mask:
+            parts.append(f"blk{self.block_size[0]}x{self.block_size[1]}")
         return "-".join(parts)
 
     def with_(self, **changes) -> "Case":
@@ -96,6 +101,27 @@ def make_mask(case: Case, gen: torch.Generator, device=DEVICE) -> torch.Tensor |
     return mask.to(device)
 
 
+_GUARD = 4096
+
+
+def guarded(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` living inside a NaN-filled buffer: an out-of-bounds read brings NaN into the result."""
+    buffer = torch.full((t.numel() + 2 * _GUARD,), float("nan"), dtype=t.dtype, device=t.device)
+    view = buffer[_GUARD : _GUARD + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view.detach()
+
+
+def poisoned_empty(real_empty):
+    """``torch.empty`` that fills float tensors with NaN and integer ones with a large value."""
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.dtype.is_floating_point else 2**30 if t.dtype != torch.bool else True)
+
+    return empty
+
+
 def make_inputs(case: Case, dtype: torch.dtype, device=DEVICE, requires_grad: bool = False) -> dict:
     """Fresh random inputs for ``case`` (seeded by the case, so a failure reproduces)."""
     gen = case.generator()
@@ -105,8 +131,9 @@ def make_inputs(case: Case, dtype: torch.dtype, device=DEVICE, requires_grad: bo
     bias = None
     if case.bias is not None:
         bias = torch.randn(case.dims(case.bias), generator=gen).to(device, torch.float32 if case.bias_fp32 else dtype)
-        bias.requires_grad_(requires_grad)
-    q, k, v = (t.to(device, dtype).requires_grad_(requires_grad) for t in (q, k, v))
+    q, k, v = (guarded(t.to(device, dtype)).requires_grad_(requires_grad) for t in (q, k, v))
+    if bias is not None:
+        bias = guarded(bias.detach()).requires_grad_(requires_grad)
     return {
         "query": q,
         "key": k,
@@ -118,6 +145,15 @@ def make_inputs(case: Case, dtype: torch.dtype, device=DEVICE, requires_grad: bo
 
 def call_kwargs(case: Case) -> dict:
     return {"is_causal": case.causal, "window_size": case.window, "softcap": case.softcap}
+
+
+def triton_call(case: Case, inputs: dict, **kwargs):
+    """``flash_dma_func`` on the Triton backend, with the case's block summary if it names one."""
+    from flash_dma import build_block_mask, flash_dma_func
+
+    if case.block_size and inputs["attn_mask"] is not None:
+        kwargs.setdefault("block_mask", build_block_mask(inputs["attn_mask"], block_size=case.block_size))
+    return flash_dma_func(**inputs, **call_kwargs(case), backend="triton", **kwargs)
 
 
 def reference_outputs(case: Case, inputs: dict, dout: torch.Tensor | None, compute_dtype: torch.dtype, **kwargs):

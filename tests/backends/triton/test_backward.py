@@ -1,0 +1,110 @@
+"""Triton gradients of q, k, v and the bias against float64 autograd of the reference."""
+
+import pytest
+import torch
+
+from tests.helpers import (
+    DTYPE_IDS,
+    KERNEL_DTYPES,
+    Case,
+    assert_close,
+    broadcast_cases,
+    make_inputs,
+    reference_outputs,
+    triton_call,
+)
+
+BLOCKS = (16, 16)
+BACKWARD_CASES = [
+    # Every mask and bias broadcast shape; the bias gradient comes back in the bias's shape.
+    *broadcast_cases(Case(seqlen_q=17, seqlen_k=63, mask_kind="blocks", block_size=BLOCKS)),
+    # Causal with Sq > Sk and fully masked rows, MQA.
+    Case(seqlen_q=70, seqlen_k=40, heads=3, kv_heads=1, mask="B,H,Sq,Sk", mask_kind="rows", bias="B,Hkv,Sq,Sk", causal=True, block_size=BLOCKS),
+    Case(seqlen_q=40, seqlen_k=70, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,1,1,Sk", causal=True, block_size=(16, 32)),
+    # Head dims.
+    *(
+        Case(seqlen_q=33, seqlen_k=63, head_dim=d, mask="B,Hkv,1,Sk", bias="B,Hkv,1,Sk", causal=True, block_size=(32, 32))
+        for d in (40, 128, 256)
+    ),
+    # Windows, softcap, no mask/bias, ragged single rows.
+    Case(seqlen_q=63, seqlen_k=90, mask="B,H,Sq,Sk", mask_kind="blocks", bias="B,H,Sq,Sk", window=(20, 3), block_size=BLOCKS),
+    Case(seqlen_q=63, seqlen_k=63, bias="1,H,Sq,Sk", softcap=3.0, causal=True),
+    Case(seqlen_q=90, seqlen_k=90, heads=8, kv_heads=2, causal=True),
+    Case(seqlen_q=1, seqlen_k=130, mask="B,Hkv,1,Sk", bias="B,H,Sq,Sk", causal=True),
+    Case(seqlen_q=130, seqlen_k=1, bias="1,Hkv,1,Sk"),
+]
+
+
+def _gradients(case, inputs, **kwargs):
+    out = triton_call(case, inputs, **kwargs)
+    dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
+    out.backward(dout)
+    return out, dout
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=str)
+def test_gradients_match_reference(case, dtype, poison_outputs):
+    inputs = make_inputs(case, dtype, requires_grad=True)
+    _, dout = _gradients(case, inputs)
+    _, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
+    _, _, baseline = reference_outputs(case, inputs, dout, dtype)
+    for name, expected in oracle.items():
+        grad = inputs[name].grad
+        assert grad.dtype == inputs[name].dtype and grad.shape == inputs[name].shape, name
+        assert_close(name, grad, expected, baseline[name])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(seqlen_q=40, seqlen_k=50, mask="B,Hkv,1,Sk", bias="1,1,1,Sk", block_size=BLOCKS),
+        Case(seqlen_q=40, seqlen_k=50, mask="1,1,Sq,Sk", bias="1,Hkv,Sq,Sk", causal=True, block_size=BLOCKS),
+        Case(seqlen_q=40, seqlen_k=50, bias="1,1,Sq,Sk", mask_kind="rows"),
+    ],
+    ids=str,
+)
+def test_deterministic_gradients_are_bitwise_reproducible(case):
+    # These biases are shared across batch and kv heads: the default path sums them with atomics.
+    runs = []
+    for _ in range(3):
+        inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
+        _gradients(case, inputs, deterministic=True)
+        runs.append({n: inputs[n].grad for n in ("query", "key", "value", "attn_bias")})
+    for run in runs[1:]:
+        for name, grad in run.items():
+            assert torch.equal(grad, runs[0][name]), name
+
+
+def test_masked_positions_and_empty_rows_get_zero_gradients():
+    case = Case(seqlen_q=70, seqlen_k=40, mask="B,H,Sq,Sk", mask_kind="rows", bias="B,H,Sq,Sk", causal=True, block_size=BLOCKS)
+    inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
+    _gradients(case, inputs)
+    mask = inputs["attn_mask"]
+    dbias = inputs["attn_bias"].grad
+    assert not dbias.isnan().any()
+    assert torch.equal(dbias[~mask], torch.zeros_like(dbias[~mask]))
+    causal_hidden = torch.ones(70, 40, dtype=torch.bool, device=mask.device).triu(1 + 40 - 70)
+    assert torch.equal(dbias[..., causal_hidden], torch.zeros_like(dbias[..., causal_hidden]))
+    empty_rows = ~(mask & ~causal_hidden).any(-1)  # [B, H, Sq]
+    dq = inputs["query"].grad.transpose(1, 2)  # [B, H, Sq, D]
+    assert empty_rows.any() and torch.equal(dq[empty_rows], torch.zeros_like(dq[empty_rows]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(batch=1, seqlen_q=16384, seqlen_k=16384, heads=4, kv_heads=1, head_dim=64, mask="B,Hkv,1,Sk", bias="B,Hkv,1,Sk", causal=True),
+        Case(batch=1, seqlen_q=4096, seqlen_k=4096, heads=4, kv_heads=2, head_dim=128, mask="B,H,Sq,Sk", mask_kind="blocks", bias="1,H,Sq,Sk", causal=True),
+    ],
+    ids=str,
+)
+def test_long_sequence_gradients(case, poison_outputs):
+    dtype = KERNEL_DTYPES[0]
+    inputs = make_inputs(case, dtype, requires_grad=True)
+    _, dout = _gradients(case, inputs)
+    _, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
+    _, _, baseline = reference_outputs(case, inputs, dout, dtype)
+    for name, expected in oracle.items():
+        assert_close(name, inputs[name].grad, expected, baseline[name])

@@ -1,0 +1,148 @@
+"""The Triton forward kernel against the float64 reference, error relative to PyTorch's own."""
+
+import pytest
+import torch
+
+from flash_dma import build_block_mask
+from flash_dma.backends.triton.forward import attention_forward
+from tests.helpers import (
+    DTYPE_IDS,
+    KERNEL_DTYPES,
+    Case,
+    assert_close,
+    broadcast_cases,
+    make_inputs,
+    reference_outputs,
+    triton_call,
+)
+
+BLOCKS = (16, 16)
+FORWARD_CASES = [
+    # Every mask and bias broadcast shape, with whole tiles empty, full or mixed.
+    *broadcast_cases(Case(seqlen_q=17, seqlen_k=63, mask_kind="blocks", block_size=BLOCKS)),
+    # Causal with Sq > Sk (top rows see nothing), MQA, some rows fully masked, default summary blocks.
+    *broadcast_cases(Case(seqlen_q=130, seqlen_k=63, heads=3, kv_heads=1, causal=True, mask_kind="rows"))[::2],
+    # Head dims, padded internally to the next power of two.
+    *(
+        Case(seqlen_q=63, seqlen_k=130, head_dim=d, mask="B,Hkv,1,Sk", bias="B,H,Sq,Sk", causal=True, block_size=(32, 32))
+        for d in (16, 40, 64, 96, 128, 192, 256)
+    ),
+    # Ragged lengths both ways.
+    Case(seqlen_q=1, seqlen_k=1, mask="B,H,Sq,Sk", bias="B,H,Sq,Sk"),
+    Case(seqlen_q=1, seqlen_k=130, mask="B,H,Sq,Sk", bias="1,1,1,Sk", causal=True),
+    Case(seqlen_q=130, seqlen_k=1, bias="B,H,Sq,Sk", causal=True),
+    Case(seqlen_q=239, seqlen_k=17, mask="B,H,Sq,Sk", mask_kind="blocks", block_size=(32, 16)),
+    Case(seqlen_q=17, seqlen_k=239, mask="1,Hkv,Sq,Sk", mask_kind="blocks", causal=True, block_size=(16, 64)),
+    Case(seqlen_q=113, seqlen_k=113, heads=4, kv_heads=4, mask="B,H,Sq,Sk", mask_kind="blocks", causal=True, block_size=BLOCKS),
+    # Windows (bottom-right aligned), alone and with causal; windows wider than the keys.
+    Case(seqlen_q=63, seqlen_k=130, mask="B,Hkv,1,Sk", window=(7, 3), block_size=BLOCKS),
+    Case(seqlen_q=130, seqlen_k=63, bias="B,H,Sq,Sk", window=(0, 0)),
+    Case(seqlen_q=63, seqlen_k=63, mask="B,H,Sq,Sk", mask_kind="blocks", window=(20, -1), causal=True, block_size=BLOCKS),
+    Case(seqlen_q=40, seqlen_k=63, bias="1,H,1,Sk", window=(-1, 5)),
+    Case(seqlen_q=17, seqlen_k=20, mask="B,H,Sq,Sk", window=(1000, 1000)),
+    # Softcap, with and without a bias.
+    Case(seqlen_q=63, seqlen_k=63, softcap=5.0, causal=True),
+    Case(seqlen_q=63, seqlen_k=130, mask="B,Hkv,1,Sk", bias="B,Hkv,Sq,Sk", softcap=2.0, block_size=BLOCKS),
+    # No mask and no bias at all: plain (causal) attention.
+    Case(seqlen_q=130, seqlen_k=130, heads=8, kv_heads=2, causal=True),
+]
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=str)
+def test_forward_matches_reference(case, dtype, poison_outputs):
+    inputs = make_inputs(case, dtype)
+    out, lse = triton_call(case, inputs, return_lse=True)
+    oracle_out, oracle_lse, _ = reference_outputs(case, inputs, None, torch.float64)
+    baseline_out, baseline_lse, _ = reference_outputs(case, inputs, None, dtype)
+    assert out.dtype == dtype
+    assert_close("out", out, oracle_out, baseline_out)
+    assert_close("lse", lse, oracle_lse, baseline_lse)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_rows_with_no_visible_key(dtype, poison_outputs):
+    case = Case(seqlen_q=70, seqlen_k=40, mask="B,H,Sq,Sk", mask_kind="rows", causal=True, block_size=BLOCKS)
+    inputs = make_inputs(case, dtype)
+    out, lse = triton_call(case, inputs, return_lse=True)
+    _, oracle_lse, _ = reference_outputs(case, inputs, None, torch.float64)
+    empty = torch.isneginf(oracle_lse)  # [B, H, Sq]
+    assert empty.any() and (~empty).any()
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert torch.equal(out.transpose(1, 2)[empty], torch.zeros_like(out.transpose(1, 2)[empty]))
+    assert not out.isnan().any()
+
+
+DECODE_CASES = [
+    Case(batch=1, seqlen_q=1, seqlen_k=700, heads=4, kv_heads=2, mask="B,Hkv,1,Sk", bias="B,Hkv,1,Sk", causal=True, block_size=(64, 64)),
+    Case(batch=2, seqlen_q=3, seqlen_k=300, heads=6, kv_heads=2, mask="1,1,Sq,Sk", bias="B,H,Sq,Sk"),
+    Case(batch=1, seqlen_q=2, seqlen_k=300, heads=4, kv_heads=1, mask="B,H,1,Sk", window=(50, 0), block_size=(16, 32)),
+    Case(batch=1, seqlen_q=1, seqlen_k=257, heads=2, kv_heads=2, bias="1,1,1,Sk", softcap=3.0),
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5], ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
+def test_split_kv_decode(case, num_splits, poison_outputs):
+    """Short queries split the keys across programs and merge the parts through their LSEs."""
+    dtype = KERNEL_DTYPES[0]
+    inputs = make_inputs(case, dtype)
+    window = (case.window[0], 0) if case.causal else case.window
+    lists, block_q, block_k = None, 0, 0
+    if inputs["attn_mask"] is not None:
+        summary = build_block_mask(inputs["attn_mask"], block_size=case.block_size or (128, 128))
+        lists = summary.kv_lists
+        block_q = summary.block_size[0] if summary.state.shape[2] > 1 else 0
+        block_k = summary.block_size[1] if summary.state.shape[3] > 1 else 0
+    out, lse = attention_forward(
+        inputs["query"], inputs["key"], inputs["value"], inputs["attn_mask"], inputs["attn_bias"], lists,
+        block_q, block_k, case.head_dim**-0.5, window[0], window[1], case.softcap, num_splits=num_splits,
+    )
+    oracle_out, oracle_lse, _ = reference_outputs(case, inputs, None, torch.float64)
+    baseline_out, baseline_lse, _ = reference_outputs(case, inputs, None, dtype)
+    assert_close("out", out, oracle_out, baseline_out)
+    assert_close("lse", lse, oracle_lse, baseline_lse)
+
+
+@pytest.mark.parametrize("case", DECODE_CASES[:2], ids=str)
+def test_split_kv_is_chosen_for_decode(case, poison_outputs):
+    # Through the public function: the heuristic splits these (few programs, many keys).
+    dtype = KERNEL_DTYPES[0]
+    inputs = make_inputs(case, dtype)
+    oracle_out, _, _ = reference_outputs(case, inputs, None, torch.float64)
+    baseline_out, _, _ = reference_outputs(case, inputs, None, dtype)
+    assert_close("out", triton_call(case, inputs), oracle_out, baseline_out)
+
+
+def test_block_mask_is_reusable():
+    case = Case(seqlen_q=63, seqlen_k=90, mask="B,Hkv,Sq,Sk", bias="1,H,1,Sk", mask_kind="blocks", causal=True)
+    inputs = make_inputs(case, KERNEL_DTYPES[0])
+    summary = build_block_mask(inputs["attn_mask"], block_size=(16, 32))
+    first = triton_call(case, inputs, block_mask=summary)
+    other = make_inputs(case.with_(bias="B,H,Sq,Sk"), KERNEL_DTYPES[0])
+    triton_call(case, {**other, "attn_mask": inputs["attn_mask"]}, block_mask=summary)
+    assert torch.equal(triton_call(case, inputs, block_mask=summary), first)
+    # The summary built per call (default blocks) gives the same attention.
+    oracle, _, _ = reference_outputs(case, inputs, None, torch.float64)
+    baseline, _, _ = reference_outputs(case, inputs, None, KERNEL_DTYPES[0])
+    assert_close("out", triton_call(case, inputs), oracle, baseline)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(batch=1, seqlen_q=32768, seqlen_k=32768, heads=2, kv_heads=1, head_dim=64, mask="B,Hkv,1,Sk", bias="B,Hkv,1,Sk", causal=True),
+        Case(batch=1, seqlen_q=8192, seqlen_k=8192, heads=4, kv_heads=2, head_dim=128, mask="B,H,Sq,Sk", mask_kind="blocks", bias="1,H,1,Sk", causal=True),
+        Case(batch=1, seqlen_q=1, seqlen_k=524288, heads=2, kv_heads=1, head_dim=64, mask="B,Hkv,1,Sk", bias="B,Hkv,1,Sk", causal=True),
+    ],
+    ids=str,
+)
+def test_long_sequences(case, poison_outputs):
+    dtype = KERNEL_DTYPES[0]
+    inputs = make_inputs(case, dtype)
+    out, lse = triton_call(case, inputs, return_lse=True)
+    oracle_out, oracle_lse, _ = reference_outputs(case, inputs, None, torch.float64)
+    baseline_out, baseline_lse, _ = reference_outputs(case, inputs, None, dtype)
+    assert_close("out", out, oracle_out, baseline_out)
+    assert_close("lse", lse, oracle_lse, baseline_lse)
