@@ -35,20 +35,21 @@ def _block_lists(state: torch.Tensor) -> torch.Tensor:
     """``[..., R, C]`` block states -> ``[..., R, 2, 2, C + 1]`` int32 lists.
 
     Per row, ``[0]`` describes the PARTIAL blocks and ``[1]`` the FULL ones, each as two arrays:
-    ``[.., 0, :]`` the listed column indices in ascending order (then unused entries), and
-    ``[.., 1, :]`` their rank: ``rank[c]`` is the number of listed columns before column ``c``,
-    so ``rank[C]`` is the count. With the rank a kernel finds where any column range starts in
-    the list with one load, so causal and window limits cost no search.
+    ``[.., 0, :]`` the listed column indices in ascending order (then zeros), and ``[.., 1, :]``
+    their rank: ``rank[c]`` is the number of listed columns before column ``c``, so ``rank[C]``
+    is the count. With the rank a kernel finds where any column range starts in the list with
+    one load, so causal and window limits cost no search.
     """
-    lists = []
-    for code in (PARTIAL, FULL):
-        hit = state == code
-        # A stable sort of "not hit" keys puts the hits first, in ascending column order.
-        order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        order = torch.nn.functional.pad(order, (0, 1))
-        rank = torch.nn.functional.pad(hit.cumsum(-1, dtype=torch.int32), (1, 0))
-        lists.append(torch.stack([order, rank], dim=-2))
-    return torch.stack(lists, dim=-3).contiguous()
+    columns = state.shape[-1]
+    codes = torch.arange(PARTIAL, FULL + 1, dtype=state.dtype, device=state.device)  # no host-to-device copy
+    hit = state.unsqueeze(-2) == codes[:, None]  # [..., R, 2, C]
+    rank = torch.nn.functional.pad(hit.cumsum(-1, dtype=torch.int32), (1, 0))
+    # Each listed column goes to position rank[c]; the others to a spare slot C, cut off after.
+    slot = torch.where(hit, rank[..., :-1], columns).long()
+    index = torch.zeros(*hit.shape[:-1], columns + 1, dtype=torch.int32, device=state.device)
+    index.scatter_(-1, slot, torch.arange(columns, dtype=torch.int32, device=state.device).expand_as(slot))
+    index[..., columns] = 0
+    return torch.stack([index, rank], dim=-2).contiguous()
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,23 +149,21 @@ def _summarize(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
     nb, nh, sq, sk = mask.shape
     block_q = block_q if sq > 1 else 1
     block_k = block_k if sk > 1 else 1
-    nqb, nkb = _cdiv(sq, block_q), _cdiv(sk, block_k)
-    cols = torch.full((nkb,), block_k, dtype=torch.int32, device=mask.device)
-    cols[-1] = sk - (nkb - 1) * block_k
+    nkb = _cdiv(sk, block_k)
     rows_per_chunk = max(1, _SUMMARY_CHUNK_ELEMENTS // max(1, nb * nh * nkb * block_k * block_q)) * block_q
     states = []
     for r0 in range(0, sq, rows_per_chunk):
         chunk = mask[:, :, r0 : r0 + rows_per_chunk]
-        chunk = (chunk if chunk.dtype == torch.bool else chunk != 0).to(torch.int8)
-        n_rows = chunk.shape[2]
-        n_qb = _cdiv(n_rows, block_q)
-        chunk = torch.nn.functional.pad(chunk, (0, nkb * block_k - sk, 0, n_qb * block_q - n_rows))
-        ones = chunk.view(nb, nh, n_qb, block_q, nkb, block_k).sum(dim=(3, 5), dtype=torch.int32)
-        rows = torch.full((n_qb,), block_q, dtype=torch.int32, device=mask.device)
-        rows[-1] = n_rows - (n_qb - 1) * block_q
-        size = rows[:, None] * cols[None, :]
-        states.append(torch.where(ones == 0, EMPTY, torch.where(ones == size, FULL, PARTIAL)).to(torch.int8))
-    return torch.cat(states, dim=2)
+        # True -> +1, False -> -1, padding -> 0: a block's max is > 0 iff it holds a True, and its
+        # min is >= 0 iff it holds no False, whatever padding it has.
+        signs = (chunk if chunk.dtype == torch.bool else chunk != 0).to(torch.int8) * 2 - 1
+        n_qb = _cdiv(signs.shape[2], block_q)
+        signs = torch.nn.functional.pad(signs, (0, nkb * block_k - sk, 0, n_qb * block_q - signs.shape[2]))
+        blocks = signs.view(nb, nh, n_qb, block_q, nkb, block_k)
+        any_true = blocks.amax(dim=(3, 5)) > 0
+        no_false = blocks.amin(dim=(3, 5)) >= 0
+        states.append((any_true.to(torch.int8) + no_false.to(torch.int8)))  # EMPTY 0, PARTIAL 1, FULL 2
+    return torch.cat(states, dim=2) if len(states) > 1 else states[0]
 
 
 def build_block_mask(attn_mask: torch.Tensor, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BlockMask:

@@ -117,7 +117,9 @@ def poisoned_empty(real_empty):
 
     def empty(*args, **kwargs):
         t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan") if t.dtype.is_floating_point else 2**30 if t.dtype != torch.bool else True)
+        with torch.no_grad():  # callers may ask for requires_grad=True
+            t.fill_(float("nan") if t.dtype.is_floating_point else 2**30 if t.dtype != torch.bool else True)
+        return t
 
     return empty
 

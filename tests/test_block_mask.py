@@ -91,4 +91,5 @@ def test_block_level_summary_without_element_mask():
     mask = torch.zeros(1, 1, 1, 40, dtype=torch.bool, device=DEVICE)
     mask[..., :16] = mask[..., 32:] = True
     expected = flash_dma_func(**{**inputs, "attn_mask": mask})
-    assert torch.equal(flash_dma_func(**inputs, block_mask=summary), expected)
+    # The two take different tile paths (FULL blocks vs masked tiles): equal up to rounding.
+    torch.testing.assert_close(flash_dma_func(**inputs, block_mask=summary), expected, rtol=1e-5, atol=1e-6)

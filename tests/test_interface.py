@@ -5,7 +5,7 @@ import torch
 
 import flash_dma
 from flash_dma import flash_dma_func, flash_dma_func_auto, flash_dmattn_func, flash_sparse_attn_func, get_available_backends
-from flash_dma.backends import triton_interpreting
+from flash_dma.backends.triton.configs import triton_interpreting
 from tests.helpers import DEVICE, Case, make_inputs
 
 BACKENDS = get_available_backends(DEVICE)

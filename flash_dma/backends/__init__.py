@@ -10,16 +10,15 @@ A backend is a module with ``attention(problem) -> (out, lse)`` for a validated
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import torch
 
-BACKENDS = ("triton", "reference")
+from flash_dma.backends import reference
+from flash_dma.backends import triton as triton_backend
+from flash_dma.backends.triton.configs import triton_interpreting
 
-
-def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Modules, not names to import per call: torch.compile traces straight through the lookup.
+_MODULES = {"triton": triton_backend, "reference": reference}
+BACKENDS = tuple(_MODULES)
 
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:
@@ -50,4 +49,4 @@ def resolve_backend(name: str | None, device: torch.device):
     reason = unavailable_reason(name, device)
     if reason is not None:
         raise ValueError(f"backend: {name!r} is unavailable for tensors on {device}: {reason}")
-    return importlib.import_module(f"flash_dma.backends.{name}")
+    return _MODULES[name]

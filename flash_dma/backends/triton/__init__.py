@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from flash_dma.backends.triton.ops import attention_op
 from flash_dma.block_mask import build_block_mask
 
 
 def attention(problem):
     """Backend entry point: ``(out, lse)`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
-    from flash_dma.backends.triton.ops import forward_op
-
     block_mask = problem.block_mask
     if block_mask is None and problem.attn_mask is not None:
         block_mask = build_block_mask(problem.attn_mask)
@@ -23,7 +22,7 @@ def attention(problem):
         # Without PARTIAL blocks the element-wise mask is never read.
         mask = problem.attn_mask if block_mask.needs_mask else None
     left, right = problem.window
-    return forward_op(
+    return attention_op(
         problem.query, problem.key, problem.value, mask, problem.attn_bias, kv_lists, q_lists,
         list_block_q, list_block_k, problem.softmax_scale, left, right, problem.softcap, problem.deterministic,
     )

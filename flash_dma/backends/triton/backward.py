@@ -21,22 +21,28 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_dma.backends.triton.configs import autotune_enabled, backward_candidates, fit_to_problem, head_dim_block, length_bucket
+from flash_dma.backends.triton.configs import backward_candidates, fit_to_problem, head_dim_block, length_bucket
 from flash_dma.backends.triton.forward import band, broadcast_strides, head_divisor, kernel_view
+from flash_dma.backends.triton.launch import TunedKernel
 from flash_dma.backends.triton.tiles import (
     LOG2E,
     band_tiles,
     bias_and_mask,
     edge_position,
+    first_position,
     key_pointers,
     load_rows,
     scores_log2,
+    split_range,
     tile_at,
     walk_plan,
 )
 
 # Kinds of bias gradient.
 DBIAS_NONE, DBIAS_PER_KEY, DBIAS_FULL = 0, 1, 2
+MAX_QUERY_CHUNKS = 8
+_QUERIES_PER_CHUNK = 2048
+_SMALLEST_BLOCK_N = 16
 
 
 @triton.jit
@@ -50,8 +56,8 @@ def _delta_kernel(
     b = tl.program_id(1) // num_heads
     h = tl.program_id(1) % num_heads
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o = load_rows(Out + b.to(tl.int64) * stride_ob + h * stride_oh, offs_m, stride_os, head_dim, True, seqlen_q, BLOCK_D)
-    do = load_rows(DOut + b.to(tl.int64) * stride_db + h * stride_dh, offs_m, stride_ds, head_dim, True, seqlen_q, BLOCK_D)
+    o = load_rows(Out + b.to(tl.int64) * stride_ob + h * stride_oh, pid_m * BLOCK_M, stride_os, seqlen_q, head_dim, True, BLOCK_M, BLOCK_D)
+    do = load_rows(DOut + b.to(tl.int64) * stride_db + h * stride_dh, pid_m * BLOCK_M, stride_ds, seqlen_q, head_dim, True, BLOCK_M, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + (b * num_heads + h).to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
 
@@ -101,8 +107,8 @@ def _dkdv_tile(
 ):
     """Accumulate one query tile's contribution to dK, dV (and the bias gradient); tiles are [keys, queries]."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = load_rows(q_base, offs_m, stride_qs, head_dim, CHECK_BOUNDS, seqlen_q, BLOCK_D)
-    do = load_rows(do_base, offs_m, stride_dos, head_dim, CHECK_BOUNDS, seqlen_q, BLOCK_D)
+    q = load_rows(q_base, start_m, stride_qs, seqlen_q, head_dim, CHECK_BOUNDS, BLOCK_M, BLOCK_D)
+    do = load_rows(do_base, start_m, stride_dos, seqlen_q, head_dim, CHECK_BOUNDS, BLOCK_M, BLOCK_D)
     lse2, delta = _load_lse2(Lse, Delta, lse_delta_offset, offs_m, seqlen_q)
     scores = scores_log2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
     bias_ptrs = bias_head
@@ -136,7 +142,7 @@ def _dkdv_tile(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, Mask, Bias, Lists, DK, DV, DBias,
+    Q, K, V, DO, Lse, Delta, Mask, Bias, Lists, DK, DV, DBias, ScratchK, ScratchV, Turns,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -146,7 +152,7 @@ def _dkdv_kernel(
     stride_lb, stride_lh, stride_lr, list_width,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_dbb, stride_dbh, stride_dbq, stride_dbk,
+    stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
     seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim,
     mask_head_div, bias_head_div, list_head_div, dbias_head_div, list_block_q, list_block_k,
     band_lo, band_hi,
@@ -156,19 +162,16 @@ def _dkdv_kernel(
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr,
     DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DBIAS_HEAD_SHARED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    b = tl.program_id(1) // num_kv_heads
-    kv_head = tl.program_id(1) % num_kv_heads
+    chunk = tl.program_id(0)
+    num_chunks = tl.num_programs(0)
+    pid_n = tl.program_id(1)
+    b = tl.program_id(2) // num_kv_heads
+    kv_head = tl.program_id(2) % num_kv_heads
     group = num_heads // num_kv_heads
     b64 = b.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = load_rows(K + b64 * stride_kb + kv_head * stride_kh, offs_n, stride_ks, head_dim, True, seqlen_k, BLOCK_D)
-    v = load_rows(V + b64 * stride_vb + kv_head * stride_vh, offs_n, stride_vs, head_dim, True, seqlen_k, BLOCK_D)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
 
     # Query tiles that see any of these keys: q - k must lie in [-(diagonal + band_hi), -(diagonal + band_lo)].
     diagonal = seqlen_k - seqlen_q
@@ -180,9 +183,27 @@ def _dkdv_kernel(
     band_hi = diagonal + band_hi
     tiles_per_block = 1
     list_row = 0
+    # Listed query tiles of this key tile's whole column, over the group's heads. Under a sparse
+    # mask most columns are empty: they load nothing and take no part in the ordered accumulation.
+    column_work = hi - lo
     if HAS_LISTS:
         tiles_per_block = tl.where(list_block_q > 0, list_block_q // BLOCK_M, tl.cdiv(seqlen_q, BLOCK_M))
         list_row = tl.where(list_block_k > 0, pid_n // tl.maximum(list_block_k // BLOCK_N, 1), 0)
+        column_work = 0
+        for g in range(0, group):
+            lists = Lists + b64 * stride_lb + ((kv_head * group + g) // list_head_div) * stride_lh + list_row * stride_lr
+            partial_rank, full_rank = lists + list_width, lists + 3 * list_width
+            column_work += first_position(partial_rank, hi, tiles_per_block, False) - first_position(partial_rank, lo, tiles_per_block, False)
+            column_work += first_position(full_rank, hi, tiles_per_block, False) - first_position(full_rank, lo, tiles_per_block, False)
+    # This program's share of the column's query tiles (see the ordered accumulation at the end).
+    lo, interior_lo, interior_hi, hi = split_range(lo, interior_lo, interior_hi, hi, chunk, num_chunks)
+
+    keys = tl.where(column_work > 0, seqlen_k, 0)  # an empty column loads no keys
+    k = load_rows(K + b64 * stride_kb + kv_head * stride_kh, pid_n * BLOCK_N, stride_ks, keys, head_dim, True, BLOCK_N, BLOCK_D)
+    v = load_rows(V + b64 * stride_vb + kv_head * stride_vh, pid_n * BLOCK_N, stride_vs, keys, head_dim, True, BLOCK_N, BLOCK_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
 
     for g in range(0, group):
         head = kv_head * group + g
@@ -191,16 +212,18 @@ def _dkdv_kernel(
         lse_delta_offset = (b * num_heads + head).to(tl.int64) * seqlen_q
         mask_head = Mask + b64 * stride_mb + (head // mask_head_div) * stride_mh
         bias_head = Bias + b64 * stride_bb + (head // bias_head_div) * stride_bh
-        dbias_head = DBias + b64 * stride_dbb + (head // dbias_head_div) * stride_dbh
+        dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + (head // dbias_head_div) * stride_dbh
         lists = Lists
         if HAS_LISTS:
             lists = Lists + b64 * stride_lb + (head // list_head_div) * stride_lh + list_row * stride_lr
         partial_index, partial_lo, partial_hi, full_index, full_lo, p_interior_lo, p_interior_hi, full_hi = walk_plan(
             lists, list_width, tiles_per_block, lo, interior_lo, interior_hi, hi, HAS_LISTS
         )
+        # As in the forward, each loop reads the next tile's index one iteration ahead.
         if HAS_MASK:
+            start_m = tile_at(partial_index, partial_lo, tiles_per_block, False) * BLOCK_M
             for position in range(partial_lo, partial_hi):
-                start_m = tile_at(partial_index, position, tiles_per_block, False) * BLOCK_M
+                next_m = tile_at(partial_index, position + 1, tiles_per_block, False) * BLOCK_M
                 dk, dv, dbias_keys = _dkdv_tile(
                     dk, dv, dbias_keys, k, v, start_m, offs_n,
                     q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
@@ -209,8 +232,10 @@ def _dkdv_kernel(
                     True, True, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED,
                     BLOCK_M, BLOCK_D, DOT_PRECISION,
                 )
+                start_m = next_m
+        start_m = tile_at(full_index, p_interior_lo, tiles_per_block, not HAS_LISTS) * BLOCK_M
         for position in range(p_interior_lo, p_interior_hi):
-            start_m = tile_at(full_index, position, tiles_per_block, not HAS_LISTS) * BLOCK_M
+            next_m = tile_at(full_index, position + 1, tiles_per_block, not HAS_LISTS) * BLOCK_M
             dk, dv, dbias_keys = _dkdv_tile(
                 dk, dv, dbias_keys, k, v, start_m, offs_n,
                 q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
@@ -219,9 +244,10 @@ def _dkdv_kernel(
                 False, False, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED,
                 BLOCK_M, BLOCK_D, DOT_PRECISION,
             )
+            start_m = next_m
+        start_m = tile_at(full_index, edge_position(0, full_lo, p_interior_lo, p_interior_hi), tiles_per_block, not HAS_LISTS) * BLOCK_M
         for j in range(0, (p_interior_lo - full_lo) + (full_hi - p_interior_hi)):
-            position = edge_position(j, full_lo, p_interior_lo, p_interior_hi)
-            start_m = tile_at(full_index, position, tiles_per_block, not HAS_LISTS) * BLOCK_M
+            next_m = tile_at(full_index, edge_position(j + 1, full_lo, p_interior_lo, p_interior_hi), tiles_per_block, not HAS_LISTS) * BLOCK_M
             dk, dv, dbias_keys = _dkdv_tile(
                 dk, dv, dbias_keys, k, v, start_m, offs_n,
                 q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
@@ -230,6 +256,7 @@ def _dkdv_kernel(
                 True, False, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED,
                 BLOCK_M, BLOCK_D, DOT_PRECISION,
             )
+            start_m = next_m
         if DBIAS == 1:
             if not DBIAS_HEAD_SHARED:
                 _flush_key_gradient(dbias_head, offs_n, stride_dbk, seqlen_k, dbias_keys, DBIAS_ATOMIC)
@@ -237,14 +264,33 @@ def _dkdv_kernel(
 
     if DBIAS == 1:
         if DBIAS_HEAD_SHARED:
-            dbias_head = DBias + b64 * stride_dbb + ((kv_head * group) // dbias_head_div) * stride_dbh
+            dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + ((kv_head * group) // dbias_head_div) * stride_dbh
             _flush_key_gradient(dbias_head, offs_n, stride_dbk, seqlen_k, dbias_keys, DBIAS_ATOMIC)
-    dk_ptrs = DK + b64 * stride_dkb + kv_head * stride_dkh + offs_n.to(tl.int64)[:, None] * stride_dks
-    dv_ptrs = DV + b64 * stride_dvb + kv_head * stride_dvh + offs_n.to(tl.int64)[:, None] * stride_dvs
+
     offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_n.to(tl.int64)[:, None]
     ok = (offs_n < seqlen_k)[:, None] & (offs_d < head_dim)[None, :]
-    tl.store(dk_ptrs + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=ok)
-    tl.store(dv_ptrs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=ok)
+    dk_offsets = b64 * stride_dkb + kv_head * stride_dkh + rows * stride_dks + offs_d[None, :]
+    dv_offsets = b64 * stride_dvb + kv_head * stride_dvh + rows * stride_dvs + offs_d[None, :]
+    if num_chunks > 1 and column_work > 0:
+        # The chunks of this key tile add their parts in chunk order, each waiting for its turn:
+        # deterministic, and no atomics on the gradients themselves. Chunks of a tile are
+        # neighbours in the grid, so the ones waited for have been scheduled already.
+        turn = Turns + tl.program_id(2) * tl.num_programs(1) + pid_n
+        while tl.atomic_add(turn, 0, sem="acquire") != chunk:
+            pass
+        tl.debug_barrier()
+        if chunk > 0:
+            dk += tl.load(ScratchK + dk_offsets, mask=ok, other=0.0, cache_modifier=".cg")
+            dv += tl.load(ScratchV + dv_offsets, mask=ok, other=0.0, cache_modifier=".cg")
+        if chunk < num_chunks - 1:
+            tl.store(ScratchK + dk_offsets, dk, mask=ok)
+            tl.store(ScratchV + dv_offsets, dv, mask=ok)
+        tl.debug_barrier()
+        tl.atomic_add(turn, 1, sem="release")
+    if chunk == num_chunks - 1:
+        tl.store(DK + dk_offsets, dk.to(DK.dtype.element_ty), mask=ok)
+        tl.store(DV + dv_offsets, dv.to(DV.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -268,8 +314,8 @@ def _dq_tile(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = load_rows(k_base, offs_n, stride_ks, head_dim, CHECK_BOUNDS, seqlen_k, BLOCK_D)
-    v = load_rows(v_base, offs_n, stride_vs, head_dim, CHECK_BOUNDS, seqlen_k, BLOCK_D)
+    k = load_rows(k_base, start_n, stride_ks, seqlen_k, head_dim, CHECK_BOUNDS, BLOCK_N, BLOCK_D)
+    v = load_rows(v_base, start_n, stride_vs, seqlen_k, head_dim, CHECK_BOUNDS, BLOCK_N, BLOCK_D)
     scores = scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
     bias_ptrs = bias_rows
     mask_ptrs = mask_rows
@@ -302,17 +348,17 @@ def _dq_kernel(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LISTS: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) row tiles first, as in the forward
     b = tl.program_id(1) // num_heads
     head = tl.program_id(1) % num_heads
     kv_head = head // (num_heads // num_kv_heads)
     b64 = b.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q_row = tl.minimum(offs_m, seqlen_q - 1).to(tl.int64)  # rows past the end read the last row
-    q = load_rows(Q + b64 * stride_qb + head * stride_qh, offs_m, stride_qs, head_dim, True, seqlen_q, BLOCK_D)
-    do = load_rows(DO + b64 * stride_dob + head * stride_doh, offs_m, stride_dos, head_dim, True, seqlen_q, BLOCK_D)
+    q = load_rows(Q + b64 * stride_qb + head * stride_qh, pid_m * BLOCK_M, stride_qs, seqlen_q, head_dim, True, BLOCK_M, BLOCK_D)
+    do = load_rows(DO + b64 * stride_dob + head * stride_doh, pid_m * BLOCK_M, stride_dos, seqlen_q, head_dim, True, BLOCK_M, BLOCK_D)
     lse2, delta = _load_lse2(Lse, Delta, (b * num_heads + head).to(tl.int64) * seqlen_q, offs_m, seqlen_q)
     k_base = K + b64 * stride_kb + kv_head * stride_kh
     v_base = V + b64 * stride_vb + kv_head * stride_vh
@@ -340,31 +386,36 @@ def _dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_MASK:
+        start_n = tile_at(partial_index, partial_lo, tiles_per_block, False) * BLOCK_N
         for position in range(partial_lo, partial_hi):
-            start_n = tile_at(partial_index, position, tiles_per_block, False) * BLOCK_N
+            next_n = tile_at(partial_index, position + 1, tiles_per_block, False) * BLOCK_N
             dq = _dq_tile(
                 dq, q, do, lse2, delta, start_n, offs_m, k_base, v_base, stride_ks, stride_vs,
                 mask_rows, stride_mk, bias_rows, stride_bk, seqlen_k, band_lo, band_hi, head_dim,
                 scale, scale_log2, softcap_log2, scale_over_cap,
                 True, True, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
             )
+            start_n = next_n
+    start_n = tile_at(full_index, p_interior_lo, tiles_per_block, not HAS_LISTS) * BLOCK_N
     for position in range(p_interior_lo, p_interior_hi):
-        start_n = tile_at(full_index, position, tiles_per_block, not HAS_LISTS) * BLOCK_N
+        next_n = tile_at(full_index, position + 1, tiles_per_block, not HAS_LISTS) * BLOCK_N
         dq = _dq_tile(
             dq, q, do, lse2, delta, start_n, offs_m, k_base, v_base, stride_ks, stride_vs,
             mask_rows, stride_mk, bias_rows, stride_bk, seqlen_k, band_lo, band_hi, head_dim,
             scale, scale_log2, softcap_log2, scale_over_cap,
             False, False, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
+        start_n = next_n
+    start_n = tile_at(full_index, edge_position(0, full_lo, p_interior_lo, p_interior_hi), tiles_per_block, not HAS_LISTS) * BLOCK_N
     for j in range(0, (p_interior_lo - full_lo) + (full_hi - p_interior_hi)):
-        position = edge_position(j, full_lo, p_interior_lo, p_interior_hi)
-        start_n = tile_at(full_index, position, tiles_per_block, not HAS_LISTS) * BLOCK_N
+        next_n = tile_at(full_index, edge_position(j + 1, full_lo, p_interior_lo, p_interior_hi), tiles_per_block, not HAS_LISTS) * BLOCK_N
         dq = _dq_tile(
             dq, q, do, lse2, delta, start_n, offs_m, k_base, v_base, stride_ks, stride_vs,
             mask_rows, stride_mk, bias_rows, stride_bk, seqlen_k, band_lo, band_hi, head_dim,
             scale, scale_log2, softcap_log2, scale_over_cap,
             True, False, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
+        start_n = next_n
     offs_d = tl.arange(0, BLOCK_D)
     dq_ptrs = DQ + b64 * stride_dqb + head * stride_dqh + offs_m.to(tl.int64)[:, None] * stride_dqs + offs_d[None, :]
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(offs_m < seqlen_q)[:, None] & (offs_d < head_dim)[None, :])
@@ -386,36 +437,21 @@ def _prune_dq(configs, nargs, **kwargs):
     return fit_to_problem(backward_candidates(args["Q"].device, args["BLOCK_D"], "dq"), args)
 
 
-_PLACEHOLDER_CONFIGS = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}), triton.Config({"BLOCK_M": 32, "BLOCK_N": 64})]
-_dkdv_tuned = triton.autotune(
-    configs=_PLACEHOLDER_CONFIGS,
-    key=_TUNING_KEY + ["DBIAS", "DBIAS_ATOMIC", "DBIAS_HEAD_SHARED"],
-    prune_configs_by={"early_config_prune": _prune_dkdv},
-    reset_to_zero=["DBias"],
-    cache_results=True,
-)(_dkdv_kernel)
-_dq_tuned = triton.autotune(
-    configs=_PLACEHOLDER_CONFIGS,
-    key=_TUNING_KEY,
-    prune_configs_by={"early_config_prune": _prune_dq},
-    cache_results=True,
-)(_dq_kernel)
+_dkdv = TunedKernel(
+    _dkdv_kernel, _TUNING_KEY + ["DBIAS", "DBIAS_ATOMIC", "DBIAS_HEAD_SHARED"], _prune_dkdv, reset_to_zero=["DBias", "Turns"]
+)
+_dq = TunedKernel(_dq_kernel, _TUNING_KEY, _prune_dq)
 
 
-def _launch(kernel, tuned, prune, grid, args) -> None:
-    if autotune_enabled():
-        tuned[grid](**args)
-    else:
-        kernel[grid](**args, **prune([], args)[0].all_kwargs())
-
-
-def bias_gradient_buffer(bias, batch, num_heads, num_kv_heads, deterministic):
+def bias_gradient_buffer(bias, batch, num_heads, num_kv_heads, deterministic, query_chunks):
     """The fp32 buffer the dK/dV kernel accumulates the bias gradient in, and how to read it.
 
-    Returns ``(buffer, kind, atomic, head_shared)``. Programs own one (batch, kv head). Where the
-    bias is shared across programs (batch or kv heads broadcast), the deterministic path gives
-    each program its own slice (extra memory: the buffer is B or Hkv times the bias) and sums them
-    afterwards; the default path accumulates with fp32 atomics into one bias-sized buffer.
+    Returns ``(buffer, kind, atomic, head_shared)``; the buffer is ``[chunks, Bd, Hd, Sqb, Sk]``.
+    Programs own one (query chunk, batch, kv head). Where the bias is shared across programs
+    (batch or kv heads broadcast), the deterministic path gives each program its own slice
+    (extra memory: B or Hkv times the bias) and sums them afterwards; the default path
+    accumulates with fp32 atomics. A per-key bias also gets one slice per query chunk (summed
+    afterwards); a full bias needs none, as chunks own disjoint query rows.
     """
     bb, bh, bq, bk = bias.shape
     if bk == 1:
@@ -425,9 +461,20 @@ def bias_gradient_buffer(bias, batch, num_heads, num_kv_heads, deterministic):
     atomic = (shared_batch or shared_kv) and not deterministic
     rows_b = batch if shared_batch and deterministic else bb
     rows_h = num_kv_heads if shared_kv and deterministic else bh
-    buffer = torch.zeros(rows_b, rows_h, bq, bk, dtype=torch.float32, device=bias.device)
+    chunks = query_chunks if bq == 1 else 1
+    buffer = torch.zeros(chunks, rows_b, rows_h, bq, bk, dtype=torch.float32, device=bias.device)
     kind = DBIAS_PER_KEY if bq == 1 else DBIAS_FULL
     return buffer, kind, atomic, rows_h != num_heads
+
+
+def query_chunks(seqlen_q: int) -> int:
+    """Parts the query range of each key tile is split into for dK/dV.
+
+    A key tile's whole column (every query, every head of its group) is one program's work;
+    with a sparse per-key mask only a few such columns exist and the longest one sets the
+    run time. Splitting each column bounds that.
+    """
+    return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_CHUNK))
 
 
 def attention_backward(
@@ -449,8 +496,11 @@ def attention_backward(
     softcap: float,
     deterministic: bool,
     bias_requires_grad: bool,
+    num_query_chunks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the backward kernels; arguments as for ``attention_forward`` plus the forward's outputs.
+
+    ``num_query_chunks`` overrides ``query_chunks`` (for tests).
 
     Returns ``dq`` ``[B, Sq, H, D]``, ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` in the inputs' dtype, and
     the bias gradient in the bias's shape and dtype (None when not asked for).
@@ -467,10 +517,11 @@ def attention_backward(
     dq = torch.empty(batch, seqlen_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
     dk = torch.empty(batch, seqlen_k, num_kv_heads, head_dim, dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
+    chunks = num_query_chunks or query_chunks(seqlen_q)
     dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = None, DBIAS_NONE, False, False
     if bias is not None and bias_requires_grad:
         dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = bias_gradient_buffer(
-            bias, batch, num_heads, num_kv_heads, deterministic
+            bias, batch, num_heads, num_kv_heads, deterministic, chunks
         )
 
     band_lo, band_hi = band(window_left, window_right, seqlen_q, seqlen_k)
@@ -508,30 +559,35 @@ def attention_backward(
         strides = broadcast_strides(lists)
         return dict(Lists=lists, stride_lb=strides[0], stride_lh=strides[1], stride_lr=strides[2], list_width=lists.shape[-1])
 
-    dbias_target = dbias_acc if dbias_acc is not None else no_lists.float()
+    placeholder = no_lists.float()
+    dbias_target = dbias_acc if dbias_acc is not None else placeholder
+    # Chunks after the first add into fp32 scratch; one turn counter per key tile (any BLOCK_N).
+    scratch_k = torch.empty_like(dk, dtype=torch.float32) if chunks > 1 else placeholder
+    scratch_v = torch.empty_like(dv, dtype=torch.float32) if chunks > 1 else placeholder
+    turns = torch.zeros(batch * num_kv_heads * triton.cdiv(seqlen_k, _SMALLEST_BLOCK_N), dtype=torch.int32, device=q.device)
     dkdv_args = dict(
         common, **list_args(q_lists), DK=dk, DV=dv, DBias=dbias_target,
+        ScratchK=scratch_k, ScratchV=scratch_v, Turns=turns,
         stride_dkb=dk.stride(0), stride_dks=dk.stride(1), stride_dkh=dk.stride(2),
         stride_dvb=dv.stride(0), stride_dvs=dv.stride(1), stride_dvh=dv.stride(2),
-        **dict(zip(("stride_dbb", "stride_dbh", "stride_dbq", "stride_dbk"), broadcast_strides(dbias_acc))),
-        dbias_head_div=head_divisor(dbias_acc, num_heads),
+        stride_dbc=0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0),
+        **dict(zip(("stride_dbb", "stride_dbh", "stride_dbq", "stride_dbk"), broadcast_strides(None if dbias_acc is None else dbias_acc[0]))),
+        dbias_head_div=1 if dbias_acc is None else head_divisor(dbias_acc[0], num_heads),
         DBIAS=dbias_kind, DBIAS_ATOMIC=dbias_atomic, DBIAS_HEAD_SHARED=dbias_head_shared,
     )
-    _launch(
-        _dkdv_kernel, _dkdv_tuned, _prune_dkdv,
-        lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * num_kv_heads), dkdv_args,
-    )
+    _dkdv(lambda meta: (chunks, triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * num_kv_heads), dkdv_args)
     dq_args = dict(
         common, **list_args(kv_lists), DQ=dq,
         stride_dqb=dq.stride(0), stride_dqs=dq.stride(1), stride_dqh=dq.stride(2),
     )
-    _launch(_dq_kernel, _dq_tuned, _prune_dq, lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_heads), dq_args)
+    _dq(lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_heads), dq_args)
 
     dbias = None
     if bias is not None and bias_requires_grad:
         if dbias_acc is None:
-            dbias = torch.zeros_like(bias)
+            dbias = bias.new_zeros(bias.shape)  # a bias broadcast over keys cannot change the softmax
         else:
-            extra = [d for d in (0, 1) if dbias_acc.shape[d] != bias.shape[d]]
-            dbias = (dbias_acc.sum(dim=extra, keepdim=True) if extra else dbias_acc).to(bias.dtype)
+            extra = [d for d in (0, 1) if dbias_acc.shape[d + 1] != bias.shape[d]]
+            dbias = dbias_acc.sum(dim=0)
+            dbias = (dbias.sum(dim=extra, keepdim=True) if extra else dbias).to(bias.dtype)
     return dq, dk, dv, dbias

@@ -18,56 +18,61 @@ import os
 import torch
 import triton
 
-from flash_dma.backends import triton_interpreting
 
 
 def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> triton.Config:
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages)
 
 
-# Prefill/training shapes: (BLOCK_M, BLOCK_N, warps, stages), best guess first.
+# Prefill/training shapes: (BLOCK_M, BLOCK_N, warps, stages), best guess first. The sm90 lists
+# hold the variants ptxas compiles with the fewest spills (tools/compile_report.py); sm80 lists
+# are FlashAttention-2-like guesses.
 _FORWARD = {
     "sm90": {
-        64: [(128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3)],
-        128: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-        256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
+        64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
+        128: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)],
+        256: [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2)],
     },
     "sm80": {
-        64: [(128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
-        128: [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
-        256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 1)],
+        64: [(128, 64, 4, 3), (64, 64, 4, 3)],
+        128: [(128, 32, 4, 3), (64, 64, 4, 3)],
+        256: [(64, 32, 4, 2), (32, 32, 4, 2)],
     },
 }
 # Backward: dK/dV programs own BLOCK_N keys and loop over BLOCK_M queries; dQ the other way round.
 _BACKWARD = {
     "dkdv": {
         "sm90": {
-            64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)],
-            128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)],
-            256: [(32, 64, 4, 2), (64, 64, 8, 1), (32, 128, 8, 1)],
+            64: [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)],
+            128: [(64, 64, 8, 2), (32, 128, 8, 2), (32, 64, 4, 3)],
+            256: [(32, 64, 8, 2), (32, 32, 4, 2)],
         },
         "sm80": {
-            64: [(64, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 3)],
-            128: [(64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 1)],
-            256: [(32, 64, 4, 1), (64, 64, 8, 1), (32, 32, 4, 2)],
+            64: [(32, 64, 4, 3), (64, 64, 4, 2)],
+            128: [(32, 64, 4, 2), (64, 64, 8, 2)],
+            256: [(32, 32, 4, 2), (16, 64, 4, 2)],
         },
     },
     "dq": {
         "sm90": {
-            64: [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
-            128: [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
-            256: [(64, 32, 4, 2), (64, 64, 8, 1), (128, 32, 8, 1)],
+            64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+            128: [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)],
+            256: [(64, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2)],
         },
         "sm80": {
-            64: [(128, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
-            128: [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3)],
-            256: [(64, 32, 4, 1), (32, 64, 4, 2), (64, 64, 8, 1)],
+            64: [(128, 32, 4, 3), (64, 64, 4, 3)],
+            128: [(64, 32, 4, 3), (64, 64, 4, 2)],
+            256: [(32, 32, 4, 2), (64, 32, 4, 2)],
         },
     },
 }
-# Decode shapes (few query rows, split over keys): BLOCK_M is set from the rows.
-_DECODE = [(16, 128, 4, 3), (16, 64, 4, 4), (16, 256, 8, 2)]
+# Decode shapes (few query rows, split over keys): BLOCK_M shrinks to the rows.
+_DECODE = [(16, 128, 4, 3), (16, 64, 4, 4), (16, 128, 8, 4)]
 _INTERPRETER_TILE = 32
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def autotune_enabled() -> bool:

@@ -19,13 +19,13 @@ import triton
 import triton.language as tl
 
 from flash_dma.backends.triton.configs import (
-    autotune_enabled,
     candidates,
     fit_to_problem,
     head_dim_block,
     length_bucket,
     multiprocessor_count,
 )
+from flash_dma.backends.triton.launch import TunedKernel
 from flash_dma.backends.triton.tiles import (
     LN2,
     LOG2E,
@@ -57,7 +57,7 @@ def _attend_tile(
 ):
     """One online-softmax step over the key tile starting at ``start_n``."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = load_rows(k_base, offs_n, stride_ks, head_dim, CHECK_BOUNDS, seqlen_k, BLOCK_D)
+    k = load_rows(k_base, start_n, stride_ks, seqlen_k, head_dim, CHECK_BOUNDS, BLOCK_N, BLOCK_D)
     s = scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
     bias_ptrs = bias_rows
     mask_ptrs = mask_rows
@@ -73,7 +73,7 @@ def _attend_tile(
     p = tl.exp2(s - m_shift[:, None])
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_rows(v_base, offs_n, stride_vs, head_dim, CHECK_BOUNDS, seqlen_k, BLOCK_D)
+    v = load_rows(v_base, start_n, stride_vs, seqlen_k, head_dim, CHECK_BOUNDS, BLOCK_N, BLOCK_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -97,9 +97,10 @@ def _attn_fwd_kernel(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LISTS: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr,
     PACK_GQA: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # Last row tiles first: under a causal band they hold the most work, so the grid's tail is light.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
     group = num_heads // num_kv_heads
@@ -167,32 +168,39 @@ def _attn_fwd_kernel(
     partial_index, partial_lo, partial_hi, full_index, full_lo, interior_lo, interior_hi, full_hi = walk_plan(
         lists, list_width, tiles_per_block, lo, interior_lo, interior_hi, hi, HAS_LISTS
     )
+    # Each loop reads the next tile's index one iteration ahead (`next_n`), so the K/V loads of a
+    # tile never wait on the load of its index: the pipeliner can prefetch them.
     if HAS_MASK:
+        start_n = tile_at(partial_index, partial_lo, tiles_per_block, False) * BLOCK_N
         for position in range(partial_lo, partial_hi):
-            start_n = tile_at(partial_index, position, tiles_per_block, False) * BLOCK_N
+            next_n = tile_at(partial_index, position + 1, tiles_per_block, False) * BLOCK_N
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, start_n, q_idx, k_base, v_base, stride_ks, stride_vs,
                 mask_rows, stride_mk, bias_rows, stride_bk, seqlen_k, band_lo, band_hi, head_dim,
                 scale_log2, softcap_log2, scale_over_cap,
                 True, True, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
             )
+            start_n = next_n
+    start_n = tile_at(full_index, interior_lo, tiles_per_block, not HAS_LISTS) * BLOCK_N
     for position in range(interior_lo, interior_hi):
-        start_n = tile_at(full_index, position, tiles_per_block, not HAS_LISTS) * BLOCK_N
+        next_n = tile_at(full_index, position + 1, tiles_per_block, not HAS_LISTS) * BLOCK_N
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, start_n, q_idx, k_base, v_base, stride_ks, stride_vs,
             mask_rows, stride_mk, bias_rows, stride_bk, seqlen_k, band_lo, band_hi, head_dim,
             scale_log2, softcap_log2, scale_over_cap,
             False, False, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
+        start_n = next_n
+    start_n = tile_at(full_index, edge_position(0, full_lo, interior_lo, interior_hi), tiles_per_block, not HAS_LISTS) * BLOCK_N
     for j in range(0, (interior_lo - full_lo) + (full_hi - interior_hi)):
-        position = edge_position(j, full_lo, interior_lo, interior_hi)
-        start_n = tile_at(full_index, position, tiles_per_block, not HAS_LISTS) * BLOCK_N
+        next_n = tile_at(full_index, edge_position(j + 1, full_lo, interior_lo, interior_hi), tiles_per_block, not HAS_LISTS) * BLOCK_N
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, start_n, q_idx, k_base, v_base, stride_ks, stride_vs,
             mask_rows, stride_mk, bias_rows, stride_bk, seqlen_k, band_lo, band_hi, head_dim,
             scale_log2, softcap_log2, scale_over_cap,
             True, False, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
+        start_n = next_n
 
     # Rows with no visible key: out = 0, lse = -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -253,12 +261,7 @@ def _prune(configs, nargs, **kwargs):
     return fit_to_problem(candidates(args["Q"].device, args["BLOCK_D"], decode=args["rows"] <= 64), args)
 
 
-_attn_fwd_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}), triton.Config({"BLOCK_M": 128, "BLOCK_N": 64})],
-    key=_TUNING_KEY,
-    prune_configs_by={"early_config_prune": _prune},
-    cache_results=True,
-)(_attn_fwd_kernel)
+_attn_fwd = TunedKernel(_attn_fwd_kernel, _TUNING_KEY, _prune)
 
 
 def broadcast_strides(t: torch.Tensor | None) -> tuple[int, ...]:
@@ -326,6 +329,7 @@ def attention_forward(
     programs = batch * (num_kv_heads if pack_gqa else num_heads) * triton.cdiv(rows, 64)
     if num_splits is None:
         sms = multiprocessor_count(q.device)
+        # About two programs per multiprocessor: measured faster than one wave at Sk = 512K.
         num_splits = 1 if programs >= sms else max(1, min(2 * sms // programs, seqlen_k // _KEYS_PER_SPLIT, MAX_SPLITS))
     num_splits = max(1, min(num_splits, MAX_SPLITS))
 
@@ -376,11 +380,7 @@ def attention_forward(
     def grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_M"]), batch * (num_kv_heads if pack_gqa else num_heads), num_splits)
 
-    if autotune_enabled():
-        _attn_fwd_tuned[grid](**args)
-    else:
-        config = _prune([], args)[0]
-        _attn_fwd_kernel[grid](**args, **config.all_kwargs())
+    _attn_fwd(grid, args)
 
     if num_splits > 1:
         _combine_splits_kernel[(batch * seqlen_q * num_heads,)](

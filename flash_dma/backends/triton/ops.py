@@ -1,8 +1,10 @@
-"""The Triton kernels as ``torch.library`` custom ops, with fake implementations and autograd.
+"""Autograd wiring of the Triton kernels: a ``torch.library`` custom op and an ``autograd.Function``.
 
-Registering them as opaque ops lets ``torch.compile(fullgraph=True)`` trace models that call
-flash-dma without graph breaks, with shapes inferred by the fake implementations (so a new
-sequence length does not recompile once dynamo has marked it dynamic).
+Under ``torch.compile`` the kernels run as opaque custom ops with fake implementations, so
+``fullgraph=True`` traces models that call flash-dma without graph breaks, and shapes come from
+the fakes (a new sequence length does not recompile once dynamo has marked it dynamic). Eager
+calls take an ``autograd.Function`` instead: the custom-op dispatcher costs about 100 us of host
+time per call, more than a small attention kernel runs. Both share the same context and backward.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.forward import attention_forward
 
 
-@torch.library.custom_op("flash_dma::forward", mutates_args=())
-def forward_op(
+def _forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -34,6 +35,9 @@ def forward_op(
     return attention_forward(
         q, k, v, mask, bias, kv_lists, list_block_q, list_block_k, softmax_scale, window_left, window_right, softcap
     )
+
+
+forward_op = torch.library.custom_op("flash_dma::forward", _forward, mutates_args=())
 
 
 @forward_op.register_fake
@@ -76,8 +80,9 @@ def backward_op(
 @backward_op.register_fake
 def _backward_fake(dout, q, k, v, out, lse, mask, bias, *args):
     bias_requires_grad = args[-1]
-    dbias = torch.empty_like(bias) if bias is not None and bias_requires_grad else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+    # Contiguous, like the real gradients (not empty_like, which copies an input's strides).
+    dbias = bias.new_empty(bias.shape) if bias is not None and bias_requires_grad else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _setup_context(ctx, inputs, output):
@@ -88,13 +93,34 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
+def _gradients(ctx, dout, backward):
     q, k, v, out, lse, mask, bias, kv_lists, q_lists = ctx.saved_tensors
     bias_requires_grad = bias is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, dbias = backward_op(
+    dq, dk, dv, dbias = backward(
         dout, q, k, v, out, lse, mask, bias, kv_lists, q_lists, *ctx.settings, bias_requires_grad
     )
     return dq, dk, dv, None, dbias if bias_requires_grad else None, None, None, *([None] * len(ctx.settings))
 
 
-torch.library.register_autograd("flash_dma::forward", _backward, setup_context=_setup_context)
+torch.library.register_autograd(
+    "flash_dma::forward", lambda ctx, dout, _dlse: _gradients(ctx, dout, backward_op), setup_context=_setup_context
+)
+
+
+class _EagerAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        return _gradients(ctx, dout, attention_backward)
+
+
+def attention_op(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``, with the arguments of ``forward_op``."""
+    if torch.compiler.is_compiling():
+        return forward_op(*inputs)
+    return _EagerAttention.apply(*inputs)

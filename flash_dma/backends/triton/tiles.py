@@ -113,13 +113,19 @@ def scores_log2(qk, scale_log2, softcap_log2, scale_over_cap, SOFTCAP: tl.conste
 
 
 @triton.jit
-def load_rows(base, index, stride, head_dim, CHECK_BOUNDS: tl.constexpr, length, BLOCK_D: tl.constexpr):
-    """Rows ``index`` of a ``[length, head_dim]`` slice (last dim contiguous), zero-padded to BLOCK_D."""
+def load_rows(base, start, stride, length, head_dim, CHECK_BOUNDS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``[start, start + ROWS)`` of a ``[length, head_dim]`` slice (last dim contiguous), zero-padded.
+
+    Row offsets are 64-bit, so any length is safe; ptxas also spilled less this way than with a
+    64-bit tile base plus 32-bit offsets (tools/compile_report.py, sm90).
+    """
+    offs_r = tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
     ok = (offs_d < head_dim)[None, :]
     if CHECK_BOUNDS:
-        ok = ok & (index < length)[:, None]
-    return tl.load(base + index.to(tl.int64)[:, None] * stride + offs_d[None, :], mask=ok, other=0.0)
+        ok = ok & (start + offs_r < length)[:, None]
+    rows = (start + offs_r).to(tl.int64)
+    return tl.load(base + (rows * stride)[:, None] + offs_d[None, :], mask=ok, other=0.0)
 
 
 @triton.jit
@@ -130,13 +136,18 @@ def key_pointers(rows, offs_k, stride_k, PER_KEY: tl.constexpr, KEYS_FIRST: tl.c
     all rows, and the result is a single row (column) that broadcasts over the tile.
     """
     cols = offs_k * stride_k
+    # One return: Triton wants every return of a function to have one type, even across constexpr branches.
     if PER_KEY:
         if KEYS_FIRST:
-            return rows + cols[:, None]
-        return rows + cols[None, :]
-    if KEYS_FIRST:
-        return rows[None, :] + cols[:, None]
-    return rows[:, None] + cols[None, :]
+            pointers = rows + cols[:, None]
+        else:
+            pointers = rows + cols[None, :]
+    else:
+        if KEYS_FIRST:
+            pointers = rows[None, :] + cols[:, None]
+        else:
+            pointers = rows[:, None] + cols[None, :]
+    return pointers
 
 
 @triton.jit

@@ -1,0 +1,97 @@
+"""``flash-dma bench``: flash-dma against FlexAttention and SDPA, side by side in one process.
+
+Writes ``results.json``, ``results.md`` and ``results.png`` to ``--out`` and prints the target
+checks. Needs a CUDA GPU; on a machine without one it says so and returns 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from flash_dma.benchmark.measure import TimingOptions
+from flash_dma.benchmark.methods import METHODS, MethodOptions
+from flash_dma.benchmark.plots import plot_results
+from flash_dma.benchmark.report import checks_table, write_json, write_markdown
+from flash_dma.benchmark.results import Result
+from flash_dma.benchmark.runner import run_cases
+from flash_dma.benchmark.suites import MODES, SUITES, build_cases
+from flash_dma.benchmark.targets import Check, evaluate
+
+NO_CUDA_EXIT_CODE = 2
+
+
+def _method_list(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in METHODS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown or text!r}; choose from {', '.join(METHODS)}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--suite", choices=(*SUITES, "all"), default="all", help="which cases to run (default: all)")
+    parser.add_argument("--mode", choices=(*MODES, "both"), default="both",
+                        help="forward only, forward + backward, or both (default: both)")
+    parser.add_argument("--methods", type=_method_list, default=None,
+                        help=f"comma-separated subset of: {', '.join(METHODS)} (default: all)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"),
+                        help="folder for results.json, results.md and results.png (default: benchmarks/results)")
+    parser.add_argument("--quick", action="store_true", help="a few rows per suite: a sanity run of a minute or two")
+    parser.add_argument("--flex-decode", action="store_true",
+                        help="also run Flex on the decode rows (38-300 ms a call there)")
+    parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up budget per row (default: 25)")
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring budget per row (default: 100)")
+
+
+def environment() -> dict:
+    """What the numbers were measured on, for the report's header."""
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": shlex.join(sys.argv),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print(
+            "flash-dma bench: no CUDA GPU is available. The benchmark times CUDA kernels "
+            "(flash-dma's Triton kernels, FlexAttention, SDPA) and cannot run on the CPU.",
+            file=sys.stderr,
+        )
+        return NO_CUDA_EXIT_CODE
+
+    modes = MODES if args.mode == "both" else (args.mode,)
+    cases = build_cases(args.suite, quick=args.quick, modes=modes, methods=args.methods)
+    env = environment()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    # Rewritten after every case: a run cut short (time limit, crash) keeps its finished rows.
+    def save(results: list[Result]) -> list[Check]:
+        checks = evaluate(results)
+        write_json(args.out / "results.json", env, results, checks)
+        write_markdown(args.out / "results.md", env, results, checks)
+        return checks
+
+    results = run_cases(
+        cases,
+        MethodOptions(flex_decode=args.flex_decode),
+        TimingOptions(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms),
+        on_case_done=save,
+    )
+    checks = save(results)
+    plot_results(args.out / "results.png", results)
+    print(checks_table(checks))
+    print(f"results in {args.out}: results.md, results.json, results.png")
+    return 0

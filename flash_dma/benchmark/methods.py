@@ -1,0 +1,303 @@
+"""The attention implementations compared side by side, all fed one case's shared tensors.
+
+Each method turns the shared :class:`~flash_dma.benchmark.inputs.Inputs` into a ``forward()``
+closure. What a model does once per mask rather than once per call (flash-dma's block summary,
+Flex's block mask and compiled kernels, K/V heads repeated for SDPA) happens in ``prepare``,
+outside the timed region; what a model does on every call stays inside ``forward``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flash_dma import build_block_mask, flash_dma_func
+from flash_dma.benchmark.inputs import DTYPE, Inputs
+from flash_dma.benchmark.suites import Case
+
+# Dynamo keeps one compiled entry per shape (dynamic=False) and per score_mod; a full run needs up
+# to about 20, more than the default limit of 8, past which dynamo would fall back to eager Flex
+# (which materialises the whole score matrix).
+FLEX_RECOMPILE_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """Which rows to leave out on purpose.
+
+    Attributes:
+        flex_decode: run Flex on decode rows (38-300 ms a call there, so off by default).
+        float_mask_budget_gib: largest float mask sdpa-additive may materialise.
+    """
+
+    flex_decode: bool = False
+    float_mask_budget_gib: float = 8.0
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A method ready to run on one case.
+
+    Attributes:
+        forward: one attention call; returns ``[B, Sq, H, D]`` (flash-dma) or ``[B, H, Sq, D]``.
+        leaves: the tensors whose ``.grad`` the backward fills, reset between timed calls.
+    """
+
+    forward: Callable[[], torch.Tensor]
+    leaves: tuple[torch.Tensor, ...]
+
+
+class Method:
+    """One attention implementation.
+
+    ``applies_mask``: its FLOPs are counted over the (mask and causal) pairs; otherwise over all
+    causal pairs. ``skips_masked_keys``: it reads only the kept keys' K/V; otherwise all of them.
+    """
+
+    name: str
+    description: str
+    applies_mask = True
+    skips_masked_keys = True
+
+    def skip_reason(self, case: Case, mode: str, options: MethodOptions) -> str | None:
+        """Why this row is left out without running, or None to run it."""
+        return None
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        raise NotImplementedError
+
+
+class FlashDma(Method):
+    def __init__(self, reuse_block_mask: bool):
+        self.reuse_block_mask = reuse_block_mask
+        if reuse_block_mask:
+            self.name = "flash-dma"
+            self.description = (
+                "`flash_dma_func` with the block summary built once by `build_block_mask`, outside "
+                "the timed region (a model reuses it across layers, like Flex's block mask)"
+            )
+        else:
+            self.name = "flash-dma-percall"
+            self.description = "`flash_dma_func` without `block_mask`: the summary is rebuilt inside every call"
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        block_mask = build_block_mask(inputs.mask) if self.reuse_block_mask else None
+
+        def forward() -> torch.Tensor:
+            return flash_dma_func(
+                inputs.query, inputs.key, inputs.value, attn_mask=inputs.mask, attn_bias=inputs.bias,
+                is_causal=True, block_mask=block_mask,
+            )
+
+        return Prepared(forward, inputs.leaves)
+
+
+def flex_mask_mod(mask: torch.Tensor, num_heads: int, seqlen_q: int) -> Callable:
+    """Flex ``mask_mod`` of a per-key mask ``[1, Hm, 1, Sk]`` and the bottom-right causal rule."""
+    group = num_heads // mask.shape[1]
+    offset = mask.shape[-1] - seqlen_q
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mask[0, h // group, 0, kv_idx] & (q_idx + offset >= kv_idx)
+
+    return mask_mod
+
+
+def flex_score_mod(bias: torch.Tensor, num_heads: int) -> Callable:
+    """Flex ``score_mod`` adding a bias ``[1, Hb, 1, Sk]`` (per key) or ``[1, Hb, Sq, Sk]`` to the scores."""
+    group = num_heads // bias.shape[1]
+    if bias.shape[2] == 1:
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + bias[0, h // group, 0, kv_idx]
+
+    else:
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + bias[0, h // group, q_idx, kv_idx]
+
+    return score_mod
+
+
+@functools.cache
+def _compiled_flex() -> tuple[Callable, Callable]:
+    """``(flex_attention, create_block_mask)``, compiled once per process and reused by every case.
+
+    With ``dynamic=False`` each new shape compiles its own kernels, as a model with fixed shapes
+    would get. ``create_block_mask`` is compiled too: uncompiled, it materialises the whole
+    ``[B, H, Sq, Sk]`` mask (16 GiB for the llm suite at 32K).
+    """
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, FLEX_RECOMPILE_LIMIT)
+    return torch.compile(flex_attention, dynamic=False), torch.compile(create_block_mask, dynamic=False)
+
+
+class Flex(Method):
+    name = "flex"
+    description = (
+        "FlexAttention, `torch.compile`d: block mask from `create_block_mask` (built outside the timed "
+        "region), mask and bias through `mask_mod`/`score_mod`, `enable_gqa=True`"
+    )
+
+    def skip_reason(self, case: Case, mode: str, options: MethodOptions) -> str | None:
+        if case.is_decode and not options.flex_decode:
+            return "not run by default (38-300 ms a call at decode shapes); pass --flex-decode"
+        if case.needs_grad and torch.__version__ < (2, 6):
+            return f"a gradient of a bias captured by score_mod needs torch >= 2.6 (this is {torch.__version__})"
+        return None
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        flex_attention, create_block_mask = _compiled_flex()
+        q, k, v = (t.transpose(1, 2) for t in (inputs.query, inputs.key, inputs.value))
+        block_mask = create_block_mask(
+            flex_mask_mod(inputs.mask, case.heads, case.seqlen_q), case.batch, case.heads, case.seqlen_q,
+            case.seqlen_k, device=inputs.query.device,
+        )
+        score_mod = flex_score_mod(inputs.bias, case.heads)
+
+        def forward() -> torch.Tensor:
+            return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
+
+        return Prepared(forward, inputs.leaves)
+
+
+def _repeat_heads(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``[B, h, X, Y]`` -> ``[B, num_heads, X, Y]``, each head repeated ``num_heads / h`` times.
+
+    A zero-copy view (head stride 0) when ``h == 1``, a copy otherwise.
+    """
+    batch, heads, x, y = t.shape
+    return t[:, :, None].expand(batch, heads, num_heads // heads, x, y).reshape(batch, num_heads, x, y)
+
+
+def _sdpa_qkv(inputs: Inputs, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SDPA's layout: q ``[B, H, Sq, D]`` (a view of the shared query) and k, v ``[B, H, Sk, D]``.
+
+    K/V heads are repeated to H here, outside the timed region, and become new leaves: not every
+    fused kernel that takes a float mask takes ``enable_gqa`` (memory-efficient does not), and
+    where none does SDPA falls back to its unfused math path. Every SDPA method gets the same
+    layout. The repeat's backward (a sum over each group, into the shared K/V) is not timed.
+    """
+    q = inputs.query.transpose(1, 2)
+    k, v = (
+        _repeat_heads(t.detach().transpose(1, 2), num_heads).requires_grad_(t.requires_grad)
+        for t in (inputs.key, inputs.value)
+    )
+    return q, k, v
+
+
+def _sdpa_restricted_to(backends: tuple[str, ...]) -> Callable[..., torch.Tensor]:
+    """``F.scaled_dot_product_attention`` allowed to use only the named ``SDPBackend`` members."""
+    enabled = [getattr(SDPBackend, name) for name in backends]
+
+    def sdpa(*args, **kwargs) -> torch.Tensor:
+        with sdpa_kernel(enabled):
+            return F.scaled_dot_product_attention(*args, **kwargs)
+
+    return sdpa
+
+
+def additive_float_mask(mask: torch.Tensor, bias: torch.Tensor, seqlen_q: int, num_heads: int) -> torch.Tensor:
+    """SDPA's float mask: the bias where the mask and the causal rule let a key through, -inf elsewhere.
+
+    Block 0 is always kept, so no query row is left with only -inf (which SDPA turns into NaN).
+
+    Args:
+        mask: ``[1, Hkv, 1, Sk]`` bool.
+        bias: ``[1, Hkv, 1, Sk]`` or ``[1, H, Sq, Sk]``; the result is differentiable with respect to it.
+
+    Returns:
+        ``[1, 1|H, Sq, Sk]`` in the bias dtype: one head when mask and bias have one head.
+    """
+    seqlen_k = mask.shape[-1]
+    mask, bias = (t if t.shape[1] in (1, num_heads) else _repeat_heads(t, num_heads) for t in (mask, bias))
+    causal = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=mask.device).tril(seqlen_k - seqlen_q)
+    return torch.where(causal, bias.masked_fill(~mask, float("-inf")), float("-inf"))
+
+
+def float_mask_gib(case: Case) -> float:
+    """Size of :func:`additive_float_mask`'s result for ``case``."""
+    heads = 1 if case.kv_heads == 1 and case.bias == "key" else case.heads
+    return heads * case.seqlen_q * case.seqlen_k * DTYPE.itemsize / 2**30
+
+
+class SdpaAdditive(Method):
+    name = "sdpa-additive"
+    description = (
+        "the seeds' baseline: `F.scaled_dot_product_attention` with a materialised float mask (bias, "
+        "-inf where masked or acausal) built inside every call, under autograd so the bias gets its "
+        "gradient; K/V heads repeated outside the timed region; SDPA picks among its fused kernels "
+        "that take a float mask (cuDNN, memory-efficient)"
+    )
+    skips_masked_keys = False
+    # The math backend is left out: a silent fallback to it (O(S^2) float32 scores) would make the
+    # baseline look slower than SDPA is; without a fused kernel the row fails and says why.
+    backends = ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+
+    def skip_reason(self, case: Case, mode: str, options: MethodOptions) -> str | None:
+        gib = float_mask_gib(case)
+        if gib > options.float_mask_budget_gib:
+            return f"float mask would take {gib:.0f} GiB (budget {options.float_mask_budget_gib:g} GiB)"
+        return None
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        sdpa = _sdpa_restricted_to(self.backends)
+        q, k, v = _sdpa_qkv(inputs, case.heads)
+
+        def forward() -> torch.Tensor:
+            float_mask = additive_float_mask(inputs.mask, inputs.bias, case.seqlen_q, case.heads)
+            return sdpa(q, k, v, attn_mask=float_mask)
+
+        return Prepared(forward, (inputs.query, k, v, inputs.bias))
+
+
+def _sdpa_is_causal(case: Case) -> bool:
+    """SDPA's ``is_causal`` aligns top-left; it matches bottom-right alignment when Sq == Sk, and
+    with one query row bottom-right causal attention masks nothing."""
+    if case.seqlen_q == case.seqlen_k:
+        return True
+    if case.seqlen_q == 1:
+        return False
+    raise ValueError(f"dense SDPA rows need Sq == Sk or Sq == 1, got Sq={case.seqlen_q}, Sk={case.seqlen_k}")
+
+
+class SdpaDense(Method):
+    """A dense ceiling: one SDPA backend, no mask and no bias, causal."""
+
+    applies_mask = False
+    skips_masked_keys = False
+
+    def __init__(self, name: str, backend: str, kernel: str):
+        self.name = name
+        self.backends = (backend,)
+        self.description = f"dense ceiling: SDPA's {kernel} backend, causal, no mask and no bias"
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        sdpa = _sdpa_restricted_to(self.backends)
+        q, k, v = _sdpa_qkv(inputs, case.heads)
+        is_causal = _sdpa_is_causal(case)
+
+        def forward() -> torch.Tensor:
+            return sdpa(q, k, v, is_causal=is_causal)
+
+        return Prepared(forward, (inputs.query, k, v))
+
+
+METHODS: dict[str, Method] = {
+    method.name: method
+    for method in (
+        FlashDma(reuse_block_mask=True),
+        FlashDma(reuse_block_mask=False),
+        Flex(),
+        SdpaAdditive(),
+        SdpaDense("sdpa-flash", "FLASH_ATTENTION", "FLASH_ATTENTION (FlashAttention-2)"),
+        SdpaDense("sdpa-cudnn", "CUDNN_ATTENTION", "CUDNN_ATTENTION (cuDNN, FlashAttention-3 class on H100)"),
+    )
+}

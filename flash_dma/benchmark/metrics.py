@@ -1,0 +1,67 @@
+"""Work counts behind the throughput columns: active (q, k) pairs, FLOPs and K/V bytes.
+
+Throughput is *effective*: FLOPs are counted only over the (q, k) pairs that the causal rule
+and the mask leave visible, so a method that skips masked blocks gets no credit for work it
+avoided, and one that computes them anyway gets none for wasted work. Dense methods (no
+mask) are credited with every causal pair.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FORWARD_FLOPS_PER_PAIR_PER_DIM = 4  # two matrix products (q k^T and p v), a multiply-add each
+FWDBWD_FLOPS_RATIO = 3.5  # the backward's five matrix products cost 2.5x the forward's two
+HBM_COPY_GBPS = 3000.0  # device-to-device copy ceiling measured on the H100 (GUIDE.md)
+
+
+def active_pairs(seqlen_q: int, seqlen_k: int, batch: int, num_heads: int, mask: torch.Tensor | None = None) -> int:
+    """Visible (query, key) pairs, summed over the batch and the query heads.
+
+    Key j is visible to query i iff ``i >= j + Sq - Sk`` (causal, aligned bottom-right) and the
+    mask keeps j; so j is visible to ``min(Sq, Sk - j)`` queries.
+
+    Args:
+        mask: ``[1|B, 1|Hkv|H, 1, Sk]`` bool, per key; a head dimension of Hkv is shared by the
+            ``H / Hkv`` query heads of each group. None: every key.
+    """
+    rows_per_key = (seqlen_k - torch.arange(seqlen_k, dtype=torch.int64)).clamp(max=seqlen_q)
+    if mask is None:
+        return batch * num_heads * int(rows_per_key.sum())
+    if mask.dim() != 4 or mask.shape[2] != 1 or mask.shape[3] != seqlen_k:
+        raise ValueError(f"mask: expected a per-key mask [1|B, 1|Hkv|H, 1, {seqlen_k}], got {tuple(mask.shape)}")
+    pairs_per_mask_row = int((mask[:, :, 0, :].cpu().to(torch.int64) * rows_per_key).sum())
+    return pairs_per_mask_row * (batch // mask.shape[0]) * (num_heads // mask.shape[1])
+
+
+def kv_bytes(
+    seqlen_k: int, batch: int, kv_heads: int, head_dim: int, itemsize: int, mask: torch.Tensor | None = None
+) -> int:
+    """Bytes of K and V a method must read: every kept key of every (batch, K/V head), twice (K and V).
+
+    Under the bottom-right causal rule every key is visible to the last query, so a kept key is
+    always read. ``mask``: ``[1|B, 1|Hkv, 1, Sk]`` bool, or None (every key).
+    """
+    if mask is None:
+        kept_keys = batch * kv_heads * seqlen_k
+    else:
+        kept_keys = int(mask.sum()) * (batch // mask.shape[0]) * (kv_heads // mask.shape[1])
+    return kept_keys * head_dim * 2 * itemsize
+
+
+def attention_flops(pairs: int, head_dim: int, mode: str) -> float:
+    """FLOPs of one call over ``pairs`` visible (q, k) pairs; ``mode`` is "fwd" or "fwdbwd"."""
+    forward = FORWARD_FLOPS_PER_PAIR_PER_DIM * head_dim * pairs
+    if mode == "fwd":
+        return float(forward)
+    if mode == "fwdbwd":
+        return FWDBWD_FLOPS_RATIO * forward
+    raise ValueError(f"mode: expected 'fwd' or 'fwdbwd', got {mode!r}")
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / ms / 1e9
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / ms / 1e6

@@ -1,0 +1,50 @@
+"""Result rows, and selecting them by method, pass and case fields."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from flash_dma.benchmark.suites import Case
+
+
+@dataclass(frozen=True)
+class Result:
+    """One (case, method, mode) row. A skipped row has ``status="skipped"``, no numbers, and the
+    reason (or the error it raised) in ``note``.
+
+    ``tflops`` is effective (over ``active_pairs``); ``gbps`` counts the K/V bytes the method reads
+    and is given for decode rows only; ``peak_gib`` excludes the inputs; ``setup_s`` is the wall
+    time spent before timing (block masks, compilation, autotuning).
+    """
+
+    case: Case
+    method: str
+    mode: str
+    status: str = "ok"
+    ms: float | None = None
+    tflops: float | None = None
+    gbps: float | None = None
+    peak_gib: float | None = None
+    setup_s: float | None = None
+    active_pairs: int | None = None
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def select(results: list[Result], method: str | None = None, mode: str | None = None, ok_only: bool = True,
+           **case_fields) -> list[Result]:
+    """Rows of ``method`` in ``mode`` whose case has the given field values (None: any)."""
+    return [
+        r
+        for r in results
+        if (method is None or r.method == method)
+        and (mode is None or r.mode == mode)
+        and (r.ok or not ok_only)
+        and all(value is None or getattr(r.case, name) == value for name, value in case_fields.items())
+    ]

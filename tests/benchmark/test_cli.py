@@ -1,0 +1,35 @@
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+
+from flash_dma import cli
+from flash_dma.benchmark.cli import add_arguments
+
+
+def _parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_defaults():
+    args = _parse()
+    assert (args.suite, args.mode, args.methods, args.out) == ("all", "both", None, Path("benchmarks/results"))
+    assert (args.quick, args.flex_decode, args.warmup_ms, args.rep_ms) == (False, False, 25, 100)
+
+
+def test_methods_are_validated():
+    assert _parse("--methods", "flex, flash-dma").methods == ("flex", "flash-dma")
+    with pytest.raises(SystemExit):
+        _parse("--methods", "flex,fa4")
+    with pytest.raises(SystemExit):
+        _parse("--suite", "gpt")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given on machines without a GPU")
+def test_bench_without_cuda_exits_2_with_a_clear_message(capsys, tmp_path):
+    assert cli.main(["bench", "--quick", "--out", str(tmp_path)]) == 2
+    assert "no CUDA GPU is available" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

@@ -1,0 +1,80 @@
+import pytest
+import torch
+
+from flash_dma.benchmark.inputs import block_topk_mask, make_inputs
+from flash_dma.benchmark.suites import Case, kept_block_count
+
+BLOCK = 128
+
+
+def _block_view(mask: torch.Tensor) -> torch.Tensor:
+    """``[1, H, 1, Sk]`` -> ``[H, n_blocks, BLOCK]`` (Sk padded with False)."""
+    sk = mask.shape[-1]
+    padded = torch.nn.functional.pad(mask[:, :, 0], (0, -sk % BLOCK))
+    return padded[0].unflatten(-1, (-1, BLOCK))
+
+
+@pytest.mark.parametrize("seqlen_k", [128, 1000, 4096])
+@pytest.mark.parametrize("keep", [1.0, 1 / 2, 1 / 8, 1 / 32, 0.001])
+def test_keeps_the_right_number_of_whole_blocks_including_block_zero(seqlen_k, keep):
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(1, 3, 1, seqlen_k, generator=gen)
+    mask = block_topk_mask(scores, keep)
+    assert mask.shape == scores.shape and mask.dtype == torch.bool
+    blocks = _block_view(mask)
+    num_blocks = -(-seqlen_k // BLOCK)
+    kept = blocks[:, :, 0]
+    # Whole blocks: every key of a block shares the block's state (the ragged last block only over real keys).
+    for h in range(3):
+        for b in range(num_blocks):
+            real = min(BLOCK, seqlen_k - b * BLOCK)
+            assert bool((blocks[h, b, :real] == kept[h, b]).all())
+    assert kept.sum(-1).tolist() == [kept_block_count(keep, num_blocks)] * 3
+    assert bool(kept[:, 0].all())
+
+
+def test_kept_blocks_are_the_best_rated_and_block_zero_replaces_the_lowest():
+    # Block b's keys all score b: block 0 is the worst, so it must displace the lowest of the top 4.
+    scores = torch.arange(16).repeat_interleave(BLOCK).float().view(1, 1, 1, -1)
+    kept = _block_view(block_topk_mask(scores, 4 / 16))[0, :, 0]
+    assert kept.nonzero().flatten().tolist() == [0, 13, 14, 15]
+
+
+def test_blocks_are_rated_by_their_largest_score():
+    scores = torch.zeros(1, 1, 1, 4 * BLOCK)
+    scores[..., 2 * BLOCK + 5] = 10.0  # one large key makes block 2 the best after block 0
+    scores[..., 3 * BLOCK :] = 1.0  # uniformly higher, but a lower maximum
+    kept = _block_view(block_topk_mask(scores, 2 / 4))[0, :, 0]
+    assert kept.tolist() == [True, False, True, False]
+
+
+def _case(**changes) -> Case:
+    fields = dict(suite="llm", kind="prefill", batch=2, heads=4, kv_heads=2, head_dim=16, seqlen_q=256,
+                  seqlen_k=256, keep=1 / 2, methods=("flash-dma",), modes=("fwd", "fwdbwd"))
+    return Case(**{**fields, **changes})
+
+
+def test_make_inputs_shapes_dtypes_and_grad():
+    inputs = make_inputs(_case(), "cpu")
+    assert inputs.query.shape == (2, 256, 4, 16)
+    assert inputs.key.shape == inputs.value.shape == (2, 256, 2, 16)
+    assert inputs.mask.shape == inputs.bias.shape == (1, 2, 1, 256)
+    assert inputs.mask.dtype == torch.bool
+    assert all(t.dtype == torch.bfloat16 and t.requires_grad for t in inputs.leaves)
+    # The mask is the block top-k of the per-key bias itself.
+    assert torch.equal(inputs.mask, block_topk_mask(inputs.bias.detach(), 1 / 2))
+
+    decode = make_inputs(_case(seqlen_q=1, modes=("fwd",)), "cpu")
+    assert not any(t.requires_grad for t in decode.leaves)
+
+    full = make_inputs(_case(bias="full"), "cpu")
+    assert full.bias.shape == (1, 4, 256, 256) and full.mask.shape == (1, 2, 1, 256)
+
+
+def test_make_inputs_is_deterministic_per_seed():
+    case = _case(seqlen_q=2048, seqlen_k=2048, keep=1 / 4)  # 4 of 16 blocks: room for the seeds to differ
+    a, b, c = make_inputs(case, "cpu"), make_inputs(case, "cpu"), make_inputs(case, "cpu", seed=1)
+    for name in ("query", "key", "value", "mask", "bias"):
+        assert torch.equal(getattr(a, name), getattr(b, name))
+    assert not torch.equal(a.mask, c.mask)
+    assert not torch.equal(a.query, c.query)

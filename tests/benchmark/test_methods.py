@@ -1,0 +1,152 @@
+"""The methods compute the same attention from the same tensors (checked on the CPU in float32).
+
+flash-dma runs on its reference backend here, SDPA on its CPU kernels, and Flex's mask_mod and
+score_mod through eager ``flex_attention`` (compiled Flex and cuDNN need the GPU).
+"""
+
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+from flash_dma import flash_dma_func
+from flash_dma.benchmark.inputs import Inputs, make_inputs
+from flash_dma.benchmark.methods import (
+    METHODS,
+    MethodOptions,
+    SdpaAdditive,
+    additive_float_mask,
+    flex_mask_mod,
+    flex_score_mod,
+    float_mask_gib,
+)
+from flash_dma.benchmark.suites import Case
+
+CASES = {
+    "gqa-prefill": dict(heads=4, kv_heads=2, seqlen_q=300, seqlen_k=300, keep=1 / 2),
+    "mqa-prefill": dict(heads=2, kv_heads=1, seqlen_q=256, seqlen_k=256, keep=1 / 2),
+    "decode": dict(heads=4, kv_heads=2, seqlen_q=1, seqlen_k=700, keep=1 / 3, modes=("fwd",)),
+    "full-bias": dict(heads=4, kv_heads=2, seqlen_q=256, seqlen_k=256, keep=1 / 2, bias="full"),
+}
+
+
+@pytest.fixture(autouse=True)
+def sdpa_math_on_cpu(monkeypatch):
+    """The CPU has none of the fused SDPA kernels sdpa-additive is limited to; let it use the math one."""
+    monkeypatch.setattr(SdpaAdditive, "backends", ("MATH",))
+
+
+def _case(name: str) -> Case:
+    fields = dict(suite="llm", kind="prefill", batch=2, head_dim=16, methods=tuple(METHODS), modes=("fwd", "fwdbwd"))
+    return Case(**{**fields, **CASES[name]})
+
+
+def _float32_inputs(case: Case) -> Inputs:
+    inputs = make_inputs(case, "cpu")
+    query, key, value, bias = (t.detach().float().requires_grad_(case.needs_grad) for t in inputs.leaves)
+    return Inputs(query=query, key=key, value=value, mask=inputs.mask, bias=bias)
+
+
+def _bshd(out: torch.Tensor, case: Case) -> torch.Tensor:
+    """Any method's output in flash-dma's ``[B, Sq, H, D]`` layout."""
+    return out if out.shape[1] == case.seqlen_q and out.shape[2] == case.heads else out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_masked_methods_agree_in_the_forward(name):
+    case = _case(name)
+    inputs = _float32_inputs(case)
+    outputs = {
+        method: _bshd(METHODS[method].prepare(case, inputs).forward(), case)
+        for method in ("flash-dma", "flash-dma-percall", "sdpa-additive")
+    }
+    assert outputs["flash-dma"].shape == (case.batch, case.seqlen_q, case.heads, case.head_dim)
+    for method, out in outputs.items():
+        torch.testing.assert_close(out, outputs["flash-dma"], atol=2e-5, rtol=1e-4, msg=lambda m: f"{method}: {m}")
+
+
+@pytest.mark.parametrize("name", ["gqa-prefill", "full-bias"])
+def test_sdpa_additive_gradients_match_flash_dma(name):
+    case = _case(name)
+    inputs = _float32_inputs(case)
+    flash = METHODS["flash-dma"].prepare(case, inputs)
+    dout = torch.randn(case.batch, case.seqlen_q, case.heads, case.head_dim)
+    flash.forward().backward(dout)
+    expected = [t.grad.clone() for t in flash.leaves]
+    for t in inputs.leaves:
+        t.grad = None
+
+    sdpa = METHODS["sdpa-additive"].prepare(case, inputs)
+    sdpa.forward().backward(dout.transpose(1, 2))
+    query, key_heads, value_heads, bias = sdpa.leaves
+    assert bias is inputs.bias and query is inputs.query
+    group = case.heads // case.kv_heads
+
+    def per_kv_head(grad):  # the untimed part of the head repeat's backward: a sum over each group
+        return grad.unflatten(1, (case.kv_heads, group)).sum(2).transpose(1, 2)
+
+    actual = [query.grad, per_kv_head(key_heads.grad), per_kv_head(value_heads.grad), bias.grad]
+    for grad_name, a, e in zip(("dq", "dk", "dv", "dbias"), actual, expected):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-3, msg=lambda m: f"{grad_name}: {m}")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_flex_mask_and_score_mods_match_the_additive_mask(name):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    case = _case(name)
+    inputs = make_inputs(case, "cpu")
+    q, k, v = (t.detach().float().transpose(1, 2) for t in (inputs.query, inputs.key, inputs.value))
+    bias = inputs.bias.detach().float()
+    block_mask = create_block_mask(flex_mask_mod(inputs.mask, case.heads, case.seqlen_q), case.batch, case.heads,
+                                   case.seqlen_q, case.seqlen_k, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()": intended here
+        score_mod = flex_score_mod(bias, case.heads)
+        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
+    float_mask = additive_float_mask(inputs.mask, bias, case.seqlen_q, case.heads)
+    group = case.heads // case.kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=float_mask
+    )
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gqa-prefill", "decode"])
+def test_dense_sdpa_is_causal_attention_without_mask(name):
+    case = _case(name)
+    inputs = _float32_inputs(case)
+    out = METHODS["sdpa-flash"].prepare(case, inputs).forward()  # SDPA's flash backend has a CPU kernel
+    expected = flash_dma_func(inputs.query, inputs.key, inputs.value, is_causal=True)
+    torch.testing.assert_close(_bshd(out, case), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_dense_sdpa_refuses_unaligned_causal_shapes():
+    case = replace(_case("gqa-prefill"), seqlen_q=100)
+    with pytest.raises(ValueError, match="Sq == Sk or Sq == 1"):
+        METHODS["sdpa-cudnn"].prepare(case, make_inputs(case, "cpu"))
+
+
+@pytest.mark.parametrize("name, heads", [("mqa-prefill", 1), ("gqa-prefill", 4), ("full-bias", 4)])
+def test_float_mask_size_matches_the_tensor_built(name, heads):
+    case = _case(name)
+    inputs = make_inputs(case, "cpu")
+    float_mask = additive_float_mask(inputs.mask, inputs.bias, case.seqlen_q, case.heads)
+    assert float_mask.shape == (1, heads, case.seqlen_q, case.seqlen_k)
+    assert float_mask.dtype == torch.bfloat16
+    assert float_mask_gib(case) == float_mask.nbytes / 2**30
+
+
+def test_skip_reasons():
+    options = MethodOptions()
+    llm_32k = Case("llm", "prefill", 1, 16, 4, 128, 32768, 32768, 1 / 8, ("sdpa-additive",), ("fwd", "fwdbwd"))
+    llm_16k = Case("llm", "prefill", 1, 16, 4, 128, 16384, 16384, 1 / 8, ("sdpa-additive",), ("fwd", "fwdbwd"))
+    assert "32 GiB" in METHODS["sdpa-additive"].skip_reason(llm_32k, "fwd", options)
+    assert METHODS["sdpa-additive"].skip_reason(llm_16k, "fwd", options) is None  # exactly 8 GiB fits
+    assert METHODS["sdpa-additive"].skip_reason(llm_16k, "fwd", MethodOptions(float_mask_budget_gib=4)) is not None
+
+    decode = Case("seed", "decode", 1, 2, 1, 64, 1, 4096, 1.0, ("flex",), ("fwd",))
+    assert "--flex-decode" in METHODS["flex"].skip_reason(decode, "fwd", options)
+    assert METHODS["flex"].skip_reason(decode, "fwd", MethodOptions(flex_decode=True)) is None
+    assert METHODS["flash-dma"].skip_reason(decode, "fwd", options) is None

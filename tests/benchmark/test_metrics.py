@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from flash_dma.benchmark.metrics import active_pairs, attention_flops, gbps, kv_bytes, tflops
+
+
+def _brute_force_pairs(seqlen_q, seqlen_k, batch, num_heads, mask):
+    """Count over the dense [B, H, Sq, Sk] visibility: bottom-right causal and the per-key mask."""
+    i = torch.arange(seqlen_q)[:, None]
+    j = torch.arange(seqlen_k)[None, :]
+    visible = (i >= j + seqlen_q - seqlen_k).expand(batch, num_heads, seqlen_q, seqlen_k)
+    if mask is not None:
+        heads = mask.shape[1]
+        per_head = mask[:, torch.arange(num_heads) // (num_heads // heads)]  # query head h reads mask head h // G
+        visible = visible & per_head.expand(batch, num_heads, 1, seqlen_k)
+    return int(visible.sum())
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 40), (5, 40), (17, 17), (40, 17), (63, 130)])
+@pytest.mark.parametrize("mask_shape", [None, (1, 2, 1), (2, 2, 1), (1, 1, 1), (1, 4, 1)])
+def test_active_pairs_match_brute_force(seqlen_q, seqlen_k, mask_shape):
+    batch, num_heads = 2, 4
+    mask = None
+    if mask_shape is not None:
+        gen = torch.Generator().manual_seed(seqlen_q * 1000 + seqlen_k)
+        mask = torch.rand(*mask_shape, seqlen_k, generator=gen) < 0.4
+    expected = _brute_force_pairs(seqlen_q, seqlen_k, batch, num_heads, mask)
+    assert active_pairs(seqlen_q, seqlen_k, batch, num_heads, mask) == expected
+
+
+def test_active_pairs_dense_causal_square_is_the_triangle():
+    assert active_pairs(1000, 1000, 1, 3) == 3 * 1000 * 1001 // 2
+
+
+def test_active_pairs_rejects_a_mask_per_query():
+    with pytest.raises(ValueError, match="per-key"):
+        active_pairs(4, 4, 1, 1, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+
+
+def test_flops_reproduce_the_guides_dense_throughput():
+    # GUIDE.md: dense SDPA FLASH at S=16K (H=16, D=128, causal) takes 3.31 ms, about 332 TFLOP/s.
+    pairs = active_pairs(16384, 16384, 1, 16)
+    assert tflops(attention_flops(pairs, 128, "fwd"), 3.31) == pytest.approx(332, abs=1)
+    assert attention_flops(pairs, 128, "fwdbwd") == 3.5 * attention_flops(pairs, 128, "fwd")
+    assert attention_flops(10, 64, "fwd") == 4 * 64 * 10
+    with pytest.raises(ValueError):
+        attention_flops(10, 64, "bwd")
+
+
+def test_kv_bytes_and_bandwidth():
+    # GUIDE.md: decode at Sk=512K, Hkv=1, D=64 in bf16 reads 134 MB of K/V; 0.071 ms is about 1.9 TB/s.
+    nbytes = kv_bytes(524288, 1, 1, 64, 2)
+    assert nbytes == 524288 * 64 * 2 * 2
+    assert gbps(nbytes, 0.071) == pytest.approx(1890, abs=5)
+
+    mask = torch.zeros(1, 2, 1, 1000, dtype=torch.bool)
+    mask[0, 0, 0, :100] = True
+    mask[0, 1, 0, :300] = True
+    # Batch 3 shares the mask; each kept key is read once per batch for K and for V.
+    assert kv_bytes(1000, 3, 2, 16, 2, mask) == 3 * 400 * 16 * 2 * 2
+    assert kv_bytes(1000, 3, 2, 16, 2) == 3 * 2 * 1000 * 16 * 2 * 2

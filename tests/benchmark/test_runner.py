@@ -1,0 +1,144 @@
+"""The runner's bookkeeping on the CPU, with fake methods and a fake measurement."""
+
+import pytest
+import torch
+
+from flash_dma.benchmark import runner
+from flash_dma.benchmark.inputs import make_inputs
+from flash_dma.benchmark.measure import Measurement
+from flash_dma.benchmark.methods import Method, Prepared
+from flash_dma.benchmark.metrics import active_pairs, attention_flops, gbps, kv_bytes, tflops
+from flash_dma.benchmark.suites import Case
+
+
+class FakeMethod(Method):
+    def __init__(self, name, fail_prepare=None, skip=None, applies_mask=True):
+        self.name, self.description = name, name
+        self.fail_prepare, self.skip, self.applies_mask = fail_prepare, skip, applies_mask
+        self.skips_masked_keys = applies_mask
+
+    def skip_reason(self, case, mode, options):
+        return self.skip
+
+    def prepare(self, case, inputs):
+        if self.fail_prepare:
+            raise self.fail_prepare
+        return Prepared(forward=lambda: torch.zeros(1), leaves=())
+
+
+FAKES = {
+    "good": FakeMethod("good"),
+    "dense": FakeMethod("dense", applies_mask=False),
+    "broken": FakeMethod("broken", fail_prepare=RuntimeError("compile failed\nlong traceback")),
+    "skipper": FakeMethod("skipper", skip="not today"),
+}
+
+
+class FakeMeasure:
+    """Records ``(mode, cuda_graph)`` per call; calls numbered in ``fail_on`` run out of memory."""
+
+    def __init__(self):
+        self.calls = []
+        self.fail_on = set()
+
+    def __call__(self, prepared, mode, cuda_graph, options):
+        self.calls.append((mode, cuda_graph))
+        if len(self.calls) in self.fail_on:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        return Measurement(ms=2.0, peak_gib=0.25, setup_s=1.5)
+
+
+@pytest.fixture
+def fake_measure(monkeypatch):
+    fake = FakeMeasure()
+    monkeypatch.setattr(runner, "measure", fake)
+    return fake
+
+
+def _case(**changes):
+    fields = dict(suite="llm", kind="prefill", batch=1, heads=4, kv_heads=2, head_dim=16, seqlen_q=512,
+                  seqlen_k=512, keep=1 / 2, methods=tuple(FAKES), modes=("fwd", "fwdbwd"))
+    return Case(**{**fields, **changes})
+
+
+def test_rows_record_numbers_failures_and_skips(fake_measure):
+    case = _case()
+    fake_measure.fail_on = {2}  # the first method's backward row
+    results = runner.run_cases([case], device="cpu", methods=FAKES)
+    assert [(r.method, r.mode, r.status) for r in results] == [
+        ("good", "fwd", "ok"),
+        ("good", "fwdbwd", "skipped"),
+        ("dense", "fwd", "ok"),
+        ("dense", "fwdbwd", "ok"),
+        ("broken", "fwd", "skipped"),
+        ("broken", "fwdbwd", "skipped"),
+        ("skipper", "fwd", "skipped"),
+        ("skipper", "fwdbwd", "skipped"),
+    ]
+    good, oom, dense_fwd, dense_bwd, broken, _, skipper, _ = results
+    assert oom.note == "OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB"
+    assert broken.note == "RuntimeError: compile failed"
+    assert skipper.note == "not today"
+    assert all(r.ms is None for r in results if not r.ok)
+
+    mask = make_inputs(case, "cpu").mask  # same seed, same mask as the run's
+    sparse_pairs = active_pairs(512, 512, 1, 4, mask)
+    dense_pairs = active_pairs(512, 512, 1, 4)
+    assert sparse_pairs < dense_pairs
+    assert good.active_pairs == sparse_pairs and dense_fwd.active_pairs == dense_pairs
+    assert good.tflops == tflops(attention_flops(sparse_pairs, 16, "fwd"), 2.0)
+    assert dense_bwd.tflops == tflops(attention_flops(dense_pairs, 16, "fwdbwd"), 2.0)
+    assert good.gbps is None  # prefill rows report no bandwidth
+    assert good.peak_gib == 0.25
+    # Preparation time goes to a method's first row only.
+    assert dense_fwd.setup_s >= 1.5 and dense_bwd.setup_s == 1.5
+    assert fake_measure.calls == [("fwd", False), ("fwdbwd", False), ("fwd", False), ("fwdbwd", False)]
+
+
+def test_decode_rows_use_cuda_graphs_and_report_bandwidth(fake_measure):
+    case = _case(kind="decode", seqlen_q=1, seqlen_k=1024, keep=1 / 4, modes=("fwd",), methods=("good", "dense"))
+    good, dense = runner.run_cases([case], device="cpu", methods=FAKES)
+    mask = make_inputs(case, "cpu").mask
+    assert good.gbps == gbps(kv_bytes(1024, 1, 2, 16, 2, mask), 2.0)
+    assert dense.gbps == gbps(kv_bytes(1024, 1, 2, 16, 2), 2.0) == 4 * good.gbps
+    assert fake_measure.calls == [("fwd", True), ("fwd", True)]
+
+
+def test_describe_error_keeps_type_and_first_line_shortened():
+    assert runner.describe_error(ValueError("bad\nworse")) == "ValueError: bad"
+    long = runner.describe_error(RuntimeError("x" * 1000))
+    assert len(long) == 300 and long.endswith("...")
+    assert runner.describe_error(KeyError()) == "KeyError: "
+
+
+def test_format_row():
+    case = _case()
+    ok = runner.Result(case, "flex", "fwd", ms=0.0971, tflops=12.3, peak_gib=0.13, setup_s=61.0)
+    assert runner.format_row(ok) == (
+        "llm prefill S=512 keep=1/2 flex fwd: 0.0971 ms, 12.3 TFLOP/s, peak 0.13 GiB, setup 61.0 s"
+    )
+    skipped = runner.Result(case, "flex", "fwd", status="skipped", note="why")
+    assert runner.format_row(skipped).endswith("flex fwd: skipped (why)")
+
+
+def test_results_are_handed_over_after_every_case(fake_measure):
+    snapshots = []
+    cases = [_case(methods=("good",)), _case(methods=("good", "skipper"), seqlen_q=256, seqlen_k=256)]
+    results = runner.run_cases(cases, device="cpu", methods=FAKES, on_case_done=lambda r: snapshots.append(len(r)))
+    assert snapshots == [2, 6] and len(results) == 6
+
+
+def test_a_case_whose_inputs_fail_is_skipped_whole(fake_measure, monkeypatch):
+    def no_memory(case, device):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(runner, "make_inputs", no_memory)
+    results = runner.run_cases([_case(methods=("good", "dense"))], device="cpu", methods=FAKES)
+    assert [(r.method, r.mode, r.status) for r in results] == [
+        ("good", "fwd", "skipped"),
+        ("good", "fwdbwd", "skipped"),
+        ("dense", "fwd", "skipped"),
+        ("dense", "fwdbwd", "skipped"),
+    ]
+    assert results[0].note == "inputs: OutOfMemoryError: CUDA out of memory"
+    assert fake_measure.calls == []
