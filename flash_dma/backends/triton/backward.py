@@ -21,7 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_dma.backends.triton.configs import backward_candidates, fit_to_problem, head_dim_block, length_bucket
+from flash_dma.backends.triton.configs import (
+    backward_candidates,
+    fit_to_problem,
+    head_dim_block,
+    length_bucket,
+    placeholder,
+)
 from flash_dma.backends.triton.forward import band, broadcast_strides, head_divisor, kernel_view
 from flash_dma.backends.triton.launch import TunedKernel
 from flash_dma.backends.triton.tiles import (
@@ -514,7 +520,6 @@ def attention_backward(
         out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         seqlen_q, num_heads, head_dim, BLOCK_M=64, BLOCK_D=block_d,
     )
-    dq = torch.empty(batch, seqlen_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
     dk = torch.empty(batch, seqlen_k, num_kv_heads, head_dim, dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     chunks = num_query_chunks or query_chunks(seqlen_q)
@@ -526,11 +531,12 @@ def attention_backward(
 
     band_lo, band_hi = band(window_left, window_right, seqlen_q, seqlen_k)
     log2e = 1.4426950408889634
-    no_lists = torch.zeros(1, dtype=torch.int32, device=q.device)
+    no_lists = placeholder(q.device, torch.int32)
+    no_floats = placeholder(q.device, torch.float32)
     # Absent inputs become placeholders: the kernels form (unused) pointers from them.
     common = dict(
         Q=q, K=k, V=v, DO=dout, Lse=lse, Delta=delta,
-        Mask=no_lists if mask is None else kernel_view(mask), Bias=no_lists.float() if bias is None else bias,
+        Mask=no_lists if mask is None else kernel_view(mask), Bias=no_floats if bias is None else bias,
         stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
         stride_kb=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
         stride_vb=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
@@ -559,12 +565,13 @@ def attention_backward(
         strides = broadcast_strides(lists)
         return dict(Lists=lists, stride_lb=strides[0], stride_lh=strides[1], stride_lr=strides[2], list_width=lists.shape[-1])
 
-    placeholder = no_lists.float()
-    dbias_target = dbias_acc if dbias_acc is not None else placeholder
+    dbias_target = dbias_acc if dbias_acc is not None else no_floats
     # Chunks after the first add into fp32 scratch; one turn counter per key tile (any BLOCK_N).
-    scratch_k = torch.empty_like(dk, dtype=torch.float32) if chunks > 1 else placeholder
-    scratch_v = torch.empty_like(dv, dtype=torch.float32) if chunks > 1 else placeholder
-    turns = torch.zeros(batch * num_kv_heads * triton.cdiv(seqlen_k, _SMALLEST_BLOCK_N), dtype=torch.int32, device=q.device)
+    scratch_k, scratch_v, turns = no_floats, no_floats, no_lists
+    if chunks > 1:
+        scratch_k = torch.empty_like(dk, dtype=torch.float32)
+        scratch_v = torch.empty_like(dv, dtype=torch.float32)
+        turns = torch.zeros(batch * num_kv_heads * triton.cdiv(seqlen_k, _SMALLEST_BLOCK_N), dtype=torch.int32, device=q.device)
     dkdv_args = dict(
         common, **list_args(q_lists), DK=dk, DV=dv, DBias=dbias_target,
         ScratchK=scratch_k, ScratchV=scratch_v, Turns=turns,
@@ -576,6 +583,9 @@ def attention_backward(
         DBIAS=dbias_kind, DBIAS_ATOMIC=dbias_atomic, DBIAS_HEAD_SHARED=dbias_head_shared,
     )
     _dkdv(lambda meta: (chunks, triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * num_kv_heads), dkdv_args)
+    # dQ is allocated only once the dK/dV scratch is released, so the two never add up in the peak.
+    del dkdv_args, scratch_k, scratch_v
+    dq = torch.empty(batch, seqlen_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
     dq_args = dict(
         common, **list_args(kv_lists), DQ=dq,
         stride_dqb=dq.stride(0), stride_dqs=dq.stride(1), stride_dqh=dq.stride(2),
@@ -588,6 +598,6 @@ def attention_backward(
             dbias = bias.new_zeros(bias.shape)  # a bias broadcast over keys cannot change the softmax
         else:
             extra = [d for d in (0, 1) if dbias_acc.shape[d + 1] != bias.shape[d]]
-            dbias = dbias_acc.sum(dim=0)
+            dbias = dbias_acc[0] if dbias_acc.shape[0] == 1 else dbias_acc.sum(dim=0)
             dbias = (dbias.sum(dim=extra, keepdim=True) if extra else dbias).to(bias.dtype)
     return dq, dk, dv, dbias

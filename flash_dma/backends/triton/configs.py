@@ -91,6 +91,12 @@ def multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor standing in for an absent kernel input (never read)."""
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
 def length_bucket(n: int) -> int:
     """Coarse, 4x-wide length buckets: 1-16, 17-64, ..., so that tuning survives new lengths."""
     return (max(n, 1) - 1).bit_length() // 2

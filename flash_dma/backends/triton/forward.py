@@ -24,6 +24,7 @@ from flash_dma.backends.triton.configs import (
     head_dim_block,
     length_bucket,
     multiprocessor_count,
+    placeholder,
 )
 from flash_dma.backends.triton.launch import TunedKernel
 from flash_dma.backends.triton.tiles import (
@@ -346,7 +347,7 @@ def attention_forward(
     band_lo, band_hi = band(window_left, window_right, seqlen_q, seqlen_k)
     log2e = 1.4426950408889634
     mask_view = kernel_view(mask)
-    lists_arg = lists if lists is not None else torch.zeros(1, dtype=torch.int32, device=q.device)
+    lists_arg = lists if lists is not None else placeholder(q.device, torch.int32)
     args = dict(
         Q=q, K=k, V=v, Mask=mask_view, Bias=bias, Lists=lists_arg, Out=out_target, Lse=lse_target,
         stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),

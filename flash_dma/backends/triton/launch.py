@@ -8,7 +8,8 @@ launches the plain kernel with positional arguments.
 
 from __future__ import annotations
 
-import torch
+import inspect
+
 import triton
 
 from flash_dma.backends.triton.configs import autotune_enabled
@@ -42,13 +43,16 @@ class TunedKernel:
         self.chosen: dict[tuple, triton.Config] = {}
         self.arg_names = kernel.arg_names[:-2]
         assert kernel.arg_names[-2:] == ["BLOCK_M", "BLOCK_N"], kernel.arg_names[-2:]
+        # Pointer arguments: their dtypes are part of the tuning key, as for triton.autotune.
+        parameters = inspect.signature(kernel.fn).parameters.values()
+        self.pointer_names = [p.name for p in parameters if "constexpr" not in str(p.annotation) and p.name[0].isupper()]
 
     def __call__(self, grid, args: dict) -> None:
         if not autotune_enabled():
             config = self.prune([], args)[0]
         else:
-            tensors = [v for v in args.values() if isinstance(v, torch.Tensor)]
-            key = (tensors[0].device, *(args[name] for name in self.key), *(t.dtype for t in tensors))
+            pointers = [args[name] for name in self.pointer_names]
+            key = (pointers[0].device, *(args[name] for name in self.key), *(getattr(t, "dtype", None) for t in pointers))
             config = self.chosen.get(key)
             if config is None:
                 self.tuner[grid](**args)
