@@ -87,7 +87,7 @@ class BlockMask:
         needs_mask: bool | None = None,
     ) -> "BlockMask":
         """Make a summary from per-block states ``[Bm, Hm, NQB, NKB]`` (EMPTY/PARTIAL/FULL)."""
-        _check_block_size(block_size)
+        check_block_size(block_size)
         expected = (
             mask_shape[0],
             mask_shape[1],
@@ -135,7 +135,38 @@ class BlockMask:
         )
 
 
-def _check_block_size(block_size) -> None:
+def _match_heads(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make two ``[., 1|Hkv|H, ., .]`` tensors broadcast over heads: Hkv heads are repeated to H."""
+    ha, hb = a.shape[1], b.shape[1]
+    if ha == hb or 1 in (ha, hb):
+        return a, b
+    if ha < hb:
+        return a.repeat_interleave(hb // ha, dim=1), b
+    return a, b.repeat_interleave(ha // hb, dim=1)
+
+
+def effective_mask_rows(
+    attn_mask: torch.Tensor | None, block_mask: "BlockMask | None", start: int, stop: int, seqlen_k: int
+) -> torch.Tensor | None:
+    """What the kernels attend for query rows ``[start, stop)``, before causal/window limits.
+
+    Bool ``[1|B, 1|Hkv|H, rows or 1, Sk]``, or None when there is no mask at all. With a summary,
+    FULL blocks attend everywhere, EMPTY blocks nowhere, and PARTIAL blocks follow ``attn_mask``.
+    """
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask[:, :, start:stop] if attn_mask.shape[2] > 1 else attn_mask
+        mask = mask if mask.dtype == torch.bool else mask != 0
+    if block_mask is None:
+        return mask
+    state = block_mask.dense_rows(start, stop, seqlen_k)
+    if mask is None:
+        return state == FULL
+    mask, state = _match_heads(mask, state)
+    return (state == FULL) | ((state == PARTIAL) & mask)
+
+
+def check_block_size(block_size) -> None:
     if (
         not isinstance(block_size, (tuple, list))
         or len(block_size) != 2
@@ -186,6 +217,6 @@ def build_block_mask(attn_mask: torch.Tensor, *, block_size: tuple[int, int] = D
         )
     if attn_mask.dtype.is_floating_point or attn_mask.dtype.is_complex:
         raise TypeError(f"attn_mask: expected a bool or 0/1 integer tensor, got {attn_mask.dtype}")
-    _check_block_size(block_size)
+    check_block_size(block_size)
     state = _summarize(attn_mask, *block_size)
     return BlockMask.from_block_state(state, tuple(attn_mask.shape), block_size, needs_mask=True)

@@ -13,7 +13,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from flash_dma.block_mask import FULL, PARTIAL, BlockMask
+from flash_dma.block_mask import BlockMask, effective_mask_rows
 
 # Scores materialised per chunk (elements): bounds the memory of one chunk.
 _CHUNK_SCORES = 1 << 24
@@ -70,25 +70,6 @@ def _attend_chunk(q, k, v, mask, bias, *, row_start, seqlen_q, softmax_scale, wi
     return out, lse.reshape(batch, num_heads, rows)
 
 
-def _effective_mask_rows(attn_mask, block_mask: BlockMask | None, start: int, stop: int, key: torch.Tensor):
-    """The mask the kernels apply for query rows [start, stop), grouped by ``_group_heads``, or None.
-
-    With a block summary, FULL blocks attend everywhere, EMPTY blocks nowhere, and PARTIAL
-    blocks follow ``attn_mask``.
-    """
-    num_kv_heads = key.shape[2]
-    mask = None
-    if attn_mask is not None:
-        mask = attn_mask[:, :, start:stop] if attn_mask.shape[2] > 1 else attn_mask
-        mask = _group_heads(mask if mask.dtype == torch.bool else mask != 0, num_kv_heads)
-    if block_mask is None:
-        return mask
-    state = _group_heads(block_mask.dense_rows(start, stop, key.shape[1]), num_kv_heads)
-    if mask is None:
-        return state == FULL
-    return (state == FULL) | ((state == PARTIAL) & mask)
-
-
 def reference_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -141,7 +122,8 @@ def reference_attention(
     for start in range(0, max(seqlen_q, 1), chunk_size):
         stop = min(seqlen_q, start + chunk_size)
         q = query[:, start:stop].to(compute_dtype)
-        mask = _effective_mask_rows(attn_mask, block_mask, start, stop, key)
+        mask = effective_mask_rows(attn_mask, block_mask, start, stop, seqlen_k)
+        mask = None if mask is None else _group_heads(mask, key.shape[2])
         bias = None
         if attn_bias is not None:
             bias = attn_bias[:, :, start:stop] if attn_bias.shape[2] > 1 else attn_bias
