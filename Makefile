@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/flash-dma selfcheck
+	$(BIN)/flash-dma demo
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2

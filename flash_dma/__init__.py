@@ -4,6 +4,8 @@ Public API (see ``docs/api.md``):
 
 - :func:`flash_dma_func`: attention with a broadcastable mask and a trainable bias.
 - :func:`build_block_mask` / :class:`BlockMask`: a reusable block summary of a mask.
+- :mod:`flash_dma.masks`: dynamic masks from a learned bias (:func:`create_mask`, :func:`topk_block_mask`).
+- :class:`DynamicMaskAttention`: the trainable dynamic-mask attention layer.
 - :func:`get_available_backends`, :func:`flash_dma_func_auto`: backend selection.
 - :func:`flash_dmattn_func`, :func:`flash_sparse_attn_func`: v1-compatible entry points.
 """
@@ -11,15 +13,21 @@ Public API (see ``docs/api.md``):
 from flash_dma.backends import get_available_backends
 from flash_dma.block_mask import BlockMask, build_block_mask
 from flash_dma.interface import flash_dma_func, flash_dma_func_auto, flash_dmattn_func, flash_sparse_attn_func
+from flash_dma.masks import attended_fraction, create_mask, topk_block_mask
+from flash_dma.modules import DynamicMaskAttention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockMask",
+    "DynamicMaskAttention",
+    "attended_fraction",
     "build_block_mask",
+    "create_mask",
     "flash_dma_func",
     "flash_dma_func_auto",
     "flash_dmattn_func",
     "flash_sparse_attn_func",
     "get_available_backends",
+    "topk_block_mask",
 ]

@@ -27,7 +27,8 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 _SUMMARY_CHUNK_ELEMENTS = 1 << 26
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
     return -(-a // b)
 
 
@@ -91,8 +92,8 @@ class BlockMask:
         expected = (
             mask_shape[0],
             mask_shape[1],
-            1 if mask_shape[2] == 1 else _cdiv(mask_shape[2], block_size[0]),
-            1 if mask_shape[3] == 1 else _cdiv(mask_shape[3], block_size[1]),
+            1 if mask_shape[2] == 1 else cdiv(mask_shape[2], block_size[0]),
+            1 if mask_shape[3] == 1 else cdiv(mask_shape[3], block_size[1]),
         )
         if tuple(state.shape) != expected:
             raise ValueError(
@@ -180,7 +181,7 @@ def _summarize(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
     nb, nh, sq, sk = mask.shape
     block_q = block_q if sq > 1 else 1
     block_k = block_k if sk > 1 else 1
-    nkb = _cdiv(sk, block_k)
+    nkb = cdiv(sk, block_k)
     rows_per_chunk = max(1, _SUMMARY_CHUNK_ELEMENTS // max(1, nb * nh * nkb * block_k * block_q)) * block_q
     states = []
     for r0 in range(0, sq, rows_per_chunk):
@@ -188,7 +189,7 @@ def _summarize(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
         # True -> +1, False -> -1, padding -> 0: a block's max is > 0 iff it holds a True, and its
         # min is >= 0 iff it holds no False, whatever padding it has.
         signs = (chunk if chunk.dtype == torch.bool else chunk != 0).to(torch.int8) * 2 - 1
-        n_qb = _cdiv(signs.shape[2], block_q)
+        n_qb = cdiv(signs.shape[2], block_q)
         signs = torch.nn.functional.pad(signs, (0, nkb * block_k - sk, 0, n_qb * block_q - signs.shape[2]))
         blocks = signs.view(nb, nh, n_qb, block_q, nkb, block_k)
         any_true = blocks.amax(dim=(3, 5)) > 0

@@ -135,6 +135,19 @@ def _check_bias(bias: torch.Tensor, query: torch.Tensor, shape) -> None:
     check_broadcastable("attn_bias", bias, shape)
 
 
+def check_int(name: str, value, minimum: int) -> None:
+    """``value`` must be an int (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+
+
+def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
 def _normalize_window(window_size, is_causal: bool) -> tuple[int, int]:
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size: expected a pair (left, right) of ints, got {window_size!r}")

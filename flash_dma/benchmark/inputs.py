@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flash_dma.benchmark.suites import MASK_BLOCK, Case, cdiv, kept_block_count
+from flash_dma.benchmark.suites import MASK_BLOCK, Case, kept_block_count
+from flash_dma.block_mask import cdiv
 
 DTYPE = torch.bfloat16
 SEED = 0

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
+from flash_dma.block_mask import cdiv
+
 MASK_BLOCK = 128  # keys per block of the top-k mask: the default block of flash-dma and Flex
 # Run order: the llm suite holds most targets, so a run cut short has them first.
 SUITES = ("llm", "seed")
@@ -46,10 +48,6 @@ QUICK_SEED_PREFILL_LENGTHS = (4096,)
 QUICK_SEED_DECODE_LENGTHS = (524288,)
 QUICK_LLM_LENGTHS = (4096,)
 QUICK_LLM_KEEPS = (1.0, 1 / 8)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def kept_block_count(keep: float, num_blocks: int) -> int:

@@ -1,0 +1,137 @@
+"""``flash-dma demo``: train the recall model with dynamic-mask (sparse) and with dense attention.
+
+The CPU configuration (the default) is sized to finish within three minutes on two cores using
+the reference backend; ``--device cuda`` runs a 1K-token configuration on the Triton kernels, with
+whole key blocks selected so that the kernels skip the rest.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from flash_dma.backends import resolve_backend
+from flash_dma.demo.model import RecallTransformer
+from flash_dma.demo.report import target_checks, write_plot, write_summary
+from flash_dma.demo.task import RecallTask
+from flash_dma.demo.train import TrainConfig, train
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """One demo: the task, the model, how the sparse model selects keys, and the training.
+
+    Attributes:
+        task: the recall task.
+        hidden_size, num_layers: the model's width and depth.
+        attention: :class:`DynamicMaskAttention` arguments shared by both models.
+        selection: the sparse model's selection arguments; the dense model has ``window_size=None``.
+        train: the optimisation.
+        time_limit: seconds the whole demo should take, checked and reported; None for no target.
+    """
+
+    task: RecallTask
+    hidden_size: int
+    num_layers: int
+    attention: dict
+    selection: dict
+    train: TrainConfig
+    time_limit: float | None
+
+
+# Eight heads of width 8 give eight independent selections per layer: together they cover the
+# scattered values far better than four wider heads do, at the same cost.
+CPU_CONFIG = DemoConfig(
+    task=RecallTask(seqlen=128, num_pairs=6),
+    hidden_size=64,
+    num_layers=2,
+    attention=dict(num_heads=8, num_kv_heads=8, rope_base=None),
+    selection=dict(window_size=24),
+    train=TrainConfig(steps=700, batch_size=12, learning_rate=5e-3, eval_every=100, eval_batch_size=128),
+    time_limit=180.0,
+)
+# Measured on an H100: at 4096 tokens neither model learned in 1500 steps (recall at chance), so
+# the CUDA demo runs 1024 tokens, 8x the CPU context, with blocks of 32 keys that the kernels skip.
+CUDA_CONFIG = DemoConfig(
+    task=RecallTask(seqlen=1024, num_pairs=8),
+    hidden_size=64,
+    num_layers=2,
+    attention=dict(num_heads=8, num_kv_heads=8, rope_base=None),
+    selection=dict(window_size=192, block_size=32, sink_blocks=1),
+    train=TrainConfig(steps=3000, batch_size=12, learning_rate=5e-3, eval_every=250, eval_batch_size=64),
+    time_limit=None,
+)
+SMOKE_CONFIG = DemoConfig(
+    task=RecallTask(seqlen=48, num_pairs=3),
+    hidden_size=32,
+    num_layers=1,
+    attention=dict(num_heads=4, num_kv_heads=2, rope_base=None),
+    selection=dict(window_size=8),
+    train=TrainConfig(steps=4, batch_size=4, eval_every=2, eval_batch_size=8),
+    time_limit=None,
+)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per model (default: per device)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: 0)")
+    parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder for the plot and summary")
+    parser.add_argument("--smoke", action="store_true", help="a tiny configuration that only checks the pipeline")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def choose_config(device: torch.device, steps: int | None, smoke: bool) -> DemoConfig:
+    config = SMOKE_CONFIG if smoke else CUDA_CONFIG if device.type == "cuda" else CPU_CONFIG
+    if steps is not None:
+        config = replace(config, train=replace(config.train, steps=steps))
+    return config
+
+
+def main(args) -> int:
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("flash-dma demo: --device cuda needs a CUDA device; none is available", file=sys.stderr)
+        return 2
+    if args.steps is not None and args.steps < 1:
+        print(f"flash-dma demo: --steps must be >= 1, got {args.steps}", file=sys.stderr)
+        return 2
+    config = choose_config(device, args.steps, args.smoke)
+    task = config.task
+    backend = resolve_backend(None, device).__name__.rsplit(".", 1)[-1]
+    print(
+        f"flash-dma demo on {device} ({backend} backend): recall of {task.num_pairs} key-value pairs among "
+        f"{task.seqlen} tokens; {config.num_layers} layers, width {config.hidden_size}; sparse selection "
+        f"{config.selection}; {config.train.steps} steps of {config.train.batch_size} sequences per model"
+    )
+    results = []
+    for name, selection in (("sparse", config.selection), ("dense", dict(window_size=None))):
+        torch.manual_seed(args.seed)  # both models start from the same weights
+        model = RecallTransformer(
+            task.vocab_size, config.hidden_size, config.num_layers, **config.attention, **selection
+        ).to(device)
+        results.append(train(name, model, task, config.train, args.seed, device, show_progress=not args.quiet))
+    seconds = time.perf_counter() - started
+    checks = target_checks(results[0], seconds, config.time_limit)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot_path, summary_path = args.out / "demo.png", args.out / "demo.json"
+    title = f"recall of {task.num_pairs} pairs in {task.seqlen} tokens on {device}: dynamic-mask vs dense attention"
+    write_plot(results, plot_path, title)
+    configuration = {**asdict(config), "device": str(device), "backend": backend, "seed": args.seed}
+    write_summary(summary_path, configuration, results, checks, seconds)
+
+    print(f"\n{'model':>7} {'recall':>7} {'loss':>7} {'attended':>9} {'seconds':>8}")
+    for result in results:
+        final = result.final
+        print(f"{result.name:>7} {final['recall']:7.3f} {final['loss']:7.3f} {final['attended']:9.3f} {result.seconds:8.1f}")
+    print()
+    for check in checks:
+        print(check.line())
+    print(f"\nwrote {plot_path} and {summary_path} ({seconds:.0f} s in all)")
+    return 0

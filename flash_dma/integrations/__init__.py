@@ -1,0 +1,1 @@
+"""Integrations of flash-dma with other libraries; each needs its library installed (an extra)."""

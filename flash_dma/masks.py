@@ -1,0 +1,408 @@
+"""Dynamic masks: which keys each query attends to, chosen from a learned per-key bias.
+
+Trainable dynamic-mask attention scores every key with a bias (in Doge, ``A * softplus(dt_proj(V))``)
+and attends only to the keys with the largest scores. The selection itself is not differentiable and
+is made under ``torch.no_grad``: the bias is also added to the attention scores, and that is where
+its gradient comes from.
+
+- :func:`create_mask`: a token-level boolean mask, with the arguments of the earlier Flash-DMA
+  ``create_mask``. A per-key bias ``[B, H, 1, Sk]`` gives a per-key mask of the same shape.
+- :func:`topk_block_mask`: whole key blocks, straight into the :class:`~flash_dma.BlockMask` that
+  ``flash_dma_func(block_mask=...)`` takes; no element-wise mask exists at any point. This is the
+  form in which the kernels skip the unselected blocks entirely.
+- :func:`attended_fraction`: the fraction of (query, key) pairs that a mask lets through.
+
+Every selection is deterministic: among equal scores the key with the lower index wins.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash_dma.backends.reference import visible_positions
+from flash_dma.block_mask import (
+    DEFAULT_BLOCK_SIZE,
+    EMPTY,
+    FULL,
+    PARTIAL,
+    BlockMask,
+    cdiv,
+    check_block_size,
+    effective_mask_rows,
+)
+from flash_dma.inputs import UNBOUNDED, check_choice, check_int
+
+MASK_TYPES = ("topk", "relu")
+BLOCK_REDUCTIONS = ("max", "mean")
+# Mask elements expanded at a time by attended_fraction; bounds its temporary memory.
+_COUNT_CHUNK_ELEMENTS = 1 << 24
+
+
+def _check_bias(attention_bias, expected: str) -> None:
+    if not isinstance(attention_bias, torch.Tensor):
+        raise TypeError(f"attention_bias: expected a torch.Tensor, got {type(attention_bias).__name__}")
+    if not attention_bias.dtype.is_floating_point:
+        raise TypeError(f"attention_bias: expected a floating-point tensor, got {attention_bias.dtype}")
+    if attention_bias.dim() != 4:
+        raise ValueError(f"attention_bias: expected a 4-D tensor {expected}, got shape {tuple(attention_bias.shape)}")
+
+
+def _allowed_keys(attention_mask, key_len: int, query_len: int | None, batch_size: int | None) -> torch.Tensor | None:
+    """The caller's mask as a 4-D bool tensor (True = the key may be selected), or None.
+
+    A 2-D padding mask ``[B, L]`` is aligned to the key axis: ``L == key_len`` covers every key, and
+    ``L == query_len < key_len`` covers the newest keys (the queries' own tokens), the earlier ones
+    (a KV cache) counting as real tokens. A 4-D mask is returned as is (as bool).
+    """
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask: expected a torch.Tensor or None, got {type(attention_mask).__name__}")
+    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
+        raise TypeError(f"attention_mask: expected a bool (True = keep) or 0/1 integer tensor, got {attention_mask.dtype}")
+    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+    if allowed.dim() == 4:
+        if allowed.shape[-1] != key_len:
+            raise ValueError(
+                f"attention_mask: expected the last dimension to be key_len = {key_len}, got shape {tuple(allowed.shape)}"
+            )
+        return allowed
+    if allowed.dim() != 2:
+        raise ValueError(
+            f"attention_mask: expected a 2-D padding mask [B, key_len] or a 4-D mask [1|B, 1|H, 1|Sq, key_len], "
+            f"got shape {tuple(allowed.shape)}"
+        )
+    if batch_size is not None and allowed.shape[0] != batch_size:
+        raise ValueError(f"attention_mask: expected batch size {batch_size}, got shape {tuple(allowed.shape)}")
+    length = allowed.shape[1]
+    if length == key_len:
+        return allowed[:, None, None, :]
+    if query_len is not None and length == query_len < key_len:
+        cached = allowed.new_ones(allowed.shape[0], key_len - query_len)
+        return torch.cat([cached, allowed], dim=1)[:, None, None, :]
+    lengths = f"key_len = {key_len}" + ("" if query_len is None else f" or query_len = {query_len}")
+    raise ValueError(f"attention_mask: a 2-D padding mask must have length {lengths}, got shape {tuple(allowed.shape)}")
+
+
+def _broadcast(name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        return torch.broadcast_tensors(a, b)
+    except RuntimeError:
+        raise ValueError(
+            f"{name}: shape {tuple(b.shape)} does not broadcast with attention_bias of shape {tuple(a.shape)}"
+        ) from None
+
+
+def _keep_largest(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row (last dimension), the ``k`` largest ``scores`` among the ``allowed`` entries.
+
+    Args:
+        scores: ``[..., N]`` float.
+        allowed: bool, broadcastable to ``scores``; entries that are False are never kept, nor are NaN scores.
+        k: entries to keep per row; rows with fewer allowed entries keep all of them.
+
+    Returns:
+        bool ``[..., N]`` (the broadcast shape). Ties at the k-th score are broken towards the lower
+        index, so the result does not depend on the device or on ``torch.topk``'s internal order.
+    """
+    scores, allowed = torch.broadcast_tensors(scores, allowed)
+    allowed = allowed & ~torch.isnan(scores)  # a new tensor of the broadcast shape
+    if k >= scores.shape[-1]:
+        return allowed
+    if k == 0:
+        return torch.zeros_like(allowed)
+    ranked = scores.masked_fill(~allowed, float("-inf"))
+    # The k-th largest value is the same whichever tied entries topk returns; only the indices vary.
+    kth = ranked.topk(k, dim=-1).values[..., -1:]
+    above = ranked > kth
+    tied = allowed & (ranked == kth)
+    room = k - above.sum(dim=-1, keepdim=True)
+    return above | (tied & (tied.cumsum(dim=-1) <= room))
+
+
+def _key_blocks(t: torch.Tensor, block: int, fill) -> torch.Tensor:
+    """``[..., Sk]`` -> ``[..., ceil(Sk / block), block]``, the last block padded with ``fill``."""
+    pad = cdiv(t.shape[-1], block) * block - t.shape[-1]
+    padded = torch.nn.functional.pad(t, (0, pad), value=fill)
+    return padded.view(*t.shape[:-1], -1, block)
+
+
+def _key_block_lengths(key_len: int, block: int, device) -> torch.Tensor:
+    """``[ceil(Sk / block)]`` int: the number of real keys in each key block (the last may be short)."""
+    starts = torch.arange(0, key_len, block, device=device)
+    return torch.clamp(key_len - starts, max=block)
+
+
+def _majority_per_block(keep: torch.Tensor, block: int) -> torch.Tensor:
+    """Each block of ``block`` keys kept whole if more than half of its keys are kept, else dropped."""
+    key_len = keep.shape[-1]
+    counts = _key_blocks(keep, block, False).sum(dim=-1)
+    blocks_kept = 2 * counts > _key_block_lengths(key_len, block, keep.device)
+    return blocks_kept.repeat_interleave(block, dim=-1)[..., :key_len]
+
+
+def create_mask(
+    attention_bias: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    batch_size: int,
+    query_len: int,
+    key_len: int,
+    window_size: int,
+    min_dtype: float | None = None,
+    block_size: int | None = None,
+    type: str = "topk",
+) -> torch.Tensor:
+    """A token-level dynamic mask: the keys with the largest bias, per row of the bias.
+
+    The arguments are those of the earlier Flash-DMA ``create_mask``. Unlike it, a window at least
+    as long as the keys keeps every allowed key, ties are broken deterministically (towards the
+    lower key index), masked keys are never selected (also after block smoothing), and the result
+    has the broadcast shape of its inputs: a per-key bias gives a per-key mask, never ``[Sq, Sk]``.
+
+    Args:
+        attention_bias: ``[1|B, 1|Hkv|H, 1|Sq, Sk]`` float, the per-key (or per-pair) importance.
+            It is read under ``torch.no_grad``; no gradient flows through the selection.
+        attention_mask: None, a 2-D padding mask ``[B, Sk]`` (or ``[B, Sq]`` covering the newest
+            ``Sq`` keys, the earlier ones being a cache of real tokens), or a 4-D mask broadcastable
+            with the bias. Bool (True = may be selected) or 0/1 integer.
+        batch_size: B.
+        query_len: Sq.
+        key_len: Sk; the bias's last dimension.
+        window_size: with ``type="topk"``, the number of keys kept per row (all allowed keys when
+            ``window_size >= key_len``). Not used by ``type="relu"``.
+        min_dtype: if given, keys whose bias is ``<= min_dtype`` count as masked (for a bias that
+            already carries an additive mask, such as ``torch.finfo(dtype).min``).
+        block_size: if given, after selection every run of ``block_size`` keys (the last one may be
+            shorter) is kept whole if more than half of it was selected and dropped otherwise, so that
+            whole tiles can be skipped; masked keys stay unselected.
+        type: ``"topk"``: the ``window_size`` largest-bias keys per row; ``"relu"``: the keys whose
+            bias is > 0.
+
+    Returns:
+        bool, the broadcast shape of ``attention_bias`` and the (aligned) ``attention_mask``;
+        True = attend. Pass it as ``flash_dma_func(attn_mask=...)`` together with the bias.
+    """
+    for name, value, minimum in (("batch_size", batch_size, 1), ("query_len", query_len, 1), ("key_len", key_len, 0)):
+        check_int(name, value, minimum)
+    check_choice("type", type, MASK_TYPES)
+    _check_bias(attention_bias, "[1|B, 1|Hkv|H, 1|Sq, Sk]")
+    bias_batch, _, bias_rows, bias_keys = attention_bias.shape
+    if bias_batch not in (1, batch_size) or bias_rows not in (1, query_len) or bias_keys != key_len:
+        raise ValueError(
+            f"attention_bias: expected shape [1|{batch_size}, heads, 1|{query_len}, {key_len}] for "
+            f"batch_size={batch_size}, query_len={query_len}, key_len={key_len}, got {tuple(attention_bias.shape)}"
+        )
+    if type == "topk":
+        check_int("window_size", window_size, 0)
+    if min_dtype is not None and (isinstance(min_dtype, bool) or not isinstance(min_dtype, (int, float))):
+        raise TypeError(f"min_dtype: expected a float or None, got {type(min_dtype).__name__} {min_dtype!r}")
+    if block_size is not None:
+        check_int("block_size", block_size, 1)
+    allowed = _allowed_keys(attention_mask, key_len, query_len, batch_size)
+
+    with torch.no_grad():
+        bias = attention_bias.detach()
+        if allowed is None:
+            allowed = torch.ones((), dtype=torch.bool, device=bias.device)
+        bias, allowed = _broadcast("attention_mask", bias, allowed)
+        if min_dtype is not None:
+            allowed = allowed & (bias > min_dtype)
+        if type == "topk":
+            keep = _keep_largest(bias, allowed, window_size)
+        else:
+            keep = allowed & (bias > 0)
+        if block_size is not None and block_size > 1:
+            keep = _majority_per_block(keep, block_size) & allowed
+    return keep
+
+
+def _query_block_layout(
+    query_len: int, key_len: int, block_size: tuple[int, int], is_causal: bool, local_blocks: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(visible, local)``, each ``[NQB, NKB]`` bool, for blocks of ``block_size``.
+
+    ``visible``: some query of the query block may see some key of the key block (always true
+    without ``is_causal``). ``local``: the key block holding the query block's diagonal (the key
+    aligned with its queries, bottom-right as in ``flash_dma_func``) and the ``local_blocks - 1``
+    key blocks before it; empty when ``local_blocks == 0``.
+    """
+    block_q, block_k = block_size
+    first_row = torch.arange(0, query_len, block_q, device=device)
+    last_row = torch.clamp(first_row + block_q, max=query_len) - 1
+    # The diagonal key of query i is i + Sk - Sq; it may lie before key 0 when Sq > Sk.
+    diagonal_first = first_row + (key_len - query_len)
+    diagonal_last = last_row + (key_len - query_len)
+    key_block = torch.arange(cdiv(key_len, block_k), device=device)
+    if is_causal:
+        visible = key_block[None, :] * block_k <= diagonal_last[:, None]
+    else:
+        visible = torch.ones(len(first_row), len(key_block), dtype=torch.bool, device=device)
+    lowest = torch.div(diagonal_first, block_k, rounding_mode="floor") - (local_blocks - 1)
+    highest = torch.div(diagonal_last, block_k, rounding_mode="floor")
+    local = (key_block[None, :] >= lowest[:, None]) & (key_block[None, :] <= highest[:, None])
+    # With no local blocks the range above is still non-empty when a query block spans several key blocks.
+    return visible, local & (local_blocks > 0)
+
+
+def topk_block_mask(
+    attention_bias: torch.Tensor,
+    window_size: int,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    reduce: str = "max",
+    query_len: int | None = None,
+    is_causal: bool = False,
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+) -> BlockMask:
+    """Select whole key blocks by their aggregated bias, straight into a :class:`BlockMask`.
+
+    Keys are cut into blocks of ``block_size[1]``; each block is scored by the maximum (or mean) of
+    the bias over its allowed keys, and the ``ceil(window_size / block_k)`` best-scoring blocks are
+    kept, ties going to the lower block index. Blocks with no allowed key are never selected. The
+    result goes to ``flash_dma_func(q, k, v, attn_bias=..., block_mask=...)``; causal and window
+    limits are applied there, analytically, as always.
+
+    Two layouts, a documented trade-off:
+
+    - ``query_len=None`` (per key): one selection per (batch, head), shared by all queries. The state
+      is ``[Bm, Hm, 1, NKB]``: O(Sk / block_k) memory. Under causal attention a query sees only the
+      kept blocks at or before its position, so early queries may see few blocks, or none (their
+      output is then 0); ``sink_blocks`` guarantees every query the first blocks.
+    - ``query_len=Sq`` (per query block): each block of ``block_q`` queries picks its own blocks among
+      those it can see (``is_causal``), plus its ``local_blocks`` diagonal blocks. The state is
+      ``[Bm, Hm, NQB, NKB]``: O((Sq / block_q) * (Sk / block_k)) bytes, still no element mask.
+      Every query gets its full budget and its local neighbourhood.
+
+    ``reduce="max"`` (the default) keeps a block if any one of its keys matters, which suits sparse
+    important tokens (a single key among filler); ``"mean"`` favours blocks whose keys all matter.
+
+    Args:
+        attention_bias: ``[1|B, 1|Hkv|H, 1, Sk]`` float, a per-key bias. Read under ``torch.no_grad``.
+        window_size: keys to keep per query by bias, rounded up to whole blocks; >= 0.
+        attention_mask: None, a 2-D padding mask ``[B, Sk]`` or a 4-D ``[1|B, 1|H, 1, Sk]`` mask,
+            bool (True = real key) or 0/1 integer. A kept block that holds masked keys is PARTIAL:
+            then ``result.needs_mask`` is True and the mask, as 4-D, must go to ``flash_dma_func``
+            as ``attn_mask``. Blocks of only masked keys are never kept.
+        block_size: ``(block_q, block_k)``, powers of two from 16 to 256.
+        reduce: ``"max"`` or ``"mean"`` of the bias over each block's allowed keys.
+        query_len: None for the per-key layout, or Sq for the per-query-block layout.
+        is_causal: per-query-block layout only: a query block chooses among the key blocks it can
+            see under causal attention (bottom-right aligned).
+        sink_blocks: the first ``sink_blocks`` key blocks are always kept, on top of the window.
+        local_blocks: per-query-block layout only: the key block holding each query block's diagonal
+            and the ``local_blocks - 1`` before it are always kept, on top of the window.
+
+    Returns:
+        A :class:`BlockMask` of EMPTY/FULL blocks (and PARTIAL ones where padding cuts a kept block),
+        with ``mask_shape = (Bm, Hm, 1, Sk)`` per key or ``(Bm, Hm, Sq, Sk)`` per query block.
+    """
+    _check_bias(attention_bias, "[1|B, 1|Hkv|H, 1, Sk]")
+    if attention_bias.shape[2] != 1:
+        raise ValueError(
+            f"attention_bias: expected a per-key bias [1|B, 1|Hkv|H, 1, Sk] (query dimension 1), got shape "
+            f"{tuple(attention_bias.shape)}; select per-query keys with create_mask and build_block_mask"
+        )
+    check_int("window_size", window_size, 0)
+    check_block_size(block_size)
+    check_choice("reduce", reduce, BLOCK_REDUCTIONS)
+    check_int("sink_blocks", sink_blocks, 0)
+    check_int("local_blocks", local_blocks, 0)
+    if query_len is None:
+        for name, value in (("is_causal", is_causal), ("local_blocks", local_blocks)):
+            if value:
+                raise ValueError(
+                    f"{name}: only the per-query-block layout uses it; pass query_len, or (for is_causal) "
+                    f"give is_causal to flash_dma_func, which applies it to a per-key selection, got {value!r}"
+                )
+    else:
+        check_int("query_len", query_len, 1)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__} {is_causal!r}")
+    key_len = attention_bias.shape[-1]
+    block_k = block_size[1]
+    allowed = _allowed_keys(attention_mask, key_len, query_len, None)
+    if allowed is not None and allowed.shape[2] != 1:
+        raise ValueError(
+            f"attention_mask: expected a per-key mask [1|B, 1|H, 1, Sk] (query dimension 1), got shape {tuple(allowed.shape)}"
+        )
+
+    with torch.no_grad():
+        bias = attention_bias.detach().float()
+        if allowed is None:
+            allowed = torch.ones((), dtype=torch.bool, device=bias.device)
+        bias, allowed = _broadcast("attention_mask", bias, allowed)
+        block_bias = _key_blocks(bias, block_k, 0.0)  # [Bm, Hm, 1, NKB, block_k]
+        block_allowed = _key_blocks(allowed, block_k, False)
+        allowed_count = block_allowed.sum(dim=-1)  # [Bm, Hm, 1, NKB]
+        if reduce == "max":
+            score = block_bias.masked_fill(~block_allowed, float("-inf")).amax(dim=-1)
+        else:
+            score = torch.where(block_allowed, block_bias, 0.0).sum(dim=-1) / allowed_count.clamp(min=1)
+        eligible = allowed_count > 0
+        fully_allowed = allowed_count == _key_block_lengths(key_len, block_k, bias.device)
+        key_block = torch.arange(eligible.shape[-1], device=bias.device)
+        forced = key_block < sink_blocks
+        if query_len is None:
+            mask_shape = (*bias.shape[:2], 1, key_len)
+        else:
+            visible, local = _query_block_layout(query_len, key_len, block_size, is_causal, local_blocks, bias.device)
+            eligible = eligible & visible  # [Bm, Hm, NQB, NKB]
+            forced = forced | local
+            mask_shape = (*bias.shape[:2], query_len, key_len)
+        forced = forced & eligible
+        selected = forced | _keep_largest(score, eligible & ~forced, cdiv(window_size, block_k))
+        state = torch.where(selected, torch.where(fully_allowed, FULL, PARTIAL), EMPTY).to(torch.int8)
+    return BlockMask.from_block_state(state, mask_shape, block_size)
+
+
+def attended_fraction(
+    seqlen_q: int,
+    seqlen_k: int,
+    attn_mask: torch.Tensor | None = None,
+    block_mask: BlockMask | None = None,
+    *,
+    is_causal: bool = False,
+    window_size: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
+) -> float:
+    """The fraction of (query, key) pairs that ``flash_dma_func`` attends with these masks.
+
+    It counts the pairs that the masks let through and that the causal/window limits leave
+    visible, over the pairs that those limits leave visible on their own, averaged over the batch
+    and heads of the masks. Query rows are expanded a chunk at a time, so memory stays bounded.
+
+    Args:
+        seqlen_q, seqlen_k: Sq and Sk of the attention call.
+        attn_mask: ``[1|B, 1|H, 1|Sq, Sk]`` bool or 0/1 integer, or None.
+        block_mask: a :class:`BlockMask`, or None.
+        is_causal, window_size: as given to ``flash_dma_func``.
+
+    Returns:
+        A float in [0, 1]; 0 when no pair is visible at all.
+    """
+    check_int("seqlen_q", seqlen_q, 1)
+    check_int("seqlen_k", seqlen_k, 1)
+    if attn_mask is not None and (attn_mask.dim() != 4 or attn_mask.shape[-1] != seqlen_k):
+        raise ValueError(
+            f"attn_mask: expected a 4-D mask [1|B, 1|H, 1|Sq, {seqlen_k}], got shape {tuple(attn_mask.shape)}"
+        )
+    if block_mask is not None and block_mask.needs_mask and attn_mask is None:
+        raise ValueError("block_mask: it may hold partial blocks, so its element-wise mask must be given as attn_mask")
+    window = (window_size[0], 0) if is_causal else tuple(window_size)
+    masks = [m for m in (attn_mask, None if block_mask is None else block_mask.state) if m is not None]
+    device = masks[0].device if masks else torch.device("cpu")
+    head_entries = max((m.shape[0] * m.shape[1] for m in masks), default=1)
+    rows_per_chunk = max(1, _COUNT_CHUNK_ELEMENTS // (head_entries * seqlen_k))
+    attended = visible_pairs = 0
+    for start in range(0, seqlen_q, rows_per_chunk):
+        stop = min(seqlen_q, start + rows_per_chunk)
+        visible = visible_positions(torch.arange(start, stop, device=device), seqlen_q, seqlen_k, window)
+        through = effective_mask_rows(attn_mask, block_mask, start, stop, seqlen_k)
+        if through is None:
+            attended += int(visible.sum())
+        else:
+            # Mean over the masks' (batch, head) entries of the pairs each lets through.
+            attended += float((through & visible).sum(dim=(2, 3)).double().mean())
+        visible_pairs += int(visible.sum())
+    return attended / visible_pairs if visible_pairs else 0.0

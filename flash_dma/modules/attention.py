@@ -1,0 +1,196 @@
+"""The trainable dynamic-mask attention layer (the Doge design)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flash_dma.block_mask import check_block_size
+from flash_dma.interface import flash_dma_func
+from flash_dma.inputs import check_choice, check_int
+from flash_dma.masks import create_mask, topk_block_mask
+from flash_dma.modules.rotary import RotaryEmbedding
+
+IMPORTANCE_FORMS = ("softplus", "exp")
+
+
+class DynamicMaskAttention(nn.Module):
+    """Multi-head attention over the keys that a learned per-key importance selects.
+
+    From the value states, every key gets a bias per key/value head,
+    ``bias = A * softplus(dt_proj(V))`` (or ``exp(A * softplus(dt_proj(V)))``), shape ``[B, Hkv, 1, Sk]``.
+    The ``window_size`` keys with the largest bias are selected (token by token, or by whole blocks),
+    under ``torch.no_grad``; the bias is also added to the attention scores of the selected keys,
+    so its gradient teaches ``A`` and ``dt_proj`` which keys matter, and the selection follows.
+
+    Args:
+        hidden_size: E, the size of the input and output features.
+        num_heads: H, the number of query heads.
+        num_kv_heads: Hkv, the number of key/value heads; divides ``num_heads`` (GQA; 1 is MQA).
+            Defaults to ``num_heads``.
+        head_dim: D, the size of each head; defaults to ``hidden_size // num_heads``.
+        window_size: keys kept per query by bias (with blocks, rounded up to whole blocks). None
+            attends to every key: dense attention with the same learned bias, for comparison.
+        block_size: None selects single keys: a per-key mask ``[B, Hkv, 1, Sk]``, which under causal
+            attention lets each query see the selected keys at or before it. An int (16, 32, 64,
+            128 or 256) selects whole blocks of that many keys with
+            :func:`~flash_dma.masks.topk_block_mask` (block maximum of the bias), which the kernels
+            skip outright on the GPU.
+        sink_blocks: block selection only: the first ``sink_blocks`` key blocks are always kept.
+        local_blocks: block selection only: when > 0, each block of queries also keeps the key
+            block holding its diagonal and the ``local_blocks - 1`` before it, and chooses its
+            own window among the blocks it can see (the per-query-block layout of
+            :func:`~flash_dma.masks.topk_block_mask`); when 0, one selection serves all queries.
+        importance: ``"softplus"`` for ``A * softplus(dt)``, ``"exp"`` for ``exp(A * softplus(dt))``.
+        qk_norm: apply an RMSNorm over the head dimension to queries and keys.
+        rope_base: base of the rotary position embedding applied to queries and keys; None for none.
+        is_causal: query i attends to keys up to position i.
+        norm_eps: epsilon of the query/key RMSNorm.
+        proj_bias: give the q/k/v/o and dt projections an additive bias.
+        backend: ``"triton"``, ``"reference"`` or None (Triton on CUDA, reference elsewhere).
+
+    Parameters: ``q_proj`` ``[H*D, E]``, ``k_proj`` and ``v_proj`` ``[Hkv*D, E]``, ``o_proj`` ``[E, H*D]``,
+    ``dt_proj`` ``[Hkv, Hkv*D]`` and ``A`` ``[Hkv]``. ``A`` starts at 0, as in Doge: the bias starts
+    neutral (every key tied, so the first selection keeps the earliest keys) and grows only as far
+    as it helps; ``dt_proj`` receives its gradient through ``A``, so from the first update of ``A`` on.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        *,
+        window_size: int | None = 2048,
+        block_size: int | None = None,
+        sink_blocks: int = 0,
+        local_blocks: int = 0,
+        importance: str = "softplus",
+        qk_norm: bool = False,
+        rope_base: float | None = 10000.0,
+        is_causal: bool = True,
+        norm_eps: float = 1e-6,
+        proj_bias: bool = False,
+        backend: str | None = None,
+    ):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        check_int("hidden_size", hidden_size, 1)
+        check_int("num_heads", num_heads, 1)
+        check_int("num_kv_heads", num_kv_heads, 1)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads: must divide num_heads = {num_heads}, got {num_kv_heads}")
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(
+                    f"head_dim: hidden_size = {hidden_size} is not a multiple of num_heads = {num_heads}; give head_dim"
+                )
+            head_dim = hidden_size // num_heads
+        check_int("head_dim", head_dim, 1)
+        if window_size is not None:
+            check_int("window_size", window_size, 0)
+        if block_size is None:
+            for name, value in (("sink_blocks", sink_blocks), ("local_blocks", local_blocks)):
+                if value:
+                    raise ValueError(f"{name}: only block selection uses it; set block_size, got {value}")
+        else:
+            check_block_size((block_size, block_size))
+        check_int("sink_blocks", sink_blocks, 0)
+        check_int("local_blocks", local_blocks, 0)
+        check_choice("importance", importance, IMPORTANCE_FORMS)
+
+        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim
+        self.window_size, self.block_size = window_size, block_size
+        self.sink_blocks, self.local_blocks = sink_blocks, local_blocks
+        self.importance, self.is_causal, self.backend = importance, is_causal, backend
+
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=proj_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=proj_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=proj_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=proj_bias)
+        self.dt_proj = nn.Linear(num_kv_heads * head_dim, num_kv_heads, bias=proj_bias)
+        self.A = nn.Parameter(torch.zeros(num_kv_heads))
+        self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+        self.rotary = None if rope_base is None else RotaryEmbedding(head_dim, rope_base)
+
+    def key_importance(self, value: torch.Tensor) -> torch.Tensor:
+        """The per-key bias ``[B, Hkv, 1, Sk]`` float32 from value states ``[B, Sk, Hkv, D]``."""
+        batch, seqlen, _, _ = value.shape
+        dt = self.dt_proj(value.reshape(batch, seqlen, self.num_kv_heads * self.head_dim))  # [B, Sk, Hkv]
+        strength = self.A * F.softplus(dt)
+        if self.importance == "exp":
+            strength = torch.exp(strength)
+        return strength.float().transpose(1, 2).unsqueeze(2)
+
+    def select(self, bias: torch.Tensor, attention_mask: torch.Tensor | None) -> dict:
+        """The keys to attend, as the ``attn_mask``/``block_mask`` arguments of ``flash_dma_func``.
+
+        Args:
+            bias: ``[B, Hkv, 1, S]``, from :meth:`key_importance`.
+            attention_mask: ``[B, S]`` bool (True = real token) or None.
+
+        Returns:
+            ``{"attn_mask": [B, 1|Hkv, 1, S] bool or None, "block_mask": BlockMask or None}``.
+        """
+        batch, _, _, seqlen = bias.shape
+        padding = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        if self.window_size is None:
+            return {"attn_mask": padding, "block_mask": None}
+        if self.block_size is None:
+            return {"attn_mask": create_mask(bias, attention_mask, batch, seqlen, seqlen, self.window_size), "block_mask": None}
+        per_query_block = self.local_blocks > 0
+        block_mask = topk_block_mask(
+            bias,
+            self.window_size,
+            attention_mask,
+            block_size=(self.block_size, self.block_size),
+            query_len=seqlen if per_query_block else None,
+            is_causal=self.is_causal and per_query_block,
+            sink_blocks=self.sink_blocks,
+            local_blocks=self.local_blocks,
+        )
+        # Padding inside a kept block makes it PARTIAL; the kernels then read the padding mask there.
+        return {"attn_mask": padding if block_mask.needs_mask else None, "block_mask": block_mask}
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        return_selection: bool = False,
+    ):
+        """Attend over the selected keys.
+
+        Args:
+            hidden_states: ``[B, S, E]``.
+            attention_mask: ``[B, S]`` padding mask, bool or 0/1 (True = real token), or None.
+            position_ids: ``[1|B, S]`` int positions for the rotary embedding; defaults to ``0..S-1``.
+            return_selection: also return what :meth:`select` chose.
+
+        Returns:
+            ``[B, S, E]``; with ``return_selection``, the pair ``(output, selection)``.
+        """
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states: expected [B, S, {self.hidden_size}], got shape {tuple(hidden_states.shape)}"
+            )
+        batch, seqlen, _ = hidden_states.shape
+        if attention_mask is not None and tuple(attention_mask.shape) != (batch, seqlen):
+            raise ValueError(f"attention_mask: expected shape {(batch, seqlen)} [B, S], got {tuple(attention_mask.shape)}")
+        query = self.q_proj(hidden_states).view(batch, seqlen, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden_states).view(batch, seqlen, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(hidden_states).view(batch, seqlen, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        if self.rotary is not None:
+            if position_ids is None:
+                position_ids = torch.arange(seqlen, device=hidden_states.device)[None, :]
+            query, key = self.rotary(query, position_ids), self.rotary(key, position_ids)
+        bias = self.key_importance(value)
+        selection = self.select(bias, attention_mask)
+        out = flash_dma_func(query, key, value, attn_bias=bias, is_causal=self.is_causal, backend=self.backend, **selection)
+        out = self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
+        return (out, selection) if return_selection else out

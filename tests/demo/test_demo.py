@@ -1,0 +1,90 @@
+"""The demo: its task, model and schedule, and a smoke run of the command as CI runs it."""
+
+import json
+
+import pytest
+import torch
+
+from flash_dma import cli
+from flash_dma.demo.model import RecallTransformer
+from flash_dma.demo.report import Check
+from flash_dma.demo.task import IGNORE_INDEX, RecallTask
+from flash_dma.demo.train import TrainConfig, learning_rate_at
+
+
+def test_every_query_is_answered_by_the_value_after_its_key():
+    task = RecallTask(seqlen=64, num_pairs=5)
+    batch = task.sample(32, torch.Generator().manual_seed(0))
+    context = task.seqlen - 1 - task.num_pairs
+    assert batch.tokens.shape == batch.targets.shape == (32, 64)
+    assert (batch.tokens[:, context] == RecallTask.SEPARATOR).all()
+    assert torch.equal(batch.answers, batch.targets != IGNORE_INDEX)
+    assert (batch.answers.sum(-1) == task.num_pairs).all() and not batch.answers[:, : context + 1].any()
+    for tokens, targets in zip(batch.tokens.tolist(), batch.targets.tolist()):
+        pairs = {tokens[i]: tokens[i + 1] for i in range(context) if task.first_key <= tokens[i] < task.first_value}
+        assert len(pairs) == task.num_pairs, "keys must be distinct and appear once in the context"
+        assert all(task.first_value <= v < task.vocab_size for v in pairs.values())
+        for position in range(context + 1, task.seqlen):
+            assert targets[position] == pairs[tokens[position]]
+
+
+def test_samples_depend_only_on_the_generator():
+    task = RecallTask()
+    first, second = (task.sample(4, torch.Generator().manual_seed(7)) for _ in range(2))
+    assert torch.equal(first.tokens, second.tokens) and torch.equal(first.targets, second.targets)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(num_pairs=17), r"num_pairs: at most num_keys = 16"), (dict(seqlen=20, num_pairs=7), r"seqlen: 20 tokens")],
+    ids=["pairs", "seqlen"],
+)
+def test_impossible_tasks_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RecallTask(**kwargs)
+
+
+def test_model_returns_logits_and_one_selection_per_layer():
+    task = RecallTask(seqlen=40, num_pairs=3)
+    model = RecallTransformer(task.vocab_size, 32, 2, num_heads=4, num_kv_heads=2, window_size=6, rope_base=None)
+    tokens = task.sample(3, torch.Generator().manual_seed(1)).tokens
+    logits, selections = model(tokens)
+    assert logits.shape == (3, 40, task.vocab_size)
+    assert len(selections) == 2
+    assert all(s["attn_mask"].shape == (3, 2, 1, 40) and s["block_mask"] is None for s in selections)
+
+
+def test_learning_rate_warms_up_then_decays_to_zero():
+    config = TrainConfig(steps=100, learning_rate=1.0, warmup_steps=10)
+    rates = [learning_rate_at(step, config) for step in range(101)]
+    assert rates[0] == pytest.approx(0.1, rel=0.01) and max(rates) == pytest.approx(rates[9])
+    assert all(a >= b for a, b in zip(rates[9:], rates[10:])) and rates[100] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_checks_compare_in_the_stated_direction():
+    assert Check("recall", 0.95, ">=", 0.9).passed and not Check("recall", 0.85, ">=", 0.9).passed
+    assert Check("attended", 0.2, "<=", 0.25).passed and Check("attended", 0.3, "<=", 0.25).line().startswith("MISS")
+
+
+def test_smoke_run_writes_plot_and_summary(tmp_path, capsys):
+    assert cli.main(["demo", "--smoke", "--quiet", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "recall accuracy of the sparse model" in printed and ("PASS" in printed or "MISS" in printed)
+    summary = json.loads((tmp_path / "demo.json").read_text())
+    assert set(summary["runs"]) == {"sparse", "dense"}
+    sparse, dense = summary["runs"]["sparse"], summary["runs"]["dense"]
+    steps = summary["configuration"]["train"]["steps"]
+    assert sparse["curves"]["step"] == dense["curves"]["step"] and sparse["curves"]["step"][-1] == steps
+    assert 0 < sparse["final"]["attended"] < 1 and dense["final"]["attended"] == 1.0
+    assert [c["name"] for c in summary["checks"]][:2] == [
+        "recall accuracy of the sparse model",
+        "fraction of causal (q, k) pairs it attends",
+    ]
+    assert (tmp_path / "demo.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_missing_cuda_is_reported_not_raised(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert cli.main(["demo", "--device", "cuda", "--smoke", "--quiet"]) == 2
+    assert "--device cuda needs a CUDA device" in capsys.readouterr().err

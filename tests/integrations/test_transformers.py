@@ -1,0 +1,176 @@
+"""attn_implementation="flash_dma" in transformers: tiny random models (no downloads) against SDPA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, DogeConfig, LlamaConfig, modeling_utils
+from transformers.masking_utils import create_causal_mask, sliding_window_causal_mask_function
+
+from flash_dma.integrations.transformers import (
+    ATTENTION_NAME,
+    flash_dma_attention_forward,
+    flash_dma_mask,
+    register,
+)
+
+
+def twin_models(config):
+    """The same random weights behind attn_implementation="sdpa" and "flash_dma", in eval mode."""
+    register()
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ours = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME).eval()
+    ours.load_state_dict(reference.state_dict())
+    return reference, ours
+
+
+# A tiny random model: no downloads, milliseconds per forward.
+TINY = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    return twin_models(LlamaConfig(**TINY, max_position_embeddings=128))
+
+
+def token_batch(batch: int = 3, seqlen: int = 21, pad: int = 6):
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 97, (batch, seqlen), generator=gen)
+    attention_mask = torch.ones(batch, seqlen, dtype=torch.long)
+    attention_mask[1, :pad] = 0  # left padding, as for generation
+    return input_ids, attention_mask
+
+
+def test_logits_match_sdpa(llama_pair):
+    reference, ours = llama_pair
+    input_ids, _ = token_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids).logits, reference(input_ids).logits, atol=2e-5, rtol=1e-4)
+
+
+def test_logits_match_sdpa_with_padding(llama_pair):
+    reference, ours = llama_pair
+    input_ids, attention_mask = token_batch()
+    with torch.no_grad():
+        expected = reference(input_ids, attention_mask=attention_mask).logits
+        actual = ours(input_ids, attention_mask=attention_mask).logits
+    real = attention_mask.bool()
+    torch.testing.assert_close(actual[real], expected[real], atol=2e-5, rtol=1e-4)
+
+
+def test_generate_matches_sdpa(llama_pair):
+    reference, ours = llama_pair
+    input_ids, attention_mask = token_batch()
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = reference.generate(input_ids, **kwargs)
+    actual = ours.generate(input_ids, **kwargs)
+    assert actual.shape == (3, 21 + 6)
+    assert torch.equal(actual, expected)
+
+
+def test_gradients_match_sdpa(llama_pair):
+    reference, ours = llama_pair
+    input_ids, attention_mask = token_batch()
+    grads = []
+    for model in (reference, ours):
+        model.zero_grad()
+        model(input_ids, attention_mask=attention_mask, labels=input_ids).loss.backward()
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
+
+
+def test_padded_causal_mask_stays_two_dimensional(llama_pair):
+    _, ours = llama_pair
+    input_ids, attention_mask = token_batch()
+    embeds = ours.model.embed_tokens(input_ids)
+    mask = create_causal_mask(ours.config, embeds, attention_mask.bool(), past_key_values=None)
+    assert mask.shape == (3, 21) and torch.equal(mask, attention_mask.bool())
+    assert create_causal_mask(ours.config, embeds, torch.ones_like(attention_mask, dtype=torch.bool), None) is None
+
+
+def test_other_patterns_get_the_4d_mask_of_sdpa():
+    padding = torch.ones(2, 9, dtype=torch.bool)
+    padding[0, :2] = False
+    window = sliding_window_causal_mask_function(3)
+    mask = flash_dma_mask(2, 9, 9, mask_function=window, attention_mask=padding)
+    keys, queries = torch.arange(9)[None, :], torch.arange(9)[:, None]
+    expected = (keys <= queries) & (keys > queries - 3) & padding[:, None, None, :]
+    assert mask.shape == (2, 1, 9, 9) and torch.equal(mask, expected)
+
+
+class CausalLayer(torch.nn.Module):
+    is_causal = True
+
+
+def random_qkv(batch=2, heads=4, kv_heads=2, seqlen_q=11, seqlen_k=11, dim=16):
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(batch, heads, seqlen_q, dim, generator=gen)
+    k, v = (torch.randn(batch, kv_heads, seqlen_k, dim, generator=gen) for _ in range(2))
+    return q, k, v
+
+
+def sdpa_reference(q, k, v, mask):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def test_additive_4d_mask_becomes_mask_and_differentiable_bias():
+    q, k, v = random_qkv()
+    gen = torch.Generator().manual_seed(3)
+    visible = (torch.rand(2, 1, 11, 11, generator=gen) < 0.6) | torch.eye(11, dtype=torch.bool)
+    bias = torch.randn(2, 1, 11, 11, generator=gen)
+    additive = torch.where(visible, bias, torch.finfo(torch.float32).min).requires_grad_()
+    out, weights = flash_dma_attention_forward(CausalLayer(), q, k, v, additive)
+    assert weights is None and out.shape == (2, 11, 4, 16)
+    torch.testing.assert_close(out, sdpa_reference(q, k, v, additive.detach()), atol=1e-5, rtol=1e-4)
+    out.sum().backward()
+    assert additive.grad is not None and additive.grad[visible.expand_as(additive)].abs().sum() > 0
+    assert not additive.grad[~visible.expand_as(additive)].any()
+
+
+def test_boolean_4d_mask_is_complete_and_not_made_causal():
+    q, k, v = random_qkv(seqlen_q=5, seqlen_k=9)
+    mask = torch.rand(2, 1, 5, 9, generator=torch.Generator().manual_seed(4)) < 0.7
+    mask[..., 0] = True
+    out, _ = flash_dma_attention_forward(CausalLayer(), q, k, v, mask)
+    torch.testing.assert_close(out, sdpa_reference(q, k, v, mask), atol=1e-5, rtol=1e-4)
+
+
+def test_short_padding_mask_drops_empty_cache_slots():
+    # A static cache of 12 slots holding 7 real tokens: keys 7..11 are empty and must not count.
+    q, k, v = random_qkv(seqlen_q=3, seqlen_k=12)
+    padding = torch.ones(2, 7, dtype=torch.bool)
+    out, _ = flash_dma_attention_forward(CausalLayer(), q, k, v, padding)
+    causal = torch.ones(3, 7, dtype=torch.bool).tril(4)
+    torch.testing.assert_close(out, sdpa_reference(q, k[:, :, :7], v[:, :, :7], causal), atol=1e-5, rtol=1e-4)
+
+
+def test_dropout_is_refused():
+    q, k, v = random_qkv()
+    with pytest.raises(ValueError, match=r"dropout: flash_dma has no attention dropout.*got 0.1"):
+        flash_dma_attention_forward(CausalLayer(), q, k, v, None, dropout=0.1)
+
+
+def test_registration_exempts_only_its_own_name():
+    register()
+    register()
+    assert modeling_utils.lazy_import_flash_attention(ATTENTION_NAME) is None
+    with pytest.raises(ValueError, match="flash_nonexistent"):
+        modeling_utils.lazy_import_flash_attention("flash_nonexistent")
+
+
+def test_doge_dynamic_mask_runs_through_flash_dma():
+    """Doge builds its own dynamic top-k mask as a 4-D additive float mask carrying the bias."""
+    reference, ours = twin_models(DogeConfig(**TINY, keep_window_size=8, is_moe=False))
+    for layer in reference.model.layers:
+        torch.nn.init.normal_(layer.self_attn.A)  # away from Doge's A = 0, so that keys differ
+    ours.load_state_dict(reference.state_dict())
+    input_ids, _ = token_batch(seqlen=20)
+    expected = reference(input_ids).logits
+    actual = ours(input_ids, labels=input_ids)
+    torch.testing.assert_close(actual.logits, expected, atol=2e-5, rtol=1e-4)
+    actual.loss.backward()
+    assert ours.model.layers[0].self_attn.A.grad.abs().sum() > 0
