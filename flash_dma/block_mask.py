@@ -103,10 +103,16 @@ class BlockMask:
         state = state.to(torch.int8)
         if needs_mask is None:
             needs_mask = bool((state == PARTIAL).any())
+        if state.is_cuda:
+            from flash_dma.backends.triton.ops import summary_lists  # the backend imports this module
+
+            kv_lists, q_lists = summary_lists(state, False), summary_lists(state, True)
+        else:
+            kv_lists, q_lists = _block_lists(state), _block_lists(state.transpose(-1, -2))
         return cls(
             state=state,
-            kv_lists=_block_lists(state),
-            q_lists=_block_lists(state.transpose(-1, -2)),
+            kv_lists=kv_lists,
+            q_lists=q_lists,
             mask_shape=tuple(int(s) for s in mask_shape),
             block_size=tuple(block_size),
             needs_mask=needs_mask,
@@ -207,8 +213,9 @@ def build_block_mask(attn_mask: torch.Tensor, *, block_size: tuple[int, int] = D
             divide the blocks, so smaller blocks skip finer but cost longer lists.
 
     Returns:
-        A :class:`BlockMask` on the mask's device. The mask is read once, in chunks of bounded
-        size; no ``[Sq, Sk]`` temporary is made.
+        A :class:`BlockMask` on the mask's device. The mask is read once and no ``[Sq, Sk]``
+        temporary is made; on a CUDA device it takes three kernel launches and no host
+        synchronisation, so it can run inside a CUDA graph.
     """
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(attn_mask).__name__}")
@@ -219,5 +226,10 @@ def build_block_mask(attn_mask: torch.Tensor, *, block_size: tuple[int, int] = D
     if attn_mask.dtype.is_floating_point or attn_mask.dtype.is_complex:
         raise TypeError(f"attn_mask: expected a bool or 0/1 integer tensor, got {attn_mask.dtype}")
     check_block_size(block_size)
-    state = _summarize(attn_mask, *block_size)
+    if attn_mask.is_cuda:
+        from flash_dma.backends.triton.ops import summary_state  # the backend imports this module
+
+        state = summary_state(attn_mask, *block_size)
+    else:
+        state = _summarize(attn_mask, *block_size)
     return BlockMask.from_block_state(state, tuple(attn_mask.shape), block_size, needs_mask=True)

@@ -189,6 +189,11 @@ def _check_block_mask(block_mask, attn_mask, query, shape) -> None:
         )
 
 
+def _is_finite_number(x) -> bool:
+    # Comparisons rather than math.isfinite: torch.compile can trace them on symbolic floats.
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and -math.inf < x < math.inf
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     # Kernels vectorise along the head dimension; any other stride pattern is fine.
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
@@ -219,10 +224,12 @@ def normalize_inputs(
         _check_block_mask(block_mask, attn_mask, query, shape)
 
     if softmax_scale is None:
-        softmax_scale = query.shape[-1] ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        # int(): under torch.compile the head dim is specialised (the kernels compile per head dim
+        # anyway), so that the scale is a plain float rather than a symbolic one.
+        softmax_scale = int(query.shape[-1]) ** -0.5
+    if not _is_finite_number(softmax_scale):
         raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+    if not _is_finite_number(softcap) or softcap < 0:
         raise ValueError(f"softcap: expected a finite float >= 0 (0 disables it), got {softcap!r}")
     for name, flag in (("is_causal", is_causal), ("deterministic", deterministic)):
         if not isinstance(flag, bool):

@@ -21,7 +21,7 @@ def flash_dma_func(
     softmax_scale: float | None = None,
     is_causal: bool = False,
     window_size: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
-    softcap: float = 0.0,
+    softcap: float = 0,  # an int: torch.compile(dynamic=True) makes float defaults symbolic and retraces
     block_mask: BlockMask | None = None,
     deterministic: bool = False,
     return_lse: bool = False,

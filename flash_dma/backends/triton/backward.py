@@ -3,12 +3,13 @@
 Three launches, none with atomics for dQ, dK or dV:
 
 1. ``_delta_kernel``: ``delta = rowsum(dO * O)`` per (batch, head, query).
-2. ``_dkdv_kernel``, grid ``(key tiles, batch x kv heads)``: a program owns BLOCK_N keys of one
-   key/value head and, for each query head of its group, walks the query tiles that the
-   summary's transposed lists leave non-empty (partial, full interior, full edge), recomputing
-   P and accumulating dK and dV in registers. It also makes the bias gradient: for a per-key
-   bias ``[., ., 1, Sk]`` the column sums of dS, kept in registers across query tiles and the
-   group's heads and written once; for a full bias each dS tile.
+2. ``_dkdv_kernel``, grid ``(query chunks, key tiles, batch x kv heads)``: a program owns
+   ``BLOCK_N`` keys of one key/value head (consecutive keys, or consecutive slots of a key
+   list) and, for each query head of its group, runs ``_dkdv_tiles`` over the query tiles
+   that see them (PARTIAL tiles of the summary's transposed lists, interior tiles, edge tiles),
+   recomputing P and accumulating dK and dV in registers. It also makes the bias gradient: for
+   a per-key bias ``[., ., 1, Sk]`` the column sums of dS, kept in registers across query tiles
+   and the group's heads and written once; for a full bias each dS tile.
 3. ``_dq_kernel``, grid ``(query tiles, batch x heads)``: walks key tiles like the forward.
 
 A bias broadcast over keys (``[., ., ., 1]``) shifts whole rows of scores, which the softmax
@@ -21,27 +22,29 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_dma.backends.triton.configs import (
-    backward_candidates,
-    fit_to_problem,
-    head_dim_block,
-    length_bucket,
-    placeholder,
-)
-from flash_dma.backends.triton.forward import band, broadcast_strides, head_divisor, kernel_view
-from flash_dma.backends.triton.launch import TunedKernel
+from flash_dma.backends.triton import configs
+from flash_dma.backends.triton.launch import Launcher
+from flash_dma.backends.triton.layout import broadcast_strides, common_arguments, head_divisor, placeholder
 from flash_dma.backends.triton.tiles import (
     LOG2E,
+    STAGE_EDGE,
+    STAGE_INTERIOR,
+    STAGE_PARTIAL,
+    WALK_BLOCKS,
+    WALK_DENSE,
+    WALK_KEYS,
     band_tiles,
-    bias_and_mask,
-    edge_position,
     first_position,
     key_pointers,
-    load_rows,
+    key_walk,
+    listed_tiles,
+    load_tile,
     scores_log2,
     split_range,
-    tile_at,
-    walk_plan,
+    tile_indices,
+    tile_start,
+    visible_scores,
+    walk_position,
 )
 
 # Kinds of bias gradient.
@@ -49,9 +52,10 @@ DBIAS_NONE, DBIAS_PER_KEY, DBIAS_FULL = 0, 1, 2
 MAX_QUERY_CHUNKS = 8
 _QUERIES_PER_CHUNK = 2048
 _SMALLEST_BLOCK_N = 16
+_DELTA_ROWS = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q", "num_heads"])
 def _delta_kernel(
     Out, DOut, Delta,
     stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
@@ -62,20 +66,21 @@ def _delta_kernel(
     b = tl.program_id(1) // num_heads
     h = tl.program_id(1) % num_heads
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o = load_rows(Out + b.to(tl.int64) * stride_ob + h * stride_oh, pid_m * BLOCK_M, stride_os, seqlen_q, head_dim, True, BLOCK_M, BLOCK_D)
-    do = load_rows(DOut + b.to(tl.int64) * stride_db + h * stride_dh, pid_m * BLOCK_M, stride_ds, seqlen_q, head_dim, True, BLOCK_M, BLOCK_D)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + (b * num_heads + h).to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+    row_ok = offs_m < seqlen_q
+    o = load_tile(Out + b.to(tl.int64) * stride_ob + h * stride_oh, offs_m, row_ok, stride_os, head_dim, True, BLOCK_D)
+    do = load_tile(DOut + b.to(tl.int64) * stride_db + h * stride_dh, offs_m, row_ok, stride_ds, head_dim, True, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
+    tl.store(Delta + (b * num_heads + h).to(tl.int64) * seqlen_q + offs_m, delta, mask=row_ok)
 
 
 @triton.jit
-def _softmax_grad(s, lse2, delta, dp, q_axis: tl.constexpr, scale, softcap_log2, SOFTCAP: tl.constexpr, scores):
-    """``(dS, dQK)``: the score gradient (the bias gradient) and the gradient of ``q.k``.
+def _softmax_grad(s, lse2, delta, dp, Q_AXIS: tl.constexpr, scale, softcap_log2, SOFTCAP: tl.constexpr, scores):
+    """``(P, dS, dQK)``: probabilities, the score gradient (the bias gradient) and the gradient of ``q.k``.
 
-    ``lse2`` and ``delta`` run along axis ``q_axis`` of the tile; ``scores`` are the log2-domain
+    ``lse2`` and ``delta`` run along axis ``Q_AXIS`` of the tile; ``scores`` are the log2-domain
     scores before bias, from which the softcap derivative ``1 - tanh^2`` is recovered.
     """
-    if q_axis == 0:
+    if Q_AXIS == 0:
         p = tl.exp2(s - lse2[:, None])
         ds = p * (dp - delta[:, None])
     else:
@@ -100,74 +105,93 @@ def _load_lse2(Lse, Delta, offset, offs_m, seqlen_q):
 
 
 @triton.jit
-def _dkdv_tile(
-    dk, dv, dbias_keys, k, v, start_m, offs_n,
+def _dkdv_tiles(
+    dk, dv, dbias_keys, k, v, keys, key_ok,
     q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
     mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-    seqlen_q, seqlen_k, band_lo, band_hi, head_dim,
-    scale, scale_log2, softcap_log2, scale_over_cap,
-    CHECK_BOUNDS: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    tiles, tiles_per_block, lo, hi, gap_lo, gap_hi,
+    seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+    STAGE: tl.constexpr, WALK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr,
     DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DBIAS_HEAD_SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate one query tile's contribution to dK, dV (and the bias gradient); tiles are [keys, queries]."""
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = load_rows(q_base, start_m, stride_qs, seqlen_q, head_dim, CHECK_BOUNDS, BLOCK_M, BLOCK_D)
-    do = load_rows(do_base, start_m, stride_dos, seqlen_q, head_dim, CHECK_BOUNDS, BLOCK_M, BLOCK_D)
-    lse2, delta = _load_lse2(Lse, Delta, lse_delta_offset, offs_m, seqlen_q)
-    scores = scores_log2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
-    bias_ptrs = bias_head
-    mask_ptrs = mask_head
-    q_row = tl.minimum(offs_m, seqlen_q - 1).to(tl.int64)  # rows past the end read the last row
-    if HAS_BIAS:
+    """Accumulate dK, dV (and the bias gradient) over the query tiles at walk positions
+    ``[lo, hi)`` less ``[gap_lo, gap_hi)``. Tiles are ``[keys, queries]``."""
+    count = (hi - lo) - (gap_hi - gap_lo)
+    # As in the forward, each step reads the next tile's list entry one step ahead.
+    tile = tile_start(tiles, walk_position(0, lo, gap_lo, gap_hi), tiles_per_block, WALK)
+    for j in range(0, count):
+        next_tile = tile_start(tiles, walk_position(j + 1, lo, gap_lo, gap_hi), tiles_per_block, WALK)
+        offs_m, q_ok = tile_indices(tiles, tile, seqlen_q, BLOCK_M, WALK)  # [BLOCK_M]
+        q = load_tile(q_base, offs_m, q_ok, stride_qs, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+        do = load_tile(do_base, offs_m, q_ok, stride_dos, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+        lse2, delta = _load_lse2(Lse, Delta, lse_delta_offset, offs_m, seqlen_q)  # [BLOCK_M]
+        qk = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        scores = scores_log2(qk, scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
+        q_row = tl.minimum(offs_m, seqlen_q - 1).to(tl.int64)  # rows past the end read the last row
         bias_rows = bias_head if BIAS_PER_KEY else bias_head + q_row * stride_bq
-        bias_ptrs = key_pointers(bias_rows, offs_n, stride_bk, BIAS_PER_KEY, True)
-    if APPLY_MASK:
         mask_rows = mask_head if MASK_PER_KEY else mask_head + q_row * stride_mq
-        mask_ptrs = key_pointers(mask_rows, offs_n, stride_mk, MASK_PER_KEY, True)
-    s = bias_and_mask(scores, offs_m[None, :], offs_n[:, None], seqlen_k, band_lo, band_hi, bias_ptrs, mask_ptrs, HAS_BIAS, CHECK_BOUNDS, APPLY_MASK)
-    dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    p, ds, dqk = _softmax_grad(s, lse2, delta, dp, 1, scale, softcap_log2, SOFTCAP, scores)
-    dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PRECISION)
-    dk += tl.dot(dqk.to(q.dtype), q, input_precision=DOT_PRECISION)
-    if DBIAS == 1:
-        dbias_keys += tl.sum(ds, 1)
-    if DBIAS == 2:
-        ptrs = dbias_head + (offs_n * stride_dbk)[:, None] + (offs_m * stride_dbq)[None, :]
-        ok = (offs_n < seqlen_k)[:, None] & (offs_m < seqlen_q)[None, :]
-        if DBIAS_ATOMIC:
-            tl.atomic_add(ptrs, ds, mask=ok)
-        elif DBIAS_HEAD_SHARED:
-            # The group's heads share this gradient; only this program touches it, in order.
-            tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + ds, mask=ok)
-        else:
-            tl.store(ptrs, ds, mask=ok)
+        s = visible_scores(
+            scores, offs_m[None, :], keys[:, None], key_ok[:, None], band_lo, band_hi,
+            key_pointers(bias_rows, keys, stride_bk, BIAS_PER_KEY, True),
+            key_pointers(mask_rows, keys, stride_mk, MASK_PER_KEY, True),
+            HAS_BIAS, STAGE,
+        )
+        dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        p, ds, dqk = _softmax_grad(s, lse2, delta, dp, 1, scale, softcap_log2, SOFTCAP, scores)
+        dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_D]
+        dk += tl.dot(dqk.to(q.dtype), q, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_D]
+        if DBIAS == 1:
+            dbias_keys += tl.sum(ds, 1)
+        if DBIAS == 2:
+            ptrs = dbias_head + (keys.to(tl.int64) * stride_dbk)[:, None] + (offs_m * stride_dbq)[None, :]
+            ok = key_ok[:, None] & q_ok[None, :]
+            if DBIAS_ATOMIC:
+                tl.atomic_add(ptrs, ds, mask=ok)
+            elif DBIAS_HEAD_SHARED:
+                # The group's heads share this gradient; only this program touches it, in order.
+                tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + ds, mask=ok)
+            else:
+                tl.store(ptrs, ds, mask=ok)
+        tile = next_tile
     return dk, dv, dbias_keys
 
 
 @triton.jit
+def _flush_key_gradient(dbias_head, keys, key_real, stride_dbk, values, ATOMIC: tl.constexpr):
+    ptrs = dbias_head + keys.to(tl.int64) * stride_dbk
+    if ATOMIC:
+        tl.atomic_add(ptrs, values, mask=key_real)
+    else:
+        tl.store(ptrs, values, mask=key_real)
+
+
+@triton.jit(do_not_specialize=[
+    "stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_bb", "stride_bh", "stride_bq", "stride_bk",
+    "stride_wb", "stride_wh", "stride_wr", "walk_width", "seqlen_q", "seqlen_k", "num_heads", "num_kv_heads",
+    "mask_head_div", "bias_head_div", "walk_head_div", "list_block_q", "list_block_k", "band_lo", "band_hi",
+    "stride_dbc", "stride_dbb", "stride_dbh", "stride_dbq", "stride_dbk", "dbias_head_div",
+])
 def _dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, Mask, Bias, Lists, DK, DV, DBias, ScratchK, ScratchV, Turns,
+    Q, K, V, Mask, Bias, Walk,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos, stride_doh,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_bb, stride_bh, stride_bq, stride_bk,
-    stride_lb, stride_lh, stride_lr, list_width,
+    stride_wb, stride_wh, stride_wr, walk_width,
+    seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim,
+    mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
+    band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
+    DO, Lse, Delta, DK, DV, DBias, ScratchK, ScratchV, Turns,
+    stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
-    seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim,
-    mask_head_div, bias_head_div, list_head_div, dbias_head_div, list_block_q, list_block_k,
-    band_lo, band_hi,
-    scale, scale_log2, softcap_log2, scale_over_cap,
-    rows_bucket, keys_bucket,  # autotuning keys only
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LISTS: tl.constexpr,
-    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr,
+    stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk, dbias_head_div,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
+    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DBIAS_HEAD_SHARED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     chunk = tl.program_id(0)
@@ -177,40 +201,57 @@ def _dkdv_kernel(
     kv_head = tl.program_id(2) % num_kv_heads
     group = num_heads // num_kv_heads
     b64 = b.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    band_lo += seqlen_k - seqlen_q
+    band_hi += seqlen_k - seqlen_q
 
-    # Query tiles that see any of these keys: q - k must lie in [-(diagonal + band_hi), -(diagonal + band_lo)].
-    diagonal = seqlen_k - seqlen_q
-    k_last = tl.minimum(pid_n * BLOCK_N + BLOCK_N, seqlen_k) - 1
-    lo, interior_lo, interior_hi, hi = band_tiles(
-        pid_n * BLOCK_N, k_last, seqlen_q, -(diagonal + band_hi), -(diagonal + band_lo), BLOCK_M
-    )
-    band_lo = diagonal + band_lo
-    band_hi = diagonal + band_hi
+    # This program's keys: consecutive ones, or consecutive slots of the key list (kept keys, then dropped).
+    if WALK == WALK_KEYS:
+        order = Walk + b64 * stride_wb + ((kv_head * group) // walk_head_div) * stride_wh
+        kept = tl.load(order + walk_width + seqlen_k)
+        slots = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_real = slots < seqlen_k
+        keys = tl.load(order + slots, mask=key_real, other=0)  # [BLOCK_N]
+        key_ok = slots < kept
+        k_first = tl.min(tl.where(key_ok, keys, seqlen_k), 0)
+        k_last = tl.max(tl.where(key_ok, keys, -1), 0)
+    else:
+        keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_ok = keys < seqlen_k
+        key_real = key_ok
+        k_first = pid_n * BLOCK_N
+        k_last = tl.minimum(pid_n * BLOCK_N + BLOCK_N, seqlen_k) - 1
+
+    # Query tiles that see any of these keys: q - k must lie in [-band_hi, -band_lo].
+    lo, interior_lo, interior_hi, hi = band_tiles(k_first, k_last, seqlen_q, -band_hi, -band_lo, BLOCK_M)
+    if WALK == WALK_KEYS:
+        # Slots past the kept keys need checks everywhere; a tile of dropped keys only writes zeros.
+        interior_hi = tl.where((pid_n + 1) * BLOCK_N <= kept, interior_hi, interior_lo)
+        hi = tl.where(pid_n * BLOCK_N < kept, hi, lo)
     tiles_per_block = 1
-    list_row = 0
+    summary_row = 0
     # Listed query tiles of this key tile's whole column, over the group's heads. Under a sparse
     # mask most columns are empty: they load nothing and take no part in the ordered accumulation.
     column_work = hi - lo
-    if HAS_LISTS:
+    if WALK == WALK_BLOCKS:
         tiles_per_block = tl.where(list_block_q > 0, list_block_q // BLOCK_M, tl.cdiv(seqlen_q, BLOCK_M))
-        list_row = tl.where(list_block_k > 0, pid_n // tl.maximum(list_block_k // BLOCK_N, 1), 0)
+        summary_row = tl.where(list_block_k > 0, pid_n // tl.maximum(list_block_k // BLOCK_N, 1), 0)
         column_work = 0
         for g in range(0, group):
-            lists = Lists + b64 * stride_lb + ((kv_head * group + g) // list_head_div) * stride_lh + list_row * stride_lr
-            partial_rank, full_rank = lists + list_width, lists + 3 * list_width
-            column_work += first_position(partial_rank, hi, tiles_per_block, False) - first_position(partial_rank, lo, tiles_per_block, False)
-            column_work += first_position(full_rank, hi, tiles_per_block, False) - first_position(full_rank, lo, tiles_per_block, False)
+            lists = Walk + b64 * stride_wb + ((kv_head * group + g) // walk_head_div) * stride_wh + summary_row * stride_wr
+            p_lo, p_hi, f_lo, _, _, f_hi = listed_tiles(lists, walk_width, tiles_per_block, lo, lo, lo, hi)
+            column_work += (p_hi - p_lo) + (f_hi - f_lo)
     # This program's share of the column's query tiles (see the ordered accumulation at the end).
     lo, interior_lo, interior_hi, hi = split_range(lo, interior_lo, interior_hi, hi, chunk, num_chunks)
 
-    keys = tl.where(column_work > 0, seqlen_k, 0)  # an empty column loads no keys
-    k = load_rows(K + b64 * stride_kb + kv_head * stride_kh, pid_n * BLOCK_N, stride_ks, keys, head_dim, True, BLOCK_N, BLOCK_D)
-    v = load_rows(V + b64 * stride_vb + kv_head * stride_vh, pid_n * BLOCK_N, stride_vs, keys, head_dim, True, BLOCK_N, BLOCK_D)
+    has_work = column_work > 0  # an empty column loads no keys
+    k = load_tile(K + b64 * stride_kb + kv_head * stride_kh, keys, key_ok & has_work, stride_ks, head_dim, True, BLOCK_D)
+    v = load_tile(V + b64 * stride_vb + kv_head * stride_vh, keys, key_ok & has_work, stride_vs, head_dim, True, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
 
+    # Query tiles are walked densely inside the band unless a summary lists them.
+    query_walk: tl.constexpr = WALK_BLOCKS if WALK == WALK_BLOCKS else WALK_DENSE
     for g in range(0, group):
         head = kv_head * group + g
         q_base = Q + b64 * stride_qb + head * stride_qh
@@ -219,63 +260,55 @@ def _dkdv_kernel(
         mask_head = Mask + b64 * stride_mb + (head // mask_head_div) * stride_mh
         bias_head = Bias + b64 * stride_bb + (head // bias_head_div) * stride_bh
         dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + (head // dbias_head_div) * stride_dbh
-        lists = Lists
-        if HAS_LISTS:
-            lists = Lists + b64 * stride_lb + (head // list_head_div) * stride_lh + list_row * stride_lr
-        partial_index, partial_lo, partial_hi, full_index, full_lo, p_interior_lo, p_interior_hi, full_hi = walk_plan(
-            lists, list_width, tiles_per_block, lo, interior_lo, interior_hi, hi, HAS_LISTS
-        )
-        # As in the forward, each loop reads the next tile's index one iteration ahead.
-        if HAS_MASK:
-            start_m = tile_at(partial_index, partial_lo, tiles_per_block, False) * BLOCK_M
-            for position in range(partial_lo, partial_hi):
-                next_m = tile_at(partial_index, position + 1, tiles_per_block, False) * BLOCK_M
-                dk, dv, dbias_keys = _dkdv_tile(
-                    dk, dv, dbias_keys, k, v, start_m, offs_n,
+        tiles = Walk
+        t_lo, t_interior_lo, t_interior_hi, t_hi = lo, interior_lo, interior_hi, hi
+        if WALK == WALK_BLOCKS:
+            tiles = Walk + b64 * stride_wb + (head // walk_head_div) * stride_wh + summary_row * stride_wr
+            partial_lo, partial_hi, t_lo, t_interior_lo, t_interior_hi, t_hi = listed_tiles(
+                tiles, walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi
+            )
+            if HAS_MASK:
+                dk, dv, dbias_keys = _dkdv_tiles(
+                    dk, dv, dbias_keys, k, v, keys, key_ok,
                     q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
                     mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-                    seqlen_q, seqlen_k, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-                    True, True, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED,
-                    BLOCK_M, BLOCK_D, DOT_PRECISION,
+                    tiles, tiles_per_block, partial_lo, partial_hi, partial_hi, partial_hi,
+                    seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+                    STAGE_PARTIAL, WALK_BLOCKS, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
+                    DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
                 )
-                start_m = next_m
-        start_m = tile_at(full_index, p_interior_lo, tiles_per_block, not HAS_LISTS) * BLOCK_M
-        for position in range(p_interior_lo, p_interior_hi):
-            next_m = tile_at(full_index, position + 1, tiles_per_block, not HAS_LISTS) * BLOCK_M
-            dk, dv, dbias_keys = _dkdv_tile(
-                dk, dv, dbias_keys, k, v, start_m, offs_n,
-                q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
-                mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-                seqlen_q, seqlen_k, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-                False, False, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED,
-                BLOCK_M, BLOCK_D, DOT_PRECISION,
-            )
-            start_m = next_m
-        start_m = tile_at(full_index, edge_position(0, full_lo, p_interior_lo, p_interior_hi), tiles_per_block, not HAS_LISTS) * BLOCK_M
-        for j in range(0, (p_interior_lo - full_lo) + (full_hi - p_interior_hi)):
-            next_m = tile_at(full_index, edge_position(j + 1, full_lo, p_interior_lo, p_interior_hi), tiles_per_block, not HAS_LISTS) * BLOCK_M
-            dk, dv, dbias_keys = _dkdv_tile(
-                dk, dv, dbias_keys, k, v, start_m, offs_n,
-                q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
-                mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-                seqlen_q, seqlen_k, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-                True, False, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED,
-                BLOCK_M, BLOCK_D, DOT_PRECISION,
-            )
-            start_m = next_m
+            tiles += 2 * walk_width  # the full tiles' list
+        dk, dv, dbias_keys = _dkdv_tiles(
+            dk, dv, dbias_keys, k, v, keys, key_ok,
+            q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
+            mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
+            tiles, tiles_per_block, t_interior_lo, t_interior_hi, t_interior_hi, t_interior_hi,
+            seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+            STAGE_INTERIOR, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
+            DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
+        )
+        dk, dv, dbias_keys = _dkdv_tiles(
+            dk, dv, dbias_keys, k, v, keys, key_ok,
+            q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
+            mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
+            tiles, tiles_per_block, t_lo, t_hi, t_interior_lo, t_interior_hi,
+            seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+            STAGE_EDGE, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
+            DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
+        )
         if DBIAS == 1:
             if not DBIAS_HEAD_SHARED:
-                _flush_key_gradient(dbias_head, offs_n, stride_dbk, seqlen_k, dbias_keys, DBIAS_ATOMIC)
+                _flush_key_gradient(dbias_head, keys, key_real, stride_dbk, dbias_keys, DBIAS_ATOMIC)
                 dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
 
     if DBIAS == 1:
         if DBIAS_HEAD_SHARED:
             dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + ((kv_head * group) // dbias_head_div) * stride_dbh
-            _flush_key_gradient(dbias_head, offs_n, stride_dbk, seqlen_k, dbias_keys, DBIAS_ATOMIC)
+            _flush_key_gradient(dbias_head, keys, key_real, stride_dbk, dbias_keys, DBIAS_ATOMIC)
 
     offs_d = tl.arange(0, BLOCK_D)
-    rows = offs_n.to(tl.int64)[:, None]
-    ok = (offs_n < seqlen_k)[:, None] & (offs_d < head_dim)[None, :]
+    rows = keys.to(tl.int64)[:, None]
+    ok = key_real[:, None] & (offs_d < head_dim)[None, :]
     dk_offsets = b64 * stride_dkb + kv_head * stride_dkh + rows * stride_dks + offs_d[None, :]
     dv_offsets = b64 * stride_dvb + kv_head * stride_dvh + rows * stride_dvs + offs_d[None, :]
     if num_chunks > 1 and column_work > 0:
@@ -300,60 +333,59 @@ def _dkdv_kernel(
 
 
 @triton.jit
-def _flush_key_gradient(dbias_head, offs_n, stride_dbk, seqlen_k, values, ATOMIC: tl.constexpr):
-    ptrs = dbias_head + offs_n * stride_dbk
-    if ATOMIC:
-        tl.atomic_add(ptrs, values, mask=offs_n < seqlen_k)
-    else:
-        tl.store(ptrs, values, mask=offs_n < seqlen_k)
-
-
-@triton.jit
-def _dq_tile(
-    dq, q, do, lse2, delta, start_n, offs_m,
-    k_base, v_base, stride_ks, stride_vs,
-    mask_rows, stride_mk, bias_rows, stride_bk,
-    seqlen_k, band_lo, band_hi, head_dim,
-    scale, scale_log2, softcap_log2, scale_over_cap,
-    CHECK_BOUNDS: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+def _dq_tiles(
+    dq, q, do, lse2, delta, offs_m,
+    k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+    tiles, tiles_per_block, key_limit, lo, hi, gap_lo, gap_hi,
+    band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+    STAGE: tl.constexpr, WALK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = load_rows(k_base, start_n, stride_ks, seqlen_k, head_dim, CHECK_BOUNDS, BLOCK_N, BLOCK_D)
-    v = load_rows(v_base, start_n, stride_vs, seqlen_k, head_dim, CHECK_BOUNDS, BLOCK_N, BLOCK_D)
-    scores = scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
-    bias_ptrs = bias_rows
-    mask_ptrs = mask_rows
-    if HAS_BIAS:
-        bias_ptrs = key_pointers(bias_rows, offs_n, stride_bk, BIAS_PER_KEY, False)
-    if APPLY_MASK:
-        mask_ptrs = key_pointers(mask_rows, offs_n, stride_mk, MASK_PER_KEY, False)
-    s = bias_and_mask(scores, offs_m[:, None], offs_n[None, :], seqlen_k, band_lo, band_hi, bias_ptrs, mask_ptrs, HAS_BIAS, CHECK_BOUNDS, APPLY_MASK)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    p, ds, dqk = _softmax_grad(s, lse2, delta, dp, 0, scale, softcap_log2, SOFTCAP, scores)
-    return dq + tl.dot(dqk.to(k.dtype), k, input_precision=DOT_PRECISION)
+    """Accumulate dQ over the key tiles at walk positions ``[lo, hi)`` less ``[gap_lo, gap_hi)``."""
+    count = (hi - lo) - (gap_hi - gap_lo)
+    tile = tile_start(tiles, walk_position(0, lo, gap_lo, gap_hi), tiles_per_block, WALK)
+    for j in range(0, count):
+        next_tile = tile_start(tiles, walk_position(j + 1, lo, gap_lo, gap_hi), tiles_per_block, WALK)
+        keys, key_ok = tile_indices(tiles, tile, key_limit, BLOCK_N, WALK)  # [BLOCK_N]
+        k = load_tile(k_base, keys, key_ok, stride_ks, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        v = load_tile(v_base, keys, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        scores = scores_log2(qk, scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
+        s = visible_scores(
+            scores, offs_m[:, None], keys[None, :], key_ok[None, :], band_lo, band_hi,
+            key_pointers(bias_rows, keys, stride_bk, BIAS_PER_KEY, False),
+            key_pointers(mask_rows, keys, stride_mk, MASK_PER_KEY, False),
+            HAS_BIAS, STAGE,
+        )
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        p, ds, dqk = _softmax_grad(s, lse2, delta, dp, 0, scale, softcap_log2, SOFTCAP, scores)
+        dq += tl.dot(dqk.to(k.dtype), k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
+        tile = next_tile
+    return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[
+    "stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_bb", "stride_bh", "stride_bq", "stride_bk",
+    "stride_wb", "stride_wh", "stride_wr", "walk_width", "seqlen_q", "seqlen_k", "num_heads", "num_kv_heads",
+    "mask_head_div", "bias_head_div", "walk_head_div", "list_block_q", "list_block_k", "band_lo", "band_hi",
+])
 def _dq_kernel(
-    Q, K, V, DO, Lse, Delta, Mask, Bias, Lists, DQ,
+    Q, K, V, Mask, Bias, Walk,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
-    stride_dob, stride_dos, stride_doh,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_bb, stride_bh, stride_bq, stride_bk,
-    stride_lb, stride_lh, stride_lr, list_width,
-    stride_dqb, stride_dqs, stride_dqh,
+    stride_wb, stride_wh, stride_wr, walk_width,
     seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim,
-    mask_head_div, bias_head_div, list_head_div, list_block_q, list_block_k,
-    band_lo, band_hi,
-    scale, scale_log2, softcap_log2, scale_over_cap,
-    rows_bucket, keys_bucket,  # autotuning keys only
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LISTS: tl.constexpr,
-    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
+    band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
+    DO, Lse, Delta, DQ,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
+    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) row tiles first, as in the forward
@@ -362,9 +394,10 @@ def _dq_kernel(
     kv_head = head // (num_heads // num_kv_heads)
     b64 = b.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < seqlen_q
     q_row = tl.minimum(offs_m, seqlen_q - 1).to(tl.int64)  # rows past the end read the last row
-    q = load_rows(Q + b64 * stride_qb + head * stride_qh, pid_m * BLOCK_M, stride_qs, seqlen_q, head_dim, True, BLOCK_M, BLOCK_D)
-    do = load_rows(DO + b64 * stride_dob + head * stride_doh, pid_m * BLOCK_M, stride_dos, seqlen_q, head_dim, True, BLOCK_M, BLOCK_D)
+    q = load_tile(Q + b64 * stride_qb + head * stride_qh, offs_m, row_ok, stride_qs, head_dim, True, BLOCK_D)
+    do = load_tile(DO + b64 * stride_dob + head * stride_doh, offs_m, row_ok, stride_dos, head_dim, True, BLOCK_D)
     lse2, delta = _load_lse2(Lse, Delta, (b * num_heads + head).to(tl.int64) * seqlen_q, offs_m, seqlen_q)
     k_base = K + b64 * stride_kb + kv_head * stride_kh
     v_base = V + b64 * stride_vb + kv_head * stride_vh
@@ -375,78 +408,58 @@ def _dq_kernel(
     if not BIAS_PER_KEY:
         bias_rows += q_row * stride_bq
 
-    diagonal = seqlen_k - seqlen_q
+    band_lo += seqlen_k - seqlen_q
+    band_hi += seqlen_k - seqlen_q
     q_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, seqlen_q) - 1
-    lo, interior_lo, interior_hi, hi = band_tiles(pid_m * BLOCK_M, q_last, seqlen_k, diagonal + band_lo, diagonal + band_hi, BLOCK_N)
-    band_lo = diagonal + band_lo
-    band_hi = diagonal + band_hi
-    tiles_per_block = 1
-    lists = Lists
-    if HAS_LISTS:
-        tiles_per_block = tl.where(list_block_k > 0, list_block_k // BLOCK_N, tl.cdiv(seqlen_k, BLOCK_N))
-        list_row = tl.where(list_block_q > 0, pid_m // tl.maximum(list_block_q // BLOCK_M, 1), 0)
-        lists = Lists + b64 * stride_lb + (head // list_head_div) * stride_lh + list_row * stride_lr
-    partial_index, partial_lo, partial_hi, full_index, full_lo, p_interior_lo, p_interior_hi, full_hi = walk_plan(
-        lists, list_width, tiles_per_block, lo, interior_lo, interior_hi, hi, HAS_LISTS
+    summary_row = tl.where(list_block_q > 0, pid_m // tl.maximum(list_block_q // BLOCK_M, 1), 0)
+    partial_tiles, tiles, tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi = key_walk(
+        Walk + b64 * stride_wb + (head // walk_head_div) * stride_wh, walk_width, summary_row * stride_wr, seqlen_k,
+        pid_m * BLOCK_M, q_last, band_lo, band_hi, list_block_k, 0, 1, WALK, BLOCK_N,
     )
-
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if HAS_MASK:
-        start_n = tile_at(partial_index, partial_lo, tiles_per_block, False) * BLOCK_N
-        for position in range(partial_lo, partial_hi):
-            next_n = tile_at(partial_index, position + 1, tiles_per_block, False) * BLOCK_N
-            dq = _dq_tile(
-                dq, q, do, lse2, delta, start_n, offs_m, k_base, v_base, stride_ks, stride_vs,
-                mask_rows, stride_mk, bias_rows, stride_bk, seqlen_k, band_lo, band_hi, head_dim,
-                scale, scale_log2, softcap_log2, scale_over_cap,
-                True, True, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
-            )
-            start_n = next_n
-    start_n = tile_at(full_index, p_interior_lo, tiles_per_block, not HAS_LISTS) * BLOCK_N
-    for position in range(p_interior_lo, p_interior_hi):
-        next_n = tile_at(full_index, position + 1, tiles_per_block, not HAS_LISTS) * BLOCK_N
-        dq = _dq_tile(
-            dq, q, do, lse2, delta, start_n, offs_m, k_base, v_base, stride_ks, stride_vs,
-            mask_rows, stride_mk, bias_rows, stride_bk, seqlen_k, band_lo, band_hi, head_dim,
-            scale, scale_log2, softcap_log2, scale_over_cap,
-            False, False, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+    if WALK == WALK_BLOCKS and HAS_MASK:
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            partial_tiles, tiles_per_block, key_limit, partial_lo, partial_hi, partial_hi, partial_hi,
+            band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
-        start_n = next_n
-    start_n = tile_at(full_index, edge_position(0, full_lo, p_interior_lo, p_interior_hi), tiles_per_block, not HAS_LISTS) * BLOCK_N
-    for j in range(0, (p_interior_lo - full_lo) + (full_hi - p_interior_hi)):
-        next_n = tile_at(full_index, edge_position(j + 1, full_lo, p_interior_lo, p_interior_hi), tiles_per_block, not HAS_LISTS) * BLOCK_N
-        dq = _dq_tile(
-            dq, q, do, lse2, delta, start_n, offs_m, k_base, v_base, stride_ks, stride_vs,
-            mask_rows, stride_mk, bias_rows, stride_bk, seqlen_k, band_lo, band_hi, head_dim,
-            scale, scale_log2, softcap_log2, scale_over_cap,
-            True, False, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
-        )
-        start_n = next_n
+    dq = _dq_tiles(
+        dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+        tiles, tiles_per_block, key_limit, interior_lo, interior_hi, interior_hi, interior_hi,
+        band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+        STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+    )
+    dq = _dq_tiles(
+        dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+        tiles, tiles_per_block, key_limit, lo, hi, interior_lo, interior_hi,
+        band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+        STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+    )
     offs_d = tl.arange(0, BLOCK_D)
     dq_ptrs = DQ + b64 * stride_dqb + head * stride_dqh + offs_m.to(tl.int64)[:, None] * stride_dqs + offs_d[None, :]
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(offs_m < seqlen_q)[:, None] & (offs_d < head_dim)[None, :])
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d < head_dim)[None, :])
 
 
-_TUNING_KEY = [
-    "rows_bucket", "keys_bucket", "list_block_q", "list_block_k",
-    "HAS_MASK", "HAS_BIAS", "HAS_LISTS", "MASK_PER_KEY", "BIAS_PER_KEY", "SOFTCAP", "BLOCK_D",
-]
-
-
-def _prune_dkdv(configs, nargs, **kwargs):
-    args = {**nargs, **kwargs}
-    return fit_to_problem(backward_candidates(args["Q"].device, args["BLOCK_D"], "dkdv"), args)
-
-
-def _prune_dq(configs, nargs, **kwargs):
-    args = {**nargs, **kwargs}
-    return fit_to_problem(backward_candidates(args["Q"].device, args["BLOCK_D"], "dq"), args)
-
-
-_dkdv = TunedKernel(
-    _dkdv_kernel, _TUNING_KEY + ["DBIAS", "DBIAS_ATOMIC", "DBIAS_HEAD_SHARED"], _prune_dkdv, reset_to_zero=["DBias", "Turns"]
+_ROW_STRIDES = (
+    "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
+    "stride_dob", "stride_dos", "stride_doh", "head_dim",
 )
-_dq = TunedKernel(_dq_kernel, _TUNING_KEY, _prune_dq)
+delta_launcher = Launcher(
+    _delta_kernel, tensors=("Out", "DOut", "Delta"),
+    specialized=("stride_ob", "stride_os", "stride_oh", "stride_db", "stride_ds", "stride_dh", "head_dim"),
+)
+dkdv_launcher = Launcher(
+    _dkdv_kernel,
+    tensors=("Q", "K", "V", "Mask", "Bias", "Walk", "DO", "Lse", "Delta", "DK", "DV", "DBias", "ScratchK", "ScratchV", "Turns"),
+    specialized=(*_ROW_STRIDES, "stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh"),
+    reset_to_zero=("DBias", "Turns"),
+)
+dq_launcher = Launcher(
+    _dq_kernel,
+    tensors=("Q", "K", "V", "Mask", "Bias", "Walk", "DO", "Lse", "Delta", "DQ"),
+    specialized=(*_ROW_STRIDES, "stride_dqb", "stride_dqs", "stride_dqh"),
+)
 
 
 def bias_gradient_buffer(bias, batch, num_heads, num_kv_heads, deterministic, query_chunks):
@@ -494,6 +507,7 @@ def attention_backward(
     bias: torch.Tensor | None,
     kv_lists: torch.Tensor | None,
     q_lists: torch.Tensor | None,
+    key_list: torch.Tensor | None,
     list_block_q: int,
     list_block_k: int,
     softmax_scale: float,
@@ -513,14 +527,16 @@ def attention_backward(
     """
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
-    block_d = head_dim_block(head_dim)
+    device = q.device
+    block_d = configs.head_dim_block(head_dim)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    delta = torch.empty(batch, num_heads, seqlen_q, dtype=torch.float32, device=q.device)
-    _delta_kernel[(triton.cdiv(seqlen_q, 64), batch * num_heads)](
-        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        seqlen_q, num_heads, head_dim, BLOCK_M=64, BLOCK_D=block_d,
+    delta = torch.empty(batch, num_heads, seqlen_q, dtype=torch.float32, device=device)
+    delta_launcher(
+        lambda meta: (triton.cdiv(seqlen_q, _DELTA_ROWS), batch * num_heads),
+        [out, dout, delta, *out.stride()[:3], *dout.stride()[:3], seqlen_q, num_heads, head_dim, _DELTA_ROWS, block_d],
+        (block_d,), configs.single_program_config,
     )
-    dk = torch.empty(batch, seqlen_k, num_kv_heads, head_dim, dtype=q.dtype, device=q.device)
+    dk = torch.empty(batch, seqlen_k, num_kv_heads, head_dim, dtype=q.dtype, device=device)
     dv = torch.empty_like(dk)
     chunks = num_query_chunks or query_chunks(seqlen_q)
     dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = None, DBIAS_NONE, False, False
@@ -528,69 +544,48 @@ def attention_backward(
         dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = bias_gradient_buffer(
             bias, batch, num_heads, num_kv_heads, deterministic, chunks
         )
-
-    band_lo, band_hi = band(window_left, window_right, seqlen_q, seqlen_k)
-    log2e = 1.4426950408889634
-    no_lists = placeholder(q.device, torch.int32)
-    no_floats = placeholder(q.device, torch.float32)
-    # Absent inputs become placeholders: the kernels form (unused) pointers from them.
-    common = dict(
-        Q=q, K=k, V=v, DO=dout, Lse=lse, Delta=delta,
-        Mask=no_lists if mask is None else kernel_view(mask), Bias=no_floats if bias is None else bias,
-        stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
-        stride_kb=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
-        stride_vb=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
-        stride_dob=dout.stride(0), stride_dos=dout.stride(1), stride_doh=dout.stride(2),
-        **dict(zip(("stride_mb", "stride_mh", "stride_mq", "stride_mk"), broadcast_strides(mask))),
-        **dict(zip(("stride_bb", "stride_bh", "stride_bq", "stride_bk"), broadcast_strides(bias))),
-        seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        mask_head_div=head_divisor(mask, num_heads), bias_head_div=head_divisor(bias, num_heads),
-        list_head_div=1 if kv_lists is None else head_divisor(kv_lists, num_heads),
-        list_block_q=list_block_q, list_block_k=list_block_k,
-        band_lo=band_lo, band_hi=band_hi,
-        scale=softmax_scale, scale_log2=softmax_scale * log2e, softcap_log2=softcap * log2e,
-        scale_over_cap=softmax_scale / softcap if softcap > 0 else 0.0,
-        rows_bucket=length_bucket(seqlen_q), keys_bucket=length_bucket(seqlen_k),
-        HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_LISTS=kv_lists is not None,
-        MASK_PER_KEY=mask is not None and mask.shape[2] == 1,
-        BIAS_PER_KEY=bias is not None and bias.shape[2] == 1,
-        SOFTCAP=softcap > 0,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_D=block_d,
-    )
-
-    def list_args(lists):
-        if lists is None:
-            return dict(Lists=no_lists, stride_lb=0, stride_lh=0, stride_lr=0, list_width=0)
-        strides = broadcast_strides(lists)
-        return dict(Lists=lists, stride_lb=strides[0], stride_lh=strides[1], stride_lr=strides[2], list_width=lists.shape[-1])
-
-    dbias_target = dbias_acc if dbias_acc is not None else no_floats
+    no_floats = placeholder(device, torch.float32)
+    settings = (softmax_scale, window_left, window_right, softcap)
+    runtime, flags = common_arguments(q, k, v, mask, bias, q_lists, key_list, list_block_q, list_block_k, *settings)
     # Chunks after the first add into fp32 scratch; one turn counter per key tile (any BLOCK_N).
-    scratch_k, scratch_v, turns = no_floats, no_floats, no_lists
+    scratch_k, scratch_v, turns = no_floats, no_floats, placeholder(device, torch.int32)
     if chunks > 1:
         scratch_k = torch.empty_like(dk, dtype=torch.float32)
         scratch_v = torch.empty_like(dv, dtype=torch.float32)
-        turns = torch.zeros(batch * num_kv_heads * triton.cdiv(seqlen_k, _SMALLEST_BLOCK_N), dtype=torch.int32, device=q.device)
-    dkdv_args = dict(
-        common, **list_args(q_lists), DK=dk, DV=dv, DBias=dbias_target,
-        ScratchK=scratch_k, ScratchV=scratch_v, Turns=turns,
-        stride_dkb=dk.stride(0), stride_dks=dk.stride(1), stride_dkh=dk.stride(2),
-        stride_dvb=dv.stride(0), stride_dvs=dv.stride(1), stride_dvh=dv.stride(2),
-        stride_dbc=0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0),
-        **dict(zip(("stride_dbb", "stride_dbh", "stride_dbq", "stride_dbk"), broadcast_strides(None if dbias_acc is None else dbias_acc[0]))),
-        dbias_head_div=1 if dbias_acc is None else head_divisor(dbias_acc[0], num_heads),
-        DBIAS=dbias_kind, DBIAS_ATOMIC=dbias_atomic, DBIAS_HEAD_SHARED=dbias_head_shared,
+        turns = torch.zeros(batch * num_kv_heads * triton.cdiv(seqlen_k, _SMALLEST_BLOCK_N), dtype=torch.int32, device=device)
+    dbias_slice = None if dbias_acc is None else dbias_acc[0]
+    dkdv_args = [
+        *runtime, dout, lse, delta, dk, dv, no_floats if dbias_acc is None else dbias_acc, scratch_k, scratch_v, turns,
+        *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+        0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0),
+        *broadcast_strides(dbias_slice), head_divisor(dbias_slice, num_heads),
+        *flags, dbias_kind, dbias_atomic, dbias_head_shared, block_d,
+    ]
+
+    def dkdv_candidates():
+        return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dkdv"), seqlen_q, list_block_q, list_block_k)
+
+    dkdv_launcher(
+        lambda meta: (chunks, triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * num_kv_heads),
+        dkdv_args,
+        (q.dtype, *flags, dbias_kind, dbias_atomic, dbias_head_shared, block_d, configs.length_bucket(seqlen_q),
+         configs.length_bucket(seqlen_k), list_block_q, list_block_k),
+        dkdv_candidates,
     )
-    _dkdv(lambda meta: (chunks, triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * num_kv_heads), dkdv_args)
     # dQ is allocated only once the dK/dV scratch is released, so the two never add up in the peak.
     del dkdv_args, scratch_k, scratch_v
-    dq = torch.empty(batch, seqlen_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    dq_args = dict(
-        common, **list_args(kv_lists), DQ=dq,
-        stride_dqb=dq.stride(0), stride_dqs=dq.stride(1), stride_dqh=dq.stride(2),
+    dq = torch.empty(batch, seqlen_q, num_heads, head_dim, dtype=q.dtype, device=device)
+    runtime, flags = common_arguments(q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k, *settings)
+
+    def dq_candidates():
+        return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dq"), seqlen_q, list_block_q, list_block_k)
+
+    dq_launcher(
+        lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_heads),
+        [*runtime, dout, lse, delta, dq, *dout.stride()[:3], *dq.stride()[:3], *flags, block_d],
+        (q.dtype, *flags, block_d, configs.length_bucket(seqlen_q), configs.length_bucket(seqlen_k), list_block_q, list_block_k),
+        dq_candidates,
     )
-    _dq(lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_heads), dq_args)
 
     dbias = None
     if bias is not None and bias_requires_grad:

@@ -1,13 +1,21 @@
-"""Tile configurations and how they are chosen.
+"""Tile configurations: the shipped tables, and how a problem narrows them.
 
-Candidates are per GPU generation (sm90 = H100, sm80 = A100 and the rest) and head-dim bucket.
-The autotuner is keyed on coarse length buckets (``length_bucket``) plus the kernel's compile-time
-flags, so a new sequence length inside a bucket reuses the tuned choice, and results are cached on
-disk (``cache_results``) for later processes. Tiles never exceed the block summary's blocks,
-because a kernel tile must lie inside one summary block.
+Candidates are per GPU generation (sm90 = H100/H200, sm80 = A100 and the rest), kernel and
+head-dim bucket, best first: a default call takes the first one that fits the device's shared
+memory (``launch.Launcher``), so it never autotunes. ``FLASH_DMA_AUTOTUNE=1`` times them all
+instead and keeps the fastest on disk. Tiles never exceed the block summary's blocks, because a
+kernel tile must lie inside one summary block, nor the rows there are.
 
-``FLASH_DMA_AUTOTUNE=0`` (used by the GPU tests) and the Triton interpreter skip tuning and take
-the first candidate.
+Why these tiles (H100, bf16; tools/compile_report.py for registers and spills):
+
+- forward, D <= 128: 128 query rows x 64 keys, 8 warps, 3 stages: two warpgroups share the
+  K/V stream; larger key tiles spill the fp32 score tile.
+- forward, D = 256: 64-key tiles no longer fit three stages in 227 KB, hence 32 keys and two.
+- dK/dV keeps dK, dV (fp32, ``BLOCK_N x D`` each) and K, V in registers, so its key tiles are
+  smaller than the forward's; dQ mirrors the forward.
+- decode (few query rows): 16-row tiles and long key tiles; split-KV supplies the parallelism.
+
+Each list ends with a small tile that fits any head dim's shared memory on any generation.
 """
 
 from __future__ import annotations
@@ -18,15 +26,8 @@ import os
 import torch
 import triton
 
-
-
-def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages)
-
-
-# Prefill/training shapes: (BLOCK_M, BLOCK_N, warps, stages), best guess first. The sm90 lists
-# hold the variants ptxas compiles with the fewest spills (tools/compile_report.py); sm80 lists
-# are FlashAttention-2-like guesses.
+_FALLBACK = (32, 32, 4, 1)
+# Prefill/training shapes: (BLOCK_M, BLOCK_N, warps, stages).
 _FORWARD = {
     "sm90": {
         64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
@@ -67,7 +68,7 @@ _BACKWARD = {
     },
 }
 # Decode shapes (few query rows, split over keys): BLOCK_M shrinks to the rows.
-_DECODE = [(16, 128, 4, 3), (16, 64, 4, 4), (16, 128, 8, 4)]
+_DECODE = [(16, 128, 4, 3), (16, 64, 4, 4), (16, 128, 8, 4), (16, 32, 4, 2)]
 _INTERPRETER_TILE = 32
 
 
@@ -76,7 +77,7 @@ def triton_interpreting() -> bool:
 
 
 def autotune_enabled() -> bool:
-    return os.environ.get("FLASH_DMA_AUTOTUNE", "1") != "0" and not triton_interpreting()
+    return os.environ.get("FLASH_DMA_AUTOTUNE", "0") == "1" and not triton_interpreting()
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,12 +92,6 @@ def multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
-def placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A one-element tensor standing in for an absent kernel input (never read)."""
-    return torch.zeros(1, dtype=dtype, device=device)
-
-
 def length_bucket(n: int) -> int:
     """Coarse, 4x-wide length buckets: 1-16, 17-64, ..., so that tuning survives new lengths."""
     return (max(n, 1) - 1).bit_length() // 2
@@ -106,33 +101,43 @@ def head_dim_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def candidates(device: torch.device, block_d: int, decode: bool) -> list[triton.Config]:
+def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> triton.Config:
+    # Kwargs in the kernels' parameter order: the launcher passes them positionally.
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages)
+
+
+def _table(table: dict, device: torch.device, block_d: int) -> list[triton.Config]:
     if triton_interpreting():
         return [_config(_INTERPRETER_TILE, _INTERPRETER_TILE, 4, 1)]
-    if decode:
+    by_dim = table[_generation(device.index or 0)]
+    return [_config(*c) for c in (*by_dim[min(b for b in by_dim if b >= block_d)], _FALLBACK)]
+
+
+def forward_candidates(device: torch.device, block_d: int, decode: bool) -> list[triton.Config]:
+    if decode and not triton_interpreting():
         return [_config(*c) for c in _DECODE]
-    table = _FORWARD[_generation(device.index or 0)]
-    return [_config(*c) for c in table[min(b for b in table if b >= block_d)]]
+    return _table(_FORWARD, device, block_d)
 
 
 def backward_candidates(device: torch.device, block_d: int, kernel: str) -> list[triton.Config]:
-    if triton_interpreting():
-        return [_config(_INTERPRETER_TILE, _INTERPRETER_TILE, 4, 1)]
-    table = _BACKWARD[kernel][_generation(device.index or 0)]
-    return [_config(*c) for c in table[min(b for b in table if b >= block_d)]]
+    return _table(_BACKWARD[kernel], device, block_d)
 
 
-def fit_to_problem(configs, nargs, **kwargs) -> list[triton.Config]:
+def single_program_config() -> list[triton.Config]:
+    """For kernels without tile parameters."""
+    return [triton.Config({}, num_warps=4, num_stages=1)]
+
+
+def fit_to_problem(configs, rows: int, list_block_q: int, list_block_k: int) -> list[triton.Config]:
     """Shrink tiles to the summary blocks and to the rows there are; drop duplicates."""
-    nargs = {**nargs, **kwargs}
     fitted = {}
     for config in configs:
-        block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-        block_m = min(block_m, max(16, triton.next_power_of_2(nargs.get("rows", nargs["seqlen_q"]))))
-        if nargs["list_block_q"] > 0:
-            block_m = min(block_m, nargs["list_block_q"])
-        if nargs["list_block_k"] > 0:
-            block_n = min(block_n, nargs["list_block_k"])
+        block_m = min(config.kwargs["BLOCK_M"], max(16, triton.next_power_of_2(rows)))
+        block_n = config.kwargs["BLOCK_N"]
+        if list_block_q > 0:
+            block_m = min(block_m, list_block_q)
+        if list_block_k > 0:
+            block_n = min(block_n, list_block_k)
         key = (block_m, block_n, config.num_warps, config.num_stages)
         fitted.setdefault(key, _config(*key))
     return list(fitted.values())

@@ -1,15 +1,16 @@
-"""Forward pass: online-softmax attention that walks only the non-empty tiles.
+"""Forward pass: online-softmax attention that walks only the tiles holding visible keys.
 
 Grid: ``(row tiles, batch x heads, key splits)``. A program owns ``BLOCK_M`` query rows of one
 head (or, with PACK_GQA, the rows of all query heads of one key/value head, so that each K/V
-tile is loaded once per group) and visits key tiles in three loops:
+tile is loaded once per group) and runs ``_attn_fwd_tiles`` over up to three stretches of key
+tiles (see ``tiles.py`` for the walks and stages):
 
-1. PARTIAL tiles from the block summary: element-wise mask, bounds and band checks;
-2. FULL (or, with no summary, all) tiles inside the causal/window band: no checks at all;
-3. FULL tiles on the band's edges or past the last key: bounds and band checks.
+1. PARTIAL tiles of a block summary: element-wise mask, bounds and band checks;
+2. interior tiles (every key visible to every row): no checks at all;
+3. edge tiles of the causal/window band, or past the last key: bounds and band checks.
 
-With SPLIT, the key range is cut into ``num_splits`` parts whose partial results are merged
-by ``_combine_splits_kernel`` through their log-sum-exps (flash-decoding).
+With SPLIT, the key range is cut into ``num_splits`` parts whose partial results are merged by
+``_combine_splits_kernel`` through their log-sum-exps (flash-decoding).
 """
 
 from __future__ import annotations
@@ -18,27 +19,24 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_dma.backends.triton.configs import (
-    candidates,
-    fit_to_problem,
-    head_dim_block,
-    length_bucket,
-    multiprocessor_count,
-    placeholder,
-)
-from flash_dma.backends.triton.launch import TunedKernel
+from flash_dma.backends.triton import configs
+from flash_dma.backends.triton.launch import Launcher
+from flash_dma.backends.triton.layout import common_arguments
 from flash_dma.backends.triton.tiles import (
     LN2,
     LOG2E,
-    band_tiles,
-    bias_and_mask,
-    edge_position,
+    STAGE_EDGE,
+    STAGE_INTERIOR,
+    STAGE_PARTIAL,
+    WALK_BLOCKS,
     key_pointers,
-    load_rows,
+    key_walk,
+    load_tile,
     scores_log2,
-    split_range,
-    tile_at,
-    walk_plan,
+    tile_indices,
+    tile_start,
+    visible_scores,
+    walk_position,
 )
 
 MAX_SPLITS = 256
@@ -46,58 +44,67 @@ _KEYS_PER_SPLIT = 256  # fewer keys than this per split is not worth a split
 
 
 @triton.jit
-def _attend_tile(
-    acc, l_i, m_i, q, start_n, q_idx,
-    k_base, v_base, stride_ks, stride_vs,
-    mask_rows, stride_mk, bias_rows, stride_bk,
-    seqlen_k, band_lo, band_hi, head_dim,
-    scale_log2, softcap_log2, scale_over_cap,
-    CHECK_BOUNDS: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+def _attn_fwd_tiles(
+    acc, l_i, m_i, q, q_idx,
+    k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+    tiles, tiles_per_block, key_limit, lo, hi, gap_lo, gap_hi,
+    band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
+    STAGE: tl.constexpr, WALK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over the key tile starting at ``start_n``."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = load_rows(k_base, start_n, stride_ks, seqlen_k, head_dim, CHECK_BOUNDS, BLOCK_N, BLOCK_D)
-    s = scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
-    bias_ptrs = bias_rows
-    mask_ptrs = mask_rows
-    # Per-key mask/bias: one row of pointers shared by every query row.
-    if HAS_BIAS:
-        bias_ptrs = key_pointers(bias_rows, offs_n, stride_bk, BIAS_PER_KEY, False)
-    if APPLY_MASK:
-        mask_ptrs = key_pointers(mask_rows, offs_n, stride_mk, MASK_PER_KEY, False)
-    s = bias_and_mask(s, q_idx[:, None], offs_n[None, :], seqlen_k, band_lo, band_hi, bias_ptrs, mask_ptrs, HAS_BIAS, CHECK_BOUNDS, APPLY_MASK)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead, so p = 0, not NaN.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_shift[:, None])
-    alpha = tl.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_rows(v_base, start_n, stride_vs, seqlen_k, head_dim, CHECK_BOUNDS, BLOCK_N, BLOCK_D)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
+    """Online softmax over the key tiles at walk positions ``[lo, hi)`` less ``[gap_lo, gap_hi)``."""
+    count = (hi - lo) - (gap_hi - gap_lo)
+    tile = tile_start(tiles, walk_position(0, lo, gap_lo, gap_hi), tiles_per_block, WALK)
+    for j in range(0, count):
+        next_tile = tile_start(tiles, walk_position(j + 1, lo, gap_lo, gap_hi), tiles_per_block, WALK)
+        keys, key_ok = tile_indices(tiles, tile, key_limit, BLOCK_N, WALK)  # [BLOCK_N]
+        k = load_tile(k_base, keys, key_ok, stride_ks, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        s = scores_log2(qk, scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
+        s = visible_scores(
+            s, q_idx[:, None], keys[None, :], key_ok[None, :], band_lo, band_hi,
+            key_pointers(bias_rows, keys, stride_bk, BIAS_PER_KEY, False),
+            key_pointers(mask_rows, keys, stride_mk, MASK_PER_KEY, False),
+            HAS_BIAS, STAGE,
+        )
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+        # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead, so p = 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_tile(v_base, keys, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
+        m_i = m_new
+        tile = next_tile
+    return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[
+    "stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_bb", "stride_bh", "stride_bq", "stride_bk",
+    "stride_wb", "stride_wh", "stride_wr", "walk_width", "seqlen_q", "seqlen_k", "num_heads", "num_kv_heads",
+    "mask_head_div", "bias_head_div", "walk_head_div", "list_block_q", "list_block_k", "band_lo", "band_hi",
+    "stride_lse_split", "stride_lse_b", "stride_lse_h", "stride_lse_q", "rows",
+])
 def _attn_fwd_kernel(
-    Q, K, V, Mask, Bias, Lists, Out, Lse,
+    Q, K, V, Mask, Bias, Walk,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_bb, stride_bh, stride_bq, stride_bk,
-    stride_lb, stride_lh, stride_lr, list_width,
+    stride_wb, stride_wh, stride_wr, walk_width,
+    seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim,
+    mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
+    band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
+    Out, Lse,
     stride_o_split, stride_ob, stride_os, stride_oh,
     stride_lse_split, stride_lse_b, stride_lse_h, stride_lse_q,
-    seqlen_q, seqlen_k, rows, num_heads, num_kv_heads, head_dim,
-    mask_head_div, bias_head_div, list_head_div, list_block_q, list_block_k,
-    band_lo, band_hi,
-    scale_log2, softcap_log2, scale_over_cap,
-    rows_bucket, keys_bucket,  # autotuning keys only
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LISTS: tl.constexpr,
-    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr,
-    PACK_GQA: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    rows,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
+    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Last row tiles first: under a causal band they hold the most work, so the grid's tail is light.
@@ -128,80 +135,56 @@ def _attn_fwd_kernel(
     q_row = tl.minimum(q_idx, seqlen_q - 1).to(tl.int64)  # rows past the end read the last row
     b64 = b.to(tl.int64)
 
-    q = tl.load(
+    q = tl.load(  # [BLOCK_M, BLOCK_D]
         Q + b64 * stride_qb + (q_row * stride_qs + head * stride_qh)[:, None] + offs_d[None, :],
         mask=row_ok[:, None] & (offs_d < head_dim)[None, :],
         other=0.0,
     )
     k_base = K + b64 * stride_kb + kv_head * stride_kh
     v_base = V + b64 * stride_vb + kv_head * stride_vh
-    mask_rows = Mask
-    bias_rows = Bias
-    if HAS_MASK:
-        if MASK_PER_KEY:
-            mask_rows = Mask + b64 * stride_mb + (first_head // mask_head_div) * stride_mh
-        else:
-            mask_rows = Mask + b64 * stride_mb + (head // mask_head_div) * stride_mh + q_row * stride_mq
-    if HAS_BIAS:
-        if BIAS_PER_KEY:
-            bias_rows = Bias + b64 * stride_bb + (first_head // bias_head_div) * stride_bh
-        else:
-            bias_rows = Bias + b64 * stride_bb + (head // bias_head_div) * stride_bh + q_row * stride_bq
+    # Per-key mask/bias: one base pointer shared by every row; otherwise one pointer per row.
+    mask_rows = Mask + b64 * stride_mb
+    if MASK_PER_KEY:
+        mask_rows += (first_head // mask_head_div) * stride_mh
+    else:
+        mask_rows += (head // mask_head_div) * stride_mh + q_row * stride_mq
+    bias_rows = Bias + b64 * stride_bb
+    if BIAS_PER_KEY:
+        bias_rows += (first_head // bias_head_div) * stride_bh
+    else:
+        bias_rows += (head // bias_head_div) * stride_bh + q_row * stride_bq
+    walk = Walk + b64 * stride_wb + (first_head // walk_head_div) * stride_wh
 
-    # Key tiles that the causal/window band leaves visible to these rows, then this split's share.
-    diagonal = seqlen_k - seqlen_q
-    lo, interior_lo, interior_hi, hi = band_tiles(q_lo, q_hi, seqlen_k, diagonal + band_lo, diagonal + band_hi, BLOCK_N)
-    if SPLIT:
-        lo, interior_lo, interior_hi, hi = split_range(lo, interior_lo, interior_hi, hi, split, tl.num_programs(2))
-    band_lo = diagonal + band_lo
-    band_hi = diagonal + band_hi
-
+    # Key tiles that the causal/window band leaves visible to these rows: this split's share.
+    band_lo += seqlen_k - seqlen_q
+    band_hi += seqlen_k - seqlen_q
+    summary_row = tl.where(list_block_q > 0, pid_m // tl.maximum(list_block_q // BLOCK_M, 1), 0)
+    partial_tiles, tiles, tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi = key_walk(
+        walk, walk_width, summary_row * stride_wr, seqlen_k, q_lo, q_hi, band_lo, band_hi, list_block_k,
+        split, tl.num_programs(2), WALK, BLOCK_N,
+    )
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    tiles_per_block = 1
-    lists = Lists
-    if HAS_LISTS:
-        tiles_per_block = tl.where(list_block_k > 0, list_block_k // BLOCK_N, tl.cdiv(seqlen_k, BLOCK_N))
-        list_row = tl.where(list_block_q > 0, pid_m // tl.maximum(list_block_q // BLOCK_M, 1), 0)
-        lists = Lists + b64 * stride_lb + (first_head // list_head_div) * stride_lh + list_row * stride_lr
-    partial_index, partial_lo, partial_hi, full_index, full_lo, interior_lo, interior_hi, full_hi = walk_plan(
-        lists, list_width, tiles_per_block, lo, interior_lo, interior_hi, hi, HAS_LISTS
+    if WALK == WALK_BLOCKS and HAS_MASK:
+        acc, l_i, m_i = _attn_fwd_tiles(
+            acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            partial_tiles, tiles_per_block, key_limit, partial_lo, partial_hi, partial_hi, partial_hi,
+            band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
+            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        )
+    acc, l_i, m_i = _attn_fwd_tiles(
+        acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+        tiles, tiles_per_block, key_limit, interior_lo, interior_hi, interior_hi, interior_hi,
+        band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
+        STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
     )
-    # Each loop reads the next tile's index one iteration ahead (`next_n`), so the K/V loads of a
-    # tile never wait on the load of its index: the pipeliner can prefetch them.
-    if HAS_MASK:
-        start_n = tile_at(partial_index, partial_lo, tiles_per_block, False) * BLOCK_N
-        for position in range(partial_lo, partial_hi):
-            next_n = tile_at(partial_index, position + 1, tiles_per_block, False) * BLOCK_N
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, start_n, q_idx, k_base, v_base, stride_ks, stride_vs,
-                mask_rows, stride_mk, bias_rows, stride_bk, seqlen_k, band_lo, band_hi, head_dim,
-                scale_log2, softcap_log2, scale_over_cap,
-                True, True, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
-            )
-            start_n = next_n
-    start_n = tile_at(full_index, interior_lo, tiles_per_block, not HAS_LISTS) * BLOCK_N
-    for position in range(interior_lo, interior_hi):
-        next_n = tile_at(full_index, position + 1, tiles_per_block, not HAS_LISTS) * BLOCK_N
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, start_n, q_idx, k_base, v_base, stride_ks, stride_vs,
-            mask_rows, stride_mk, bias_rows, stride_bk, seqlen_k, band_lo, band_hi, head_dim,
-            scale_log2, softcap_log2, scale_over_cap,
-            False, False, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
-        )
-        start_n = next_n
-    start_n = tile_at(full_index, edge_position(0, full_lo, interior_lo, interior_hi), tiles_per_block, not HAS_LISTS) * BLOCK_N
-    for j in range(0, (interior_lo - full_lo) + (full_hi - interior_hi)):
-        next_n = tile_at(full_index, edge_position(j + 1, full_lo, interior_lo, interior_hi), tiles_per_block, not HAS_LISTS) * BLOCK_N
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, start_n, q_idx, k_base, v_base, stride_ks, stride_vs,
-            mask_rows, stride_mk, bias_rows, stride_bk, seqlen_k, band_lo, band_hi, head_dim,
-            scale_log2, softcap_log2, scale_over_cap,
-            True, False, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
-        )
-        start_n = next_n
+    acc, l_i, m_i = _attn_fwd_tiles(
+        acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+        tiles, tiles_per_block, key_limit, lo, hi, interior_lo, interior_hi,
+        band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
+        STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+    )
 
     # Rows with no visible key: out = 0, lse = -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -220,7 +203,7 @@ def _attn_fwd_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "seqlen_q", "num_heads", "stride_o_split", "stride_lse_split"])
 def _combine_splits_kernel(
     OutSplits, LseSplits, Out, Lse,
     num_splits, seqlen_q, num_heads, head_dim,
@@ -232,12 +215,12 @@ def _combine_splits_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     split_ok = offs_s < num_splits
-    lse_s = tl.load(LseSplits + offs_s * stride_lse_split + row, mask=split_ok, other=float("-inf"))
+    lse_s = tl.load(LseSplits + offs_s * stride_lse_split + row, mask=split_ok, other=float("-inf"))  # [BLOCK_S]
     m = tl.max(lse_s, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     weight = tl.exp2((lse_s - m) * LOG2E)
     total = tl.sum(weight, 0)
-    partial = tl.load(
+    partial = tl.load(  # [BLOCK_S, BLOCK_D]
         OutSplits + offs_s[:, None] * stride_o_split + row * head_dim + offs_d[None, :],
         mask=split_ok[:, None] & (offs_d < head_dim)[None, :],
         other=0.0,
@@ -251,43 +234,19 @@ def _combine_splits_kernel(
     tl.store(Lse + (b * num_heads + h) * seqlen_q + q, lse)
 
 
-_TUNING_KEY = [
-    "rows_bucket", "keys_bucket", "list_block_q", "list_block_k",
-    "HAS_MASK", "HAS_BIAS", "HAS_LISTS", "MASK_PER_KEY", "BIAS_PER_KEY", "SOFTCAP", "PACK_GQA", "SPLIT", "BLOCK_D",
-]
+_ROW_STRIDES = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh")
+forward_launcher = Launcher(
+    _attn_fwd_kernel,
+    tensors=("Q", "K", "V", "Mask", "Bias", "Walk", "Out", "Lse"),
+    specialized=(*_ROW_STRIDES, "head_dim", "stride_o_split", "stride_ob", "stride_os", "stride_oh"),
+)
+combine_launcher = Launcher(_combine_splits_kernel, tensors=("OutSplits", "LseSplits", "Out", "Lse"), specialized=("head_dim",))
 
 
-def _prune(configs, nargs, **kwargs):
-    args = {**nargs, **kwargs}
-    return fit_to_problem(candidates(args["Q"].device, args["BLOCK_D"], decode=args["rows"] <= 64), args)
-
-
-_attn_fwd = TunedKernel(_attn_fwd_kernel, _TUNING_KEY, _prune)
-
-
-def broadcast_strides(t: torch.Tensor | None) -> tuple[int, ...]:
-    """Strides of a 4-D tensor with 0 on every size-1 (broadcast) dimension."""
-    if t is None:
-        return (0, 0, 0, 0)
-    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
-
-
-def head_divisor(t: torch.Tensor | None, num_heads: int) -> int:
-    """Query head h reads head ``h // divisor`` of a ``[., 1|Hkv|H, ., .]`` tensor."""
-    if t is None or t.shape[1] in (1, num_heads):
-        return 1
-    return num_heads // t.shape[1]
-
-
-def kernel_view(t: torch.Tensor | None) -> torch.Tensor | None:
-    # Triton reads bool tensors as bytes.
-    return t.view(torch.uint8) if t is not None and t.dtype == torch.bool else t
-
-
-def band(window_left: int, window_right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
-    """Visible offsets ``j - i - (Sk - Sq)`` as a closed range; unbounded sides become out-of-reach values."""
-    reach = seqlen_q + seqlen_k + 1
-    return (-reach if window_left < 0 else -window_left), (reach if window_right < 0 else window_right)
+def split_count(programs: int, seqlen_k: int, device: torch.device) -> int:
+    """Split-KV parts: about two programs per multiprocessor (measured faster than one wave at Sk = 512K)."""
+    sms = configs.multiprocessor_count(device)
+    return 1 if programs >= sms else max(1, min(2 * sms // programs, seqlen_k // _KEYS_PER_SPLIT, MAX_SPLITS))
 
 
 def attention_forward(
@@ -296,7 +255,8 @@ def attention_forward(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
-    lists: torch.Tensor | None,
+    kv_lists: torch.Tensor | None,
+    key_list: torch.Tensor | None,
     list_block_q: int,
     list_block_k: int,
     softmax_scale: float,
@@ -309,8 +269,9 @@ def attention_forward(
 
     Args:
         q: ``[B, Sq, H, D]``; k, v: ``[B, Sk, Hkv, D]`` (last dimension contiguous).
-        mask, bias: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` or None.
-        lists: a block summary's ``kv_lists`` ``[Bl, Hl, NQB, 2, 2, NKB + 1]``, or None (every tile).
+        mask, bias: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` or None. With ``key_list`` the mask is not read.
+        kv_lists: a block summary's ``kv_lists`` ``[Bl, Hl, NQB, 2, 2, NKB + 1]``, or None.
+        key_list: ``[Bm, Hm, 2, Sk + 1]`` int32 kept keys of a per-key mask (``key_list.py``), or None.
         list_block_q, list_block_k: the summary's block sizes, 0 for an axis of one block.
         num_splits: split-KV parts; None picks them from the problem and the GPU.
 
@@ -320,18 +281,14 @@ def attention_forward(
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
-    block_d = head_dim_block(head_dim)
-    list_heads = 1 if lists is None else lists.shape[1]
-    # Packing a group's heads into one tile needs one summary row shared by all of its rows.
-    pack_gqa = (
-        group > 1 and seqlen_q * group <= 64 and list_heads in (1, num_kv_heads) and list_block_q == 0
-    )
+    walked = key_list if key_list is not None else kv_lists
+    walk_heads = 1 if walked is None else walked.shape[1]
+    # Packing a group's heads into one tile needs one walk shared by all of its rows.
+    pack_gqa = group > 1 and seqlen_q * group <= 64 and walk_heads in (1, num_kv_heads) and list_block_q == 0
     rows = seqlen_q * group if pack_gqa else seqlen_q
-    programs = batch * (num_kv_heads if pack_gqa else num_heads) * triton.cdiv(rows, 64)
     if num_splits is None:
-        sms = multiprocessor_count(q.device)
-        # About two programs per multiprocessor: measured faster than one wave at Sk = 512K.
-        num_splits = 1 if programs >= sms else max(1, min(2 * sms // programs, seqlen_k // _KEYS_PER_SPLIT, MAX_SPLITS))
+        programs = batch * (num_kv_heads if pack_gqa else num_heads) * triton.cdiv(rows, 64)
+        num_splits = split_count(programs, seqlen_k, q.device)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
 
     out = torch.empty(batch, seqlen_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -344,50 +301,32 @@ def attention_forward(
         out_target, lse_target = out.unsqueeze(0), lse
         lse_strides = (0, *lse.stride())
 
-    band_lo, band_hi = band(window_left, window_right, seqlen_q, seqlen_k)
-    log2e = 1.4426950408889634
-    mask_view = kernel_view(mask)
-    lists_arg = lists if lists is not None else placeholder(q.device, torch.int32)
-    args = dict(
-        Q=q, K=k, V=v, Mask=mask_view, Bias=bias, Lists=lists_arg, Out=out_target, Lse=lse_target,
-        stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
-        stride_kb=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
-        stride_vb=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
-        **dict(zip(("stride_mb", "stride_mh", "stride_mq", "stride_mk"), broadcast_strides(mask))),
-        **dict(zip(("stride_bb", "stride_bh", "stride_bq", "stride_bk"), broadcast_strides(bias))),
-        **dict(zip(("stride_lb", "stride_lh", "stride_lr"), broadcast_strides(lists)[:3])),
-        list_width=0 if lists is None else lists.shape[-1],
-        stride_o_split=out_target.stride(0), stride_ob=out_target.stride(1),
-        stride_os=out_target.stride(2), stride_oh=out_target.stride(3),
-        stride_lse_split=lse_strides[0], stride_lse_b=lse_strides[1],
-        stride_lse_h=lse_strides[2], stride_lse_q=lse_strides[3],
-        seqlen_q=seqlen_q, seqlen_k=seqlen_k, rows=rows,
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        mask_head_div=head_divisor(mask, num_heads), bias_head_div=head_divisor(bias, num_heads),
-        list_head_div=1 if lists is None else head_divisor(lists, num_heads),
-        list_block_q=list_block_q, list_block_k=list_block_k,
-        band_lo=band_lo, band_hi=band_hi,
-        scale_log2=softmax_scale * log2e, softcap_log2=softcap * log2e,
-        scale_over_cap=softmax_scale / softcap if softcap > 0 else 0.0,
-        rows_bucket=length_bucket(rows), keys_bucket=length_bucket(seqlen_k),
-        HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_LISTS=lists is not None,
-        MASK_PER_KEY=mask is not None and mask.shape[2] == 1 and (not pack_gqa or mask.shape[1] != num_heads or group == 1),
-        BIAS_PER_KEY=bias is not None and bias.shape[2] == 1 and (not pack_gqa or bias.shape[1] != num_heads or group == 1),
-        SOFTCAP=softcap > 0, PACK_GQA=pack_gqa, SPLIT=num_splits > 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_D=block_d,
+    runtime, flags = common_arguments(
+        q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k,
+        softmax_scale, window_left, window_right, softcap, pack_gqa,
     )
+    block_d = configs.head_dim_block(head_dim)
+    args = [
+        *runtime, out_target, lse_target, *out_target.stride()[:4], *lse_strides, rows,
+        *flags, pack_gqa, num_splits > 1, block_d,
+    ]
+    heads = num_kv_heads if pack_gqa else num_heads
+    decode = rows <= 64
 
-    def grid(meta):
-        return (triton.cdiv(rows, meta["BLOCK_M"]), batch * (num_kv_heads if pack_gqa else num_heads), num_splits)
+    def candidates():
+        return configs.fit_to_problem(configs.forward_candidates(q.device, block_d, decode), rows, list_block_q, list_block_k)
 
-    _attn_fwd(grid, args)
-
+    forward_launcher(
+        lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), batch * heads, num_splits),
+        args, (q.dtype, *flags, pack_gqa, num_splits > 1, block_d, decode, configs.length_bucket(seqlen_k), list_block_q, list_block_k),
+        candidates,
+    )
     if num_splits > 1:
-        _combine_splits_kernel[(batch * seqlen_q * num_heads,)](
-            out_target, lse_target, out, lse,
-            num_splits, seqlen_q, num_heads, head_dim,
-            out_target.stride(0), lse_target.stride(0),
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        combine_launcher(
+            lambda meta: (batch * seqlen_q * num_heads,),
+            [out_target, lse_target, out, lse, num_splits, seqlen_q, num_heads, head_dim,
+             out_target.stride(0), lse_target.stride(0), triton.next_power_of_2(num_splits), block_d],
+            (triton.next_power_of_2(num_splits), block_d),
+            configs.single_program_config,
         )
     return out, lse

@@ -1,10 +1,11 @@
-"""Autograd wiring of the Triton kernels: a ``torch.library`` custom op and an ``autograd.Function``.
+"""Autograd wiring of the Triton kernels: ``torch.library`` custom ops and an ``autograd.Function``.
 
 Under ``torch.compile`` the kernels run as opaque custom ops with fake implementations, so
 ``fullgraph=True`` traces models that call flash-dma without graph breaks, and shapes come from
 the fakes (a new sequence length does not recompile once dynamo has marked it dynamic). Eager
-calls take an ``autograd.Function`` instead: the custom-op dispatcher costs about 100 us of host
-time per call, more than a small attention kernel runs. Both share the same context and backward.
+calls take an ``autograd.Function`` and call the launchers directly: the custom-op dispatcher
+costs more host time per call than a small attention kernel runs. Both share the same context
+and backward.
 """
 
 from __future__ import annotations
@@ -12,7 +13,63 @@ from __future__ import annotations
 import torch
 
 from flash_dma.backends.triton.backward import attention_backward
+from flash_dma.backends.triton.block_summary import block_lists, block_state
 from flash_dma.backends.triton.forward import attention_forward
+from flash_dma.backends.triton.key_list import build_key_list
+
+
+@torch.library.custom_op("flash_dma::key_list", mutates_args=())
+def key_list_op(mask: torch.Tensor | None, seqlen_k: int, state: torch.Tensor | None, block_k: int) -> torch.Tensor:
+    return build_key_list(mask, seqlen_k, state, block_k)
+
+
+@key_list_op.register_fake
+def _key_list_fake(mask, seqlen_k, state, block_k):
+    present = [t for t in (mask, state) if t is not None]
+    batch = max(t.shape[0] for t in present)
+    heads = max(t.shape[1] for t in present)
+    return present[0].new_empty(batch, heads, 2, seqlen_k + 1, dtype=torch.int32)
+
+
+def key_list(mask: torch.Tensor | None, seqlen_k: int, state: torch.Tensor | None, block_k: int) -> torch.Tensor:
+    """``build_key_list``, through the custom op when compiling."""
+    return (key_list_op if torch.compiler.is_compiling() else build_key_list)(mask, seqlen_k, state, block_k)
+
+
+@torch.library.custom_op("flash_dma::block_state", mutates_args=())
+def block_state_op(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
+    return block_state(mask, block_q, block_k)
+
+
+@block_state_op.register_fake
+def _block_state_fake(mask, block_q, block_k):
+    nb, nh, sq, sk = mask.shape
+    nqb = 1 if sq == 1 else (sq + block_q - 1) // block_q
+    nkb = 1 if sk == 1 else (sk + block_k - 1) // block_k
+    return mask.new_empty(nb, nh, nqb, nkb, dtype=torch.int8)
+
+
+@torch.library.custom_op("flash_dma::block_lists", mutates_args=())
+def block_lists_op(state: torch.Tensor, transpose: bool) -> torch.Tensor:
+    return block_lists(state, transpose)
+
+
+@block_lists_op.register_fake
+def _block_lists_fake(state, transpose):
+    nb, nh, rows, columns = state.shape
+    if transpose:
+        rows, columns = columns, rows
+    return state.new_empty(nb, nh, rows, 2, 2, columns + 1, dtype=torch.int32)
+
+
+def summary_state(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
+    """``block_state``, through the custom op when compiling."""
+    return (block_state_op if torch.compiler.is_compiling() else block_state)(mask, block_q, block_k)
+
+
+def summary_lists(state: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """``block_lists``, through the custom op when compiling."""
+    return (block_lists_op if torch.compiler.is_compiling() else block_lists)(state, transpose)
 
 
 def _forward(
@@ -23,6 +80,7 @@ def _forward(
     bias: torch.Tensor | None,
     kv_lists: torch.Tensor | None,
     q_lists: torch.Tensor | None,
+    key_list: torch.Tensor | None,
     list_block_q: int,
     list_block_k: int,
     softmax_scale: float,
@@ -33,7 +91,7 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``; ``q_lists`` and ``deterministic`` are carried for the backward."""
     return attention_forward(
-        q, k, v, mask, bias, kv_lists, list_block_q, list_block_k, softmax_scale, window_left, window_right, softcap
+        q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softmax_scale, window_left, window_right, softcap
     )
 
 
@@ -41,11 +99,9 @@ forward_op = torch.library.custom_op("flash_dma::forward", _forward, mutates_arg
 
 
 @forward_op.register_fake
-def _forward_fake(q, k, v, mask, bias, kv_lists, q_lists, list_block_q, list_block_k, *_):
+def _forward_fake(q, *_):
     batch, seqlen_q, num_heads, head_dim = q.shape
-    return q.new_empty(batch, seqlen_q, num_heads, head_dim), q.new_empty(
-        batch, num_heads, seqlen_q, dtype=torch.float32
-    )
+    return q.new_empty(batch, seqlen_q, num_heads, head_dim), q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
 
 
 @torch.library.custom_op("flash_dma::backward", mutates_args=())
@@ -60,6 +116,7 @@ def backward_op(
     bias: torch.Tensor | None,
     kv_lists: torch.Tensor | None,
     q_lists: torch.Tensor | None,
+    key_list: torch.Tensor | None,
     list_block_q: int,
     list_block_k: int,
     softmax_scale: float,
@@ -71,7 +128,7 @@ def backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dbias)``; dbias is empty when not asked for (custom ops return tensors)."""
     dq, dk, dv, dbias = attention_backward(
-        dout, q, k, v, out, lse, mask, bias, kv_lists, q_lists, list_block_q, list_block_k,
+        dout, q, k, v, out, lse, mask, bias, kv_lists, q_lists, key_list, list_block_q, list_block_k,
         softmax_scale, window_left, window_right, softcap, deterministic, bias_requires_grad,
     )
     return dq, dk, dv, q.new_empty(0) if dbias is None else dbias
@@ -85,21 +142,24 @@ def _backward_fake(dout, q, k, v, out, lse, mask, bias, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
+_BIAS_INPUT = 4  # position of the bias among the forward's inputs
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, kv_lists, q_lists, *settings = inputs
+    q, k, v, mask, bias, kv_lists, q_lists, key_list, *settings = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, bias, kv_lists, q_lists)
+    ctx.save_for_backward(q, k, v, out, lse, mask, bias, kv_lists, q_lists, key_list)
     ctx.settings = settings
     ctx.mark_non_differentiable(lse)
 
 
 def _gradients(ctx, dout, backward):
-    q, k, v, out, lse, mask, bias, kv_lists, q_lists = ctx.saved_tensors
-    bias_requires_grad = bias is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, dbias = backward(
-        dout, q, k, v, out, lse, mask, bias, kv_lists, q_lists, *ctx.settings, bias_requires_grad
-    )
-    return dq, dk, dv, None, dbias if bias_requires_grad else None, None, None, *([None] * len(ctx.settings))
+    saved = ctx.saved_tensors
+    bias = saved[6]
+    bias_requires_grad = bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
+    dq, dk, dv, dbias = backward(dout, *saved, *ctx.settings, bias_requires_grad)
+    # One gradient per forward input: q, k, v, mask, bias, the three walks, then the settings.
+    return dq, dk, dv, None, dbias if bias_requires_grad else None, None, None, None, *([None] * len(ctx.settings))
 
 
 torch.library.register_autograd(

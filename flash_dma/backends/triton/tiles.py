@@ -1,13 +1,22 @@
 """Jit helpers shared by the forward and backward kernels.
 
-Two questions every attention program answers the same way:
+Every attention program owns a span of one axis (query rows in the forward and dQ kernels, keys
+in the dK/dV kernel) and loops over tiles of the other axis. Three questions are answered here,
+once for all kernels:
 
-- *Which tiles does it visit?* A program owns a span of one axis (query rows in the forward
-  and dQ kernels, keys in the dK/dV kernel) and loops over tiles of the other axis. The causal
-  and window band limits that loop to a tile range, split into *interior* tiles (every element
-  visible: no element-wise checks) and *boundary* tiles. The block summary's sorted lists then
-  pick the non-empty tiles inside that range; their prefix ranks locate a range in the list
-  with one load, so an empty tile costs no iteration at all.
+- *Which tiles does it visit?* The causal and window band limits the loop to a range of tiles,
+  split into *interior* tiles (every element visible: no checks at all) and *edge* tiles.
+  How the range is walked is the constexpr ``WALK``:
+
+  - ``WALK_DENSE``: every tile of the range, in order.
+  - ``WALK_BLOCKS``: the non-empty tiles that a block summary lists (PARTIAL and FULL lists,
+    sorted, with prefix ranks that locate any range with one load; see ``block_mask.py``).
+  - ``WALK_KEYS``: the kept keys of a per-key mask, gathered ``BLOCK`` at a time from a key list
+    (``key_list.py``): kept positions in ascending order, then the dropped ones. Tiles hold
+    only kept keys, so a mask keeping 1/8 of the keys costs 1/8 of the work, however scattered.
+
+- *Which elements of a tile need checks?* The constexpr ``STAGE``: ``STAGE_INTERIOR`` none,
+  ``STAGE_EDGE`` bounds and band, ``STAGE_PARTIAL`` bounds, band and the element-wise mask.
 - *What is a score?* ``softcap_fn(scale * q.k) + bias``, kept in the log2 domain so that the
   softmax uses ``exp2``.
 """
@@ -18,30 +27,68 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
+WALK_DENSE = tl.constexpr(0)
+WALK_BLOCKS = tl.constexpr(1)
+WALK_KEYS = tl.constexpr(2)
+
+STAGE_INTERIOR = tl.constexpr(0)
+STAGE_EDGE = tl.constexpr(1)
+STAGE_PARTIAL = tl.constexpr(2)
+
 
 @triton.jit
-def band_tiles(fix_lo, fix_hi, length, diff_lo, diff_hi, BLOCK: tl.constexpr):
-    """Tile ranges of a loop axis of ``length`` elements seen from fixed positions ``[fix_lo, fix_hi]``.
+def band_positions(fix_lo, fix_hi, length, diff_lo, diff_hi):
+    """Positions of a loop axis of ``length`` elements seen from fixed positions ``[fix_lo, fix_hi]``.
 
-    Element ``x`` of the loop axis is visible from fixed position ``f`` iff
-    ``diff_lo <= x - f <= diff_hi``. Returns ``(lo, interior_lo, interior_hi, hi)``: tiles
-    ``[lo, hi)`` hold any visible element, and tiles ``[interior_lo, interior_hi)`` hold only
-    elements visible from every fixed position and inside ``length``.
+    Element ``x`` is visible from fixed position ``f`` iff ``diff_lo <= x - f <= diff_hi``.
+    Returns ``(first, interior_first, interior_last, last)``: elements ``[first, last)`` are
+    visible from some fixed position, elements ``[interior_first, interior_last)`` from all of
+    them. All four lie in ``[0, length]``.
     """
-    first = tl.maximum(fix_lo + diff_lo, 0)
-    last = tl.minimum(fix_hi + diff_hi + 1, length)  # exclusive
+    first = tl.minimum(tl.maximum(fix_lo + diff_lo, 0), length)
+    last = tl.maximum(tl.minimum(fix_hi + diff_hi + 1, length), first)
+    interior_first = tl.minimum(tl.maximum(fix_hi + diff_lo, first), last)
+    interior_last = tl.maximum(tl.minimum(fix_lo + diff_hi + 1, last), interior_first)
+    return first, interior_first, interior_last, last
+
+
+@triton.jit
+def tile_range(first, interior_first, interior_last, last, BLOCK: tl.constexpr):
+    """Tiles of ``BLOCK`` elements over ``[first, last)``: ``(lo, interior_lo, interior_hi, hi)``.
+
+    Tiles ``[lo, hi)`` hold any element of the range; ``[interior_lo, interior_hi)`` lie wholly
+    inside ``[interior_first, interior_last)``.
+    """
     lo = first // BLOCK
     hi = tl.where(last > first, (last + BLOCK - 1) // BLOCK, lo)
-    interior_lo = tl.minimum(tl.maximum((tl.maximum(fix_hi + diff_lo, 0) + BLOCK - 1) // BLOCK, lo), hi)
-    interior_hi = tl.maximum(tl.minimum(tl.minimum(fix_lo + diff_hi + 1, length) // BLOCK, hi), interior_lo)
+    interior_lo = tl.minimum(tl.maximum((interior_first + BLOCK - 1) // BLOCK, lo), hi)
+    interior_hi = tl.maximum(tl.minimum(interior_last // BLOCK, hi), interior_lo)
     return lo, interior_lo, interior_hi, hi
 
 
 @triton.jit
-def first_position(rank_ptr, tile, tiles_per_block, DENSE: tl.constexpr):
+def band_tiles(fix_lo, fix_hi, length, diff_lo, diff_hi, BLOCK: tl.constexpr):
+    """``tile_range`` of ``band_positions``: the band's tiles on a plain (dense) axis."""
+    first, interior_first, interior_last, last = band_positions(fix_lo, fix_hi, length, diff_lo, diff_hi)
+    return tile_range(first, interior_first, interior_last, last, BLOCK)
+
+
+@triton.jit
+def kept_band_tiles(rank, fix_lo, fix_hi, length, diff_lo, diff_hi, BLOCK: tl.constexpr):
+    """The band's tiles in the kept-key order of a key list (``rank[x]``: kept keys before ``x``).
+
+    Kept keys keep their order, so a band of positions maps to a range of the list.
+    """
+    first, interior_first, interior_last, last = band_positions(fix_lo, fix_hi, length, diff_lo, diff_hi)
+    return tile_range(
+        tl.load(rank + first), tl.load(rank + interior_first), tl.load(rank + interior_last), tl.load(rank + last),
+        BLOCK,
+    )
+
+
+@triton.jit
+def first_position(rank_ptr, tile, tiles_per_block):
     """Position in a block list of the first listed tile ``>= tile`` (tiles split blocks evenly)."""
-    if DENSE:
-        return tile
     block = tile // tiles_per_block
     sub = tile % tiles_per_block
     before = tl.load(rank_ptr + block)
@@ -51,11 +98,22 @@ def first_position(rank_ptr, tile, tiles_per_block, DENSE: tl.constexpr):
 
 
 @triton.jit
-def tile_at(index_ptr, position, tiles_per_block, DENSE: tl.constexpr):
-    """The tile at ``position`` of a block list (of every tile when DENSE)."""
-    if DENSE:
-        return position
-    return tl.load(index_ptr + position // tiles_per_block) * tiles_per_block + position % tiles_per_block
+def listed_tiles(lists, list_width, tiles_per_block, lo, interior_lo, interior_hi, hi):
+    """Where a tile range falls in one block-summary row's lists (``[2, 2, width]``: partial/full x index/rank).
+
+    Returns ``(partial_lo, partial_hi, full_lo, full_interior_lo, full_interior_hi, full_hi)``,
+    positions in the partial list and in the full list.
+    """
+    partial_rank = lists + list_width
+    full_rank = lists + 3 * list_width
+    return (
+        first_position(partial_rank, lo, tiles_per_block),
+        first_position(partial_rank, hi, tiles_per_block),
+        first_position(full_rank, lo, tiles_per_block),
+        first_position(full_rank, interior_lo, tiles_per_block),
+        first_position(full_rank, interior_hi, tiles_per_block),
+        first_position(full_rank, hi, tiles_per_block),
+    )
 
 
 @triton.jit
@@ -70,30 +128,49 @@ def split_range(lo, interior_lo, interior_hi, hi, split, num_splits):
 
 
 @triton.jit
-def walk_plan(lists, list_width, tiles_per_block, lo, interior_lo, interior_hi, hi, HAS_LISTS: tl.constexpr):
-    """List positions for the three loops every kernel runs over a tile range.
-
-    ``lists`` points at one summary row (``[2, 2, width]``: partial/full x index/rank), or is
-    unused without a summary (every tile is full). Returns the index arrays and positions:
-    partial tiles ``[partial_lo, partial_hi)``; full interior tiles ``[interior_lo, interior_hi)``;
-    full edge tiles ``[full_lo, interior_lo)`` then ``[interior_hi, full_hi)``.
-    """
-    partial_index = lists
-    full_index = lists + 2 * list_width
-    partial_lo = first_position(lists + list_width, lo, tiles_per_block, not HAS_LISTS)
-    partial_hi = first_position(lists + list_width, hi, tiles_per_block, not HAS_LISTS)
-    full_rank = lists + 3 * list_width
-    full_lo = first_position(full_rank, lo, tiles_per_block, not HAS_LISTS)
-    p_interior_lo = first_position(full_rank, interior_lo, tiles_per_block, not HAS_LISTS)
-    p_interior_hi = first_position(full_rank, interior_hi, tiles_per_block, not HAS_LISTS)
-    full_hi = first_position(full_rank, hi, tiles_per_block, not HAS_LISTS)
-    return partial_index, partial_lo, partial_hi, full_index, full_lo, p_interior_lo, p_interior_hi, full_hi
+def walk_position(j, lo, gap_lo, gap_hi):
+    """The j-th position of ``[lo, ...)`` with the positions ``[gap_lo, gap_hi)`` left out."""
+    return lo + j + tl.where(j >= gap_lo - lo, gap_hi - gap_lo, 0)
 
 
 @triton.jit
-def edge_position(j, full_lo, interior_lo, interior_hi):
-    """The j-th edge position: ``[full_lo, interior_lo)`` followed by ``[interior_hi, ...)``."""
-    return full_lo + j + tl.where(j >= interior_lo - full_lo, interior_hi - interior_lo, 0)
+def tile_start(tiles, position, tiles_per_block, WALK: tl.constexpr):
+    """The tile at ``position`` of a walk: a tile number, or for WALK_KEYS a key list slot block.
+
+    A scalar, so that kernels can read it a step ahead cheaply: the loads of a tile then never
+    wait on the load of its list entry, and the pipeliner can prefetch them.
+    """
+    if WALK == WALK_BLOCKS:
+        return tl.load(tiles + position // tiles_per_block) * tiles_per_block + position % tiles_per_block
+    return position
+
+
+@triton.jit
+def tile_indices(tiles, tile, limit, BLOCK: tl.constexpr, WALK: tl.constexpr):
+    """Indices along the loop axis of ``tile`` (from ``tile_start``), and which are real.
+
+    For WALK_KEYS ``tiles`` is a key list's order and ``limit`` the number of kept keys; for the
+    other walks ``limit`` is the axis length.
+    """
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < limit
+    if WALK == WALK_KEYS:
+        return tl.load(tiles + offs, mask=valid, other=0), valid
+    return offs, valid
+
+
+@triton.jit
+def load_tile(base, rows, row_ok, stride, head_dim, CHECK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``rows`` of a ``[., head_dim]`` slice (last dim contiguous); rows not ``row_ok`` read 0 when CHECK.
+
+    Row offsets are 64-bit, so any length is safe; ptxas also spilled less this way than with a
+    64-bit tile base plus 32-bit offsets (tools/compile_report.py, sm90).
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_d < head_dim)[None, :]
+    if CHECK:
+        ok = ok & row_ok[:, None]
+    return tl.load(base + (rows.to(tl.int64) * stride)[:, None] + offs_d[None, :], mask=ok, other=0.0)
 
 
 @triton.jit
@@ -113,29 +190,13 @@ def scores_log2(qk, scale_log2, softcap_log2, scale_over_cap, SOFTCAP: tl.conste
 
 
 @triton.jit
-def load_rows(base, start, stride, length, head_dim, CHECK_BOUNDS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows ``[start, start + ROWS)`` of a ``[length, head_dim]`` slice (last dim contiguous), zero-padded.
-
-    Row offsets are 64-bit, so any length is safe; ptxas also spilled less this way than with a
-    64-bit tile base plus 32-bit offsets (tools/compile_report.py, sm90).
-    """
-    offs_r = tl.arange(0, ROWS)
-    offs_d = tl.arange(0, BLOCK_D)
-    ok = (offs_d < head_dim)[None, :]
-    if CHECK_BOUNDS:
-        ok = ok & (start + offs_r < length)[:, None]
-    rows = (start + offs_r).to(tl.int64)
-    return tl.load(base + (rows * stride)[:, None] + offs_d[None, :], mask=ok, other=0.0)
-
-
-@triton.jit
 def key_pointers(rows, offs_k, stride_k, PER_KEY: tl.constexpr, KEYS_FIRST: tl.constexpr):
     """Pointers into a mask or bias for a tile of ``[rows, keys]`` (``[keys, rows]`` if KEYS_FIRST).
 
     ``rows`` holds one pointer per query row; with PER_KEY it is a single base pointer shared by
     all rows, and the result is a single row (column) that broadcasts over the tile.
     """
-    cols = offs_k * stride_k
+    cols = offs_k.to(tl.int64) * stride_k
     # One return: Triton wants every return of a function to have one type, even across constexpr branches.
     if PER_KEY:
         if KEYS_FIRST:
@@ -151,22 +212,59 @@ def key_pointers(rows, offs_k, stride_k, PER_KEY: tl.constexpr, KEYS_FIRST: tl.c
 
 
 @triton.jit
-def bias_and_mask(
-    s, q_idx, k_idx, seqlen_k, band_lo, band_hi, bias_ptrs, mask_ptrs,
-    HAS_BIAS: tl.constexpr, CHECK_BOUNDS: tl.constexpr, APPLY_MASK: tl.constexpr,
+def visible_scores(
+    s, q_idx, k_idx, key_ok, band_lo, band_hi, bias_ptrs, mask_ptrs,
+    HAS_BIAS: tl.constexpr, STAGE: tl.constexpr,
 ):
-    """Add the bias to log2-domain scores and set invisible ones to -inf.
+    """Add the bias to log2-domain scores and set the invisible ones to -inf, as ``STAGE`` requires.
 
-    ``q_idx`` and ``k_idx`` broadcast to the tile's shape (either orientation); ``bias_ptrs`` and
-    ``mask_ptrs`` broadcast too (a per-key bias is a single row or column of pointers).
+    ``q_idx``, ``k_idx`` and ``key_ok`` broadcast to the tile's shape (either orientation);
+    ``bias_ptrs`` and ``mask_ptrs`` broadcast too (a per-key bias is a single row or column).
     """
-    key_ok = k_idx < seqlen_k
     if HAS_BIAS:
         s += tl.load(bias_ptrs, mask=key_ok, other=0.0).to(tl.float32) * LOG2E
-    if CHECK_BOUNDS:
+    if STAGE != STAGE_INTERIOR:
         offset = k_idx - q_idx
         visible = key_ok & (offset >= band_lo) & (offset <= band_hi)
-        if APPLY_MASK:
+        if STAGE == STAGE_PARTIAL:
             visible = visible & (tl.load(mask_ptrs, mask=key_ok, other=0) != 0)
         s = tl.where(visible, s, float("-inf"))
     return s
+
+
+@triton.jit
+def key_walk(
+    walk, walk_width, row_offset, seqlen_k, q_lo, q_hi, band_lo, band_hi, list_block_k, split, num_splits,
+    WALK: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The key tiles that query rows ``[q_lo, q_hi]`` visit, for the forward and dQ kernels.
+
+    ``walk`` points at this (batch, head)'s block lists (``row_offset`` then picks the query
+    block's row) or key list; ``band_lo``/``band_hi`` bound ``key - query``; the range is cut
+    into ``num_splits`` and part ``split`` is returned. Returns ``(partial_tiles, tiles,
+    tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi)``:
+    the PARTIAL tiles are positions ``[partial_lo, partial_hi)`` of ``partial_tiles``; the
+    others (FULL, every tile, or kept keys) positions ``[lo, hi)`` of ``tiles``, of which
+    ``[interior_lo, interior_hi)`` need no checks.
+    """
+    tiles = walk
+    tiles_per_block = 1
+    key_limit = seqlen_k
+    if WALK == WALK_KEYS:
+        rank = walk + walk_width  # a key list: its order, then the rank of every position
+        key_limit = tl.load(rank + seqlen_k)
+        lo, interior_lo, interior_hi, hi = kept_band_tiles(rank, q_lo, q_hi, seqlen_k, band_lo, band_hi, BLOCK_N)
+    else:
+        lo, interior_lo, interior_hi, hi = band_tiles(q_lo, q_hi, seqlen_k, band_lo, band_hi, BLOCK_N)
+    lo, interior_lo, interior_hi, hi = split_range(lo, interior_lo, interior_hi, hi, split, num_splits)
+    partial_tiles = walk
+    partial_lo = lo
+    partial_hi = lo
+    if WALK == WALK_BLOCKS:
+        tiles_per_block = tl.where(list_block_k > 0, list_block_k // BLOCK_N, tl.cdiv(seqlen_k, BLOCK_N))
+        partial_tiles = walk + row_offset
+        tiles = partial_tiles + 2 * walk_width
+        partial_lo, partial_hi, lo, interior_lo, interior_hi, hi = listed_tiles(
+            partial_tiles, walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi
+        )
+    return partial_tiles, tiles, tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi

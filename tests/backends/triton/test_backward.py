@@ -131,13 +131,13 @@ def test_query_chunks_of_a_key_tile_add_up_in_order(case, chunks, poison_outputs
     summary = build_block_mask(inputs["attn_mask"], block_size=BLOCKS)
     q, k, v, mask, bias = (inputs[n] for n in ("query", "key", "value", "attn_mask", "attn_bias"))
     block_q = BLOCKS[0] if summary.state.shape[2] > 1 else 0
-    out, lse = attention_forward(q, k, v, mask, bias, summary.kv_lists, block_q, BLOCKS[1], 0.25, -1, 0, 0.0)
+    out, lse = attention_forward(q, k, v, mask, bias, summary.kv_lists, None, block_q, BLOCKS[1], 0.25, -1, 0, 0.0)
     dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
     _, _, oracle = reference_outputs(case, inputs, dout, torch.float64, softmax_scale=0.25)
     _, _, baseline = reference_outputs(case, inputs, dout, dtype, softmax_scale=0.25)
     runs = [
         attention_backward(
-            dout, q, k, v, out, lse, mask, bias, summary.kv_lists, summary.q_lists, block_q, BLOCKS[1],
+            dout, q, k, v, out, lse, mask, bias, summary.kv_lists, summary.q_lists, None, block_q, BLOCKS[1],
             0.25, -1, 0, 0.0, True, True, num_query_chunks=chunks,
         )
         for _ in range(2)

@@ -69,3 +69,34 @@ def test_block_mask_inside_the_graph():
     expected = attend(*inputs.values())
     assert torch.equal(compiled(*inputs.values()), expected)
     assert counter.frame_count == 1
+
+
+def test_three_lengths_compile_once_when_dynamic():
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(TinyAttention().to(DEVICE, KERNEL_DTYPES[0]), backend=counter, fullgraph=True, dynamic=True)
+    for seqlen in (33, 61, 130):
+        inputs = make_inputs(Case(seqlen_q=seqlen, seqlen_k=seqlen), KERNEL_DTYPES[0])
+        compiled(inputs["query"], inputs["key"], inputs["value"])
+    assert counter.frame_count == 1
+
+
+@pytest.mark.gpu_only
+def test_reduce_overhead_mode_replays_like_eager():
+    """``mode="reduce-overhead"`` captures the training step (key list included) in CUDA graphs."""
+    torch._dynamo.reset()
+    model = TinyAttention(heads=8, kv_heads=2, head_dim=64).to(DEVICE, torch.bfloat16)
+
+    def step(q, k, v):
+        out = model(q, k, v)
+        return (out, *torch.autograd.grad(out.float().square().sum(), (q, k, v, model.importance.weight)))
+
+    compiled = torch.compile(step, mode="reduce-overhead")
+    for seed in range(4):  # new values each call: replays must not return a stale result
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(1, 256, 8, 64, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+        k, v = (torch.randn(1, 256, 2, 64, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_() for _ in range(2))
+        got = [t.clone() for t in compiled(q, k, v)]
+        expected = step(q, k, v)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -95,7 +95,7 @@ def test_split_kv_decode(case, num_splits, poison_outputs):
         block_q = summary.block_size[0] if summary.state.shape[2] > 1 else 0
         block_k = summary.block_size[1] if summary.state.shape[3] > 1 else 0
     out, lse = attention_forward(
-        inputs["query"], inputs["key"], inputs["value"], inputs["attn_mask"], inputs["attn_bias"], lists,
+        inputs["query"], inputs["key"], inputs["value"], inputs["attn_mask"], inputs["attn_bias"], lists, None,
         block_q, block_k, case.head_dim**-0.5, window[0], window[1], case.softcap, num_splits=num_splits,
     )
     oracle_out, oracle_lse, _ = reference_outputs(case, inputs, None, torch.float64)

@@ -1,0 +1,113 @@
+"""The launch arguments every kernel shares, built in one place for the forward and the backward.
+
+The three attention kernels (forward, dK/dV, dQ) begin with the same parameters, in this order:
+
+- runtime: ``Q, K, V, Mask, Bias, Walk`` and their strides, the sizes, the head divisors of the
+  broadcast inputs, the summary's block sizes, the band and the scales;
+- constexpr: ``HAS_MASK, HAS_BIAS, WALK, MASK_PER_KEY, BIAS_PER_KEY, SOFTCAP, DOT_PRECISION``.
+
+Each kernel adds its own parameters after each group (outputs, gradients, split and GQA flags),
+then ``BLOCK_D`` and the tile sizes. :func:`common_arguments` returns both groups, so that the
+passes cannot disagree on how an input is read.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+WALK_DENSE, WALK_BLOCKS, WALK_KEYS = 0, 1, 2  # tiles.WALK_*
+_LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=None)
+def placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor standing in for an absent kernel input (never read)."""
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
+def broadcast_strides(t: torch.Tensor | None) -> tuple[int, ...]:
+    """Strides of a 4-D tensor with 0 on every size-1 (broadcast) dimension."""
+    if t is None:
+        return (0, 0, 0, 0)
+    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+
+
+def head_divisor(t: torch.Tensor | None, num_heads: int) -> int:
+    """Query head h reads head ``h // divisor`` of a ``[., 1|Hkv|H, ...]`` tensor."""
+    if t is None or t.shape[1] in (1, num_heads):
+        return 1
+    return num_heads // t.shape[1]
+
+
+def kernel_view(t: torch.Tensor | None) -> torch.Tensor | None:
+    # Triton reads bool tensors as bytes.
+    return t.view(torch.uint8) if t is not None and t.dtype == torch.bool else t
+
+
+def band(window_left: int, window_right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """Visible offsets ``j - i - (Sk - Sq)`` as a closed range; unbounded sides become out-of-reach values."""
+    reach = seqlen_q + seqlen_k + 1
+    return (-reach if window_left < 0 else -window_left), (reach if window_right < 0 else window_right)
+
+
+def walk_kind(walk: torch.Tensor | None, key_list: torch.Tensor | None) -> int:
+    if key_list is not None:
+        return WALK_KEYS
+    return WALK_DENSE if walk is None else WALK_BLOCKS
+
+
+def common_arguments(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    lists: torch.Tensor | None,
+    key_list: torch.Tensor | None,
+    list_block_q: int,
+    list_block_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    pack_gqa: bool = False,
+) -> tuple[list, list]:
+    """``(runtime, constexprs)``: the shared parameters of the attention kernels, in order.
+
+    Args:
+        q: ``[B, Sq, H, D]``; k, v: ``[B, Sk, Hkv, D]`` (last dimension contiguous).
+        mask, bias: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` or None. With a key list the mask is not read.
+        lists: the block summary's lists this kernel walks (``kv_lists`` or ``q_lists``), or None.
+        key_list: ``[Bm, Hm, 2, Sk + 1]`` int32 from ``key_list.build_key_list``, or None.
+        pack_gqa: the forward packs a GQA group's heads into one tile's rows.
+    """
+    device = q.device
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    walk = walk_kind(lists, key_list)
+    walked = key_list if key_list is not None else lists
+    band_lo, band_hi = band(window_left, window_right, seqlen_q, seqlen_k)
+    walk_strides = broadcast_strides(walked)
+    # A per-key input is one row shared by a tile's query rows, unless packed rows mix heads it varies over.
+    per_key = lambda t: t is not None and t.shape[2] == 1 and (not pack_gqa or t.shape[1] != num_heads or group == 1)  # noqa: E731
+    runtime = [
+        q, k, v,
+        placeholder(device, torch.uint8) if mask is None else kernel_view(mask),
+        placeholder(device, torch.float32) if bias is None else bias,
+        placeholder(device, torch.int32) if walked is None else walked,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *broadcast_strides(mask), *broadcast_strides(bias),
+        *walk_strides[:3], 0 if walked is None else walked.shape[-1],
+        seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim,
+        head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(walked, num_heads),
+        list_block_q, list_block_k, band_lo, band_hi,
+        softmax_scale, softmax_scale * _LOG2E, softcap * _LOG2E, softmax_scale / softcap if softcap > 0 else 0.0,
+    ]
+    constexprs = [
+        mask is not None, bias is not None, walk, per_key(mask), per_key(bias), softcap > 0,
+        "ieee" if q.dtype == torch.float32 else "tf32",
+    ]
+    return runtime, constexprs

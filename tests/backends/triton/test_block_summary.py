@@ -1,0 +1,35 @@
+"""The block summary kernels build exactly what the torch summary does (``block_mask.py``)."""
+
+import pytest
+import torch
+
+from flash_dma.backends.triton.block_summary import block_lists, block_state
+from flash_dma.block_mask import _block_lists, _summarize
+from tests.helpers import Case, make_mask
+
+
+@pytest.mark.parametrize("block_size", [(16, 16), (32, 64), (128, 128)], ids=lambda b: f"block{b[0]}x{b[1]}")
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(seqlen_q=130, seqlen_k=239, mask="B,H,Sq,Sk", mask_kind="blocks"),
+        Case(seqlen_q=63, seqlen_k=130, mask="1,Hkv,1,Sk", mask_kind="blocks"),
+        Case(seqlen_q=17, seqlen_k=63, mask="B,1,Sq,1", mask_kind="rows"),
+        Case(seqlen_q=1, seqlen_k=1, mask="1,1,1,1"),
+        Case(seqlen_q=40, seqlen_k=2100, mask="1,H,Sq,Sk", mask_kind="random"),
+    ],
+    ids=str,
+)
+def test_kernels_match_the_torch_summary(case, block_size):
+    mask = make_mask(case, case.generator())
+    expected = _summarize(mask, *block_size)
+    state = block_state(mask, *block_size)
+    assert torch.equal(state, expected)
+    assert torch.equal(block_lists(state, False), _block_lists(expected))
+    assert torch.equal(block_lists(state, True), _block_lists(expected.transpose(-1, -2)))
+
+
+def test_integer_masks_and_broadcast_strides():
+    gen = torch.Generator().manual_seed(3)
+    mask = (torch.rand(1, 2, 50, 70, generator=gen) < 0.5).to(torch.int64).expand(3, 2, 50, 70)
+    assert torch.equal(block_state(mask, 16, 32), _summarize(mask, 16, 32))

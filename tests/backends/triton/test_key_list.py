@@ -1,0 +1,58 @@
+"""Key lists: the kept keys of a per-key mask, compacted for the kernels to gather."""
+
+import pytest
+import torch
+
+from flash_dma import build_block_mask
+from flash_dma.backends.triton.key_list import build_key_list
+from flash_dma.block_mask import effective_mask_rows
+from tests.helpers import DEVICE
+
+
+def _check(key_list: torch.Tensor, keep: torch.Tensor) -> None:
+    """``keep`` ``[Bm, Hm, Sk]`` bool: what the key list must hold."""
+    seqlen_k = keep.shape[-1]
+    order, rank = key_list[:, :, 0, :seqlen_k].long(), key_list[:, :, 1].long()
+    kept = keep.sum(-1)
+    assert torch.equal(rank[..., seqlen_k], kept)
+    assert torch.equal(rank[..., :seqlen_k], keep.long().cumsum(-1) - keep.long())
+    positions = torch.arange(seqlen_k, device=keep.device)
+    assert torch.equal(order.sort(-1).values, positions.expand_as(order)), "the order is a permutation"
+    for row in range(keep.shape[0] * keep.shape[1]):
+        b, h = divmod(row, keep.shape[1])
+        count = int(kept[b, h])
+        assert torch.equal(order[b, h, :count], positions[keep[b, h]]), "kept keys first, ascending"
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1, 1, 1), (2, 3, 1, 17), (1, 2, 1, 1024), (2, 1, 1, 2500)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+@pytest.mark.parametrize("density", [0.0, 0.1, 0.5, 1.0], ids=lambda d: f"keep{d:g}")
+def test_key_list_of_a_mask(shape, density):
+    gen = torch.Generator().manual_seed(sum(shape) + int(density * 10))
+    mask = (torch.rand(shape, generator=gen) < density).to(DEVICE)
+    _check(build_key_list(mask, shape[-1]), mask[:, :, 0])
+
+
+def test_integer_masks_and_broadcast_views():
+    gen = torch.Generator().manual_seed(0)
+    mask = (torch.rand(1, 2, 1, 300, generator=gen) < 0.3).to(DEVICE)
+    view = mask.to(torch.int32).expand(3, 2, 1, 300)  # a batch broadcast through a zero stride
+    _check(build_key_list(view, 300), view[:, :, 0] != 0)
+
+
+@pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no-mask"])
+def test_key_list_of_a_block_state(with_mask):
+    """FULL blocks keep every key, EMPTY none, PARTIAL the mask's (``effective_mask_rows``)."""
+    gen = torch.Generator().manual_seed(1)
+    seqlen_k = 200
+    mask = torch.rand(2, 2, 1, seqlen_k, generator=gen) < 0.5
+    mask[:, :, :, :32] = True  # a FULL block
+    mask[:, :, :, 64:96] = False  # an EMPTY block
+    mask = mask.to(DEVICE)
+    summary = build_block_mask(mask, block_size=(16, 32))
+    key_list = build_key_list(mask if with_mask else None, seqlen_k, summary.state, 32)
+    expected = effective_mask_rows(mask if with_mask else None, summary, 0, 1, seqlen_k)
+    _check(key_list, expected[:, :, 0])

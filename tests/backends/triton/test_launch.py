@@ -1,0 +1,70 @@
+"""Launching: every head dim fits the device, tuning is stored on disk, and the direct launch
+path takes the right compiled kernel whatever the strides and alignment of its inputs."""
+
+import json
+
+import pytest
+import torch
+
+from flash_dma import flash_dma_func
+from flash_dma.backends.triton import launch
+from tests.helpers import DEVICE, KERNEL_DTYPES, Case, assert_close, make_inputs, reference_outputs
+
+
+@pytest.fixture
+def tuning(monkeypatch, tmp_path, request):
+    """``FLASH_DMA_AUTOTUNE`` set as the test asks, tuning stored under ``tmp_path``, nothing chosen yet."""
+    monkeypatch.setenv("FLASH_DMA_AUTOTUNE", "1" if request.param else "0")
+    monkeypatch.setenv("FLASH_DMA_CACHE_DIR", str(tmp_path))
+    launch.forget_choices()
+    yield tmp_path
+    launch.forget_choices()
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("tuning", [False, True], ids=["shipped", "autotune"], indirect=True)
+def test_every_head_dim_fits_shared_memory(tuning):
+    """No configuration may exceed the device's shared memory, whichever path picks it."""
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16
+    for head_dim in range(1, 257):
+        q = torch.randn(1, 64, 4, head_dim, generator=gen).to(DEVICE, dtype).requires_grad_()
+        k, v = (torch.randn(1, 64, 1, head_dim, generator=gen).to(DEVICE, dtype).requires_grad_() for _ in range(2))
+        out = flash_dma_func(q, k, v, is_causal=True)
+        out.sum().backward()
+        one = flash_dma_func(q[:, :1], k[:, :1], v[:, :1], window_size=(1000, 0))  # a decode-sized call
+        assert out.isfinite().all() and one.isfinite().all() and q.grad.isfinite().all(), head_dim
+    if tuning.exists() and any(tuning.iterdir()):
+        stored = [json.loads(path.read_text()) for path in tuning.iterdir()]
+        assert all(entry for entry in stored)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("tuning", [True], ids=["autotune"], indirect=True)
+def test_tuning_is_stored_and_read_back(tuning):
+    case = Case(batch=1, seqlen_q=256, seqlen_k=256, heads=4, kv_heads=2, head_dim=64, causal=True)
+    inputs = make_inputs(case, torch.bfloat16)
+    first = flash_dma_func(**inputs, is_causal=True)
+    files = list(tuning.iterdir())
+    assert files, "the tuned choice was written to the cache directory"
+    launch.forget_choices()  # a new process: choices come from disk, and nothing is timed again
+    assert torch.equal(flash_dma_func(**inputs, is_causal=True), first)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40], ids=lambda d: f"D{d}")
+def test_inputs_of_any_alignment_and_stride(head_dim):
+    """Alternating calls whose strides and pointers Triton specialises differently must each
+    run their own compiled kernel (the launcher keys its cache on what Triton specialises)."""
+    dtype = KERNEL_DTYPES[0]
+    case = Case(batch=2, seqlen_q=70, seqlen_k=90, heads=4, kv_heads=2, head_dim=head_dim, mask="B,Hkv,1,Sk", bias="1,H,1,Sk", causal=True)
+    inputs = make_inputs(case, dtype)
+    oracle, _, _ = reference_outputs(case, inputs, None, torch.float64)
+    baseline, _, _ = reference_outputs(case, inputs, None, dtype)
+    q = inputs["query"]
+    wide = torch.zeros(*q.shape[:3], head_dim + 3, dtype=dtype, device=DEVICE)
+    strided = wide[..., :head_dim].copy_(q)  # odd row strides
+    buffer = torch.zeros(q.numel() + 1, dtype=dtype, device=DEVICE)
+    misaligned = buffer[1:].view(q.shape).copy_(q)  # a pointer off 16-byte alignment
+    for query in (strided, q, misaligned, q, strided):
+        out = flash_dma_func(**{**inputs, "query": query}, is_causal=True, backend="triton")
+        assert_close("out", out, oracle, baseline)
