@@ -35,18 +35,23 @@ def _method_list(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite", choices=(*SUITES, "all"), default="all", help="which cases to run (default: all)")
+    parser.add_argument("--suite", choices=(*SUITES, "all"), default="all",
+                        help="which cases to run (default: all, in this order; each suite also runs alone)")
     parser.add_argument("--mode", choices=(*MODES, "both"), default="both",
                         help="forward only, forward + backward, or both (default: both)")
     parser.add_argument("--methods", type=_method_list, default=None,
                         help=f"comma-separated subset of: {', '.join(METHODS)} (default: all)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"),
                         help="folder for results.json, results.md and results.png (default: benchmarks/results)")
-    parser.add_argument("--quick", action="store_true", help="a few rows per suite: a sanity run of a minute or two")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few rows per suite (about one Flex compilation each): a sanity run")
     parser.add_argument("--flex-decode", action="store_true",
                         help="also run Flex on the decode rows (38-300 ms a call there)")
     parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up budget per row (default: 25)")
-    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring budget per row (default: 100)")
+    parser.add_argument("--rep-ms", type=int, default=100,
+                        help="do_bench measuring budget per row, raised to 10 calls for long ones (default: 100)")
+    parser.add_argument("--host-calls", type=int, default=1000,
+                        help="calls issued back to back per host-time row (default: 1000)")
 
 
 def environment() -> dict:
@@ -87,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
     results = run_cases(
         cases,
         MethodOptions(flex_decode=args.flex_decode),
-        TimingOptions(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms),
+        TimingOptions(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, host_calls=args.host_calls),
         on_case_done=save,
     )
     checks = save(results)

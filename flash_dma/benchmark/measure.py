@@ -1,10 +1,11 @@
-"""Measuring one row: warm-up, peak memory, then the median time of many calls (CUDA only)."""
+"""Measuring one row: warm-up, peak memory, then the median time of many calls (CUDA only);
+or, for host rows, the host's time per call with the GPU's work excluded."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -13,20 +14,32 @@ from flash_dma.benchmark.methods import Prepared
 
 @dataclass(frozen=True)
 class TimingOptions:
-    """``triton.testing.do_bench``'s warm-up and measuring budgets, in milliseconds."""
+    """How rows are timed.
+
+    Attributes:
+        warmup_ms, rep_ms: ``triton.testing.do_bench``'s warm-up and measuring budgets.
+        min_repeats: calls timed at least, whatever ``rep_ms`` allows: a 100 ms call (llm 128K
+            forward + backward, a Llama step) would otherwise be timed once.
+        host_calls: calls issued back to back per host row.
+    """
 
     warmup_ms: int = 25
     rep_ms: int = 100
+    min_repeats: int = 10
+    host_calls: int = 1000
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """``ms``: median time of one call; ``peak_gib``: memory it allocates beyond what existed before
-    (inputs excluded); ``setup_s``: wall time of the first call (compilation, autotuning)."""
+    """``ms``: time of one call (the median on the GPU; the mean host time for host rows; the
+    first call's for first-call rows); ``peak_gib``: memory one call allocates beyond what existed
+    before (inputs excluded), or None; ``setup_s``: wall time before the timed calls (compilation,
+    autotuning); ``cpu_ms``: host rows' CPU time per call."""
 
     ms: float
-    peak_gib: float
+    peak_gib: float | None
     setup_s: float
+    cpu_ms: float | None = None
 
 
 def make_step(prepared: Prepared, mode: str) -> Callable[[], object]:
@@ -73,7 +86,8 @@ def graph_replay_ms(step: Callable[[], object], options: TimingOptions) -> float
 
 
 def measure(prepared: Prepared, mode: str, cuda_graph: bool, options: TimingOptions) -> Measurement:
-    """Warm up, then measure the peak memory of one call and the median time of many.
+    """Warm up, then measure the peak memory of one call and the median time of many: ``rep_ms``
+    worth, and at least ``min_repeats``.
 
     ``do_bench`` clears the L2 cache before every call and sets the leaves' gradients to None.
     """
@@ -84,10 +98,50 @@ def measure(prepared: Prepared, mode: str, cuda_graph: bool, options: TimingOpti
     step()
     torch.cuda.synchronize()
     setup_s = time.perf_counter() - start
+    start = time.perf_counter()
     peak_gib = peak_memory_gib(step, prepared.leaves)
+    call_ms = (time.perf_counter() - start) * 1e3  # one synchronised call: sizes the measuring budget
+    options = replace(options, rep_ms=max(options.rep_ms, options.min_repeats * call_ms))
     if cuda_graph:
         ms = graph_replay_ms(step, options)
     else:
         grads = list(prepared.leaves) if mode == "fwdbwd" else None
         ms = do_bench(step, warmup=options.warmup_ms, rep=options.rep_ms, grad_to_none=grads, return_mode="median")
     return Measurement(ms=ms, peak_gib=peak_gib, setup_s=setup_s)
+
+
+def host_time_per_call(
+    step: Callable[[], object], leaves: tuple[torch.Tensor, ...], calls: int, synchronize: Callable[[], None]
+) -> tuple[float, float]:
+    """``(wall ms, CPU ms)`` per call of ``step``, issued ``calls`` times back to back.
+
+    The GPU is synchronised only before and after the loop, so while the GPU keeps up with the
+    host (true of tiny problems, whose kernels take microseconds) the wall time is the host's:
+    Python, argument checks, allocations and kernel launches. The CPU time
+    (``time.process_time``, all threads: autograd's device threads included) says how much of
+    it the host spent computing rather than waiting. Gradients are set to None before each call,
+    as a train step's ``zero_grad`` does.
+    """
+    synchronize()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        for t in leaves:
+            t.grad = None
+        step()
+    synchronize()
+    return (time.perf_counter() - wall) * 1e3 / calls, (time.process_time() - cpu) * 1e3 / calls
+
+
+def measure_host(
+    prepared: Prepared, mode: str, options: TimingOptions, synchronize: Callable[[], None] = torch.cuda.synchronize
+) -> Measurement:
+    """Host time per call in eager mode: one call to compile and autotune, ``options.host_calls``
+    more to warm up, then ``options.host_calls`` timed (see :func:`host_time_per_call`)."""
+    start = time.perf_counter()
+    step = make_step(prepared, mode)
+    step()
+    synchronize()
+    setup_s = time.perf_counter() - start
+    host_time_per_call(step, prepared.leaves, options.host_calls, synchronize)
+    wall_ms, cpu_ms = host_time_per_call(step, prepared.leaves, options.host_calls, synchronize)
+    return Measurement(ms=wall_ms, peak_gib=None, setup_s=setup_s, cpu_ms=cpu_ms)

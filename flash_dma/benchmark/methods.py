@@ -3,7 +3,8 @@
 Each method turns the shared :class:`~flash_dma.benchmark.inputs.Inputs` into a ``forward()``
 closure. What a model does once per mask rather than once per call (flash-dma's block summary,
 Flex's block mask and compiled kernels, K/V heads repeated for SDPA) happens in ``prepare``,
-outside the timed region; what a model does on every call stays inside ``forward``.
+outside the timed region; what a model does on every call stays inside ``forward``. The Llama
+methods turn a model case's token ids into a train step or a generate call.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flash_dma import build_block_mask, flash_dma_func
-from flash_dma.benchmark.inputs import DTYPE, Inputs
+from flash_dma import BlockMask, build_block_mask, flash_dma_func
+from flash_dma.benchmark import llama
+from flash_dma.benchmark.inputs import DTYPE, Inputs, TokenInputs
 from flash_dma.benchmark.suites import Case
+from flash_dma.block_mask import FULL
 
 # Dynamo keeps one compiled entry per shape (dynamic=False) and per score_mod; a full run needs up
 # to about 20, more than the default limit of 8, past which dynamo would fall back to eager Flex
@@ -78,15 +81,20 @@ class FlashDma(Method):
         if reuse_block_mask:
             self.name = "flash-dma"
             self.description = (
-                "`flash_dma_func` with the block summary built once by `build_block_mask`, outside "
-                "the timed region (a model reuses it across layers, like Flex's block mask)"
+                "`flash_dma_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=True, block_mask=bm)`. "
+                "A block top-k mask gets `bm = build_block_mask(mask)`, built once outside the timed region "
+                "(a model reuses it across layers, like Flex's block mask); a per-query-block top-k is "
+                "passed as the `BlockMask` from `topk_block_mask`, with no `attn_mask`; a token-level mask "
+                "is passed alone (no `block_mask`: flash-dma works out its kept keys inside each call)"
             )
         else:
             self.name = "flash-dma-percall"
             self.description = "`flash_dma_func` without `block_mask`: the summary is rebuilt inside every call"
 
     def prepare(self, case: Case, inputs: Inputs) -> Prepared:
-        block_mask = build_block_mask(inputs.mask) if self.reuse_block_mask else None
+        block_mask = inputs.block_mask
+        if self.reuse_block_mask and case.mask == "block":
+            block_mask = build_block_mask(inputs.mask)
 
         def forward() -> torch.Tensor:
             return flash_dma_func(
@@ -97,13 +105,49 @@ class FlashDma(Method):
         return Prepared(forward, inputs.leaves)
 
 
+def _bottom_right_causal(seqlen_q: int, seqlen_k: int) -> Callable:
+    """``visible(q_idx, kv_idx)``: key ``kv_idx`` is at or before query ``q_idx``, aligned bottom-right."""
+    offset = seqlen_k - seqlen_q
+
+    def visible(q_idx, kv_idx):
+        return q_idx + offset >= kv_idx
+
+    return visible
+
+
 def flex_mask_mod(mask: torch.Tensor, num_heads: int, seqlen_q: int) -> Callable:
     """Flex ``mask_mod`` of a per-key mask ``[1, Hm, 1, Sk]`` and the bottom-right causal rule."""
     group = num_heads // mask.shape[1]
-    offset = mask.shape[-1] - seqlen_q
+    causal = _bottom_right_causal(seqlen_q, mask.shape[-1])
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return mask[0, h // group, 0, kv_idx] & (q_idx + offset >= kv_idx)
+        return mask[0, h // group, 0, kv_idx] & causal(q_idx, kv_idx)
+
+    return mask_mod
+
+
+def flex_block_mask_mod(block_mask: BlockMask, num_heads: int, seqlen_q: int, seqlen_k: int) -> Callable:
+    """Flex ``mask_mod`` of a flash-dma :class:`BlockMask` of FULL and EMPTY blocks per query block
+    (``state`` ``[1, Hm, NQB, NKB]``) and the bottom-right causal rule: the same selection,
+    read from the block state, so no ``[H, Sq, Sk]`` mask is ever made. Flex's own blocks
+    (128 x 128, as the state's) come out full wherever the causal rule cuts nothing."""
+    state = block_mask.state
+    group = num_heads // state.shape[1]
+    block_q, block_k = block_mask.block_size
+    causal = _bottom_right_causal(seqlen_q, seqlen_k)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (state[0, h // group, q_idx // block_q, kv_idx // block_k] == FULL) & causal(q_idx, kv_idx)
+
+    return mask_mod
+
+
+def flex_causal_mask_mod(seqlen_q: int, seqlen_k: int) -> Callable:
+    """Flex ``mask_mod`` of the bottom-right causal rule alone (no mask)."""
+    causal = _bottom_right_causal(seqlen_q, seqlen_k)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return causal(q_idx, kv_idx)
 
     return mask_mod
 
@@ -122,6 +166,18 @@ def flex_score_mod(bias: torch.Tensor, num_heads: int) -> Callable:
             return score + bias[0, h // group, q_idx, kv_idx]
 
     return score_mod
+
+
+def flex_mods(case: Case, inputs: Inputs) -> tuple[Callable, Callable | None]:
+    """``(mask_mod, score_mod)`` giving Flex the case's selection and bias (``score_mod`` None without bias)."""
+    if inputs.block_mask is not None:
+        mask_mod = flex_block_mask_mod(inputs.block_mask, case.heads, case.seqlen_q, case.seqlen_k)
+    elif inputs.mask is not None:
+        mask_mod = flex_mask_mod(inputs.mask, case.heads, case.seqlen_q)
+    else:
+        mask_mod = flex_causal_mask_mod(case.seqlen_q, case.seqlen_k)
+    score_mod = None if inputs.bias is None else flex_score_mod(inputs.bias, case.heads)
+    return mask_mod, score_mod
 
 
 @functools.cache
@@ -149,18 +205,17 @@ class Flex(Method):
     def skip_reason(self, case: Case, mode: str, options: MethodOptions) -> str | None:
         if case.is_decode and not options.flex_decode:
             return "not run by default (38-300 ms a call at decode shapes); pass --flex-decode"
-        if case.needs_grad and torch.__version__ < (2, 6):
+        if case.needs_grad and case.bias != "none" and torch.__version__ < (2, 6):
             return f"a gradient of a bias captured by score_mod needs torch >= 2.6 (this is {torch.__version__})"
         return None
 
     def prepare(self, case: Case, inputs: Inputs) -> Prepared:
         flex_attention, create_block_mask = _compiled_flex()
         q, k, v = (t.transpose(1, 2) for t in (inputs.query, inputs.key, inputs.value))
+        mask_mod, score_mod = flex_mods(case, inputs)
         block_mask = create_block_mask(
-            flex_mask_mod(inputs.mask, case.heads, case.seqlen_q), case.batch, case.heads, case.seqlen_q,
-            case.seqlen_k, device=inputs.query.device,
+            mask_mod, case.batch, case.heads, case.seqlen_q, case.seqlen_k, device=inputs.query.device
         )
-        score_mod = flex_score_mod(inputs.bias, case.heads)
 
         def forward() -> torch.Tensor:
             return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
@@ -193,8 +248,11 @@ def _sdpa_qkv(inputs: Inputs, num_heads: int) -> tuple[torch.Tensor, torch.Tenso
     return q, k, v
 
 
-def _sdpa_restricted_to(backends: tuple[str, ...]) -> Callable[..., torch.Tensor]:
-    """``F.scaled_dot_product_attention`` allowed to use only the named ``SDPBackend`` members."""
+def _sdpa_restricted_to(backends: tuple[str, ...] | None) -> Callable[..., torch.Tensor]:
+    """``F.scaled_dot_product_attention`` allowed to use only the named ``SDPBackend`` members
+    (None: plain SDPA, free to pick, without the host time of entering ``sdpa_kernel``)."""
+    if backends is None:
+        return F.scaled_dot_product_attention
     enabled = [getattr(SDPBackend, name) for name in backends]
 
     def sdpa(*args, **kwargs) -> torch.Tensor:
@@ -239,7 +297,7 @@ class SdpaAdditive(Method):
     skips_masked_keys = False
     # The math backend is left out: a silent fallback to it (O(S^2) float32 scores) would make the
     # baseline look slower than SDPA is; without a fused kernel the row fails and says why.
-    backends = ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+    backends: tuple[str, ...] | None = ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 
     def skip_reason(self, case: Case, mode: str, options: MethodOptions) -> str | None:
         gib = float_mask_gib(case)
@@ -250,12 +308,30 @@ class SdpaAdditive(Method):
     def prepare(self, case: Case, inputs: Inputs) -> Prepared:
         sdpa = _sdpa_restricted_to(self.backends)
         q, k, v = _sdpa_qkv(inputs, case.heads)
+        leaves = (inputs.query, k, v) + (() if inputs.bias is None else (inputs.bias,))
+        if inputs.mask is None and inputs.bias is None:
+            is_causal = _sdpa_is_causal(case)
 
-        def forward() -> torch.Tensor:
-            float_mask = additive_float_mask(inputs.mask, inputs.bias, case.seqlen_q, case.heads)
-            return sdpa(q, k, v, attn_mask=float_mask)
+            def forward() -> torch.Tensor:
+                return sdpa(q, k, v, is_causal=is_causal)
 
-        return Prepared(forward, (inputs.query, k, v, inputs.bias))
+        else:
+
+            def forward() -> torch.Tensor:
+                float_mask = additive_float_mask(inputs.mask, inputs.bias, case.seqlen_q, case.heads)
+                return sdpa(q, k, v, attn_mask=float_mask)
+
+        return Prepared(forward, leaves)
+
+
+class Sdpa(SdpaAdditive):
+    name = "sdpa"
+    description = (
+        "plain `F.scaled_dot_product_attention`, as the seeds call it: the float mask of sdpa-additive "
+        "built inside every call (`is_causal=True` when there is neither mask nor bias), and SDPA free to "
+        "pick its kernel, with no `sdpa_kernel` context around the call (host suite)"
+    )
+    backends = None
 
 
 def _sdpa_is_causal(case: Case) -> bool:
@@ -290,6 +366,29 @@ class SdpaDense(Method):
         return Prepared(forward, (inputs.query, k, v))
 
 
+class Llama(Method):
+    """Model cases, run by the transformers Llama of :mod:`~flash_dma.benchmark.llama` with one attention."""
+
+    applies_mask = False
+    skips_masked_keys = False
+
+    def __init__(self, attn_implementation: str):
+        self.attn_implementation = attn_implementation
+        self.name = f"llama-{attn_implementation.replace('_', '-')}"
+        self.description = (
+            f'the {llama.describe_llama()}, bf16, with `attn_implementation="{attn_implementation}"`: a train step '
+            f"(LM loss over every position, forward + backward, no mask) or `generate(max_new_tokens="
+            f"{llama.GENERATE_NEW_TOKENS})`; the model is built outside the timed region"
+        )
+
+    def prepare(self, case: Case, inputs: TokenInputs) -> Prepared:
+        model = llama.build_llama(self.attn_implementation, inputs.input_ids.device)
+        if case.kind == "generate":
+            model.eval()
+            return Prepared(lambda: llama.generate(model, inputs.input_ids), ())
+        return Prepared(lambda: llama.train_loss(model, inputs.input_ids), tuple(model.parameters()))
+
+
 METHODS: dict[str, Method] = {
     method.name: method
     for method in (
@@ -297,7 +396,10 @@ METHODS: dict[str, Method] = {
         FlashDma(reuse_block_mask=False),
         Flex(),
         SdpaAdditive(),
+        Sdpa(),
         SdpaDense("sdpa-flash", "FLASH_ATTENTION", "FLASH_ATTENTION (FlashAttention-2)"),
         SdpaDense("sdpa-cudnn", "CUDNN_ATTENTION", "CUDNN_ATTENTION (cuDNN, FlashAttention-3 class on H100)"),
+        Llama("flash_dma"),
+        Llama("sdpa"),
     )
 }

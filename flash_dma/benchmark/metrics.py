@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from flash_dma.block_mask import BlockMask
+from flash_dma.masks import attended_fraction
+
 FORWARD_FLOPS_PER_PAIR_PER_DIM = 4  # two matrix products (q k^T and p v), a multiply-add each
 FWDBWD_FLOPS_RATIO = 3.5  # the backward's five matrix products cost 2.5x the forward's two
 HBM_COPY_GBPS = 3000.0  # device-to-device copy ceiling measured on the H100 (GUIDE.md)
@@ -32,6 +35,18 @@ def active_pairs(seqlen_q: int, seqlen_k: int, batch: int, num_heads: int, mask:
         raise ValueError(f"mask: expected a per-key mask [1|B, 1|Hkv|H, 1, {seqlen_k}], got {tuple(mask.shape)}")
     pairs_per_mask_row = int((mask[:, :, 0, :].cpu().to(torch.int64) * rows_per_key).sum())
     return pairs_per_mask_row * (batch // mask.shape[0]) * (num_heads // mask.shape[1])
+
+
+def block_active_pairs(block_mask: BlockMask, seqlen_q: int, seqlen_k: int, batch: int, num_heads: int) -> int:
+    """Visible (query, key) pairs under a block mask with no partial blocks (a per-query-block
+    top-k), summed over the batch and the query heads.
+
+    flash-dma's own count of what the blocks and the causal rule let through
+    (``attended_fraction``: the mean over the mask's heads), times the causal pairs of every
+    (batch, query head); each mask head stands for ``H / Hm`` query heads.
+    """
+    fraction = attended_fraction(seqlen_q, seqlen_k, block_mask=block_mask, is_causal=True)
+    return round(fraction * active_pairs(seqlen_q, seqlen_k, batch, num_heads))
 
 
 def kv_bytes(

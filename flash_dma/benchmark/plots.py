@@ -16,7 +16,9 @@ from flash_dma.benchmark.metrics import HBM_COPY_GBPS
 from flash_dma.benchmark.results import Result, select
 from flash_dma.benchmark.suites import SEED_SWEEP_LENGTH, format_fraction
 
-COLORS = dict(zip(METHODS, ("tab:red", "tab:orange", "tab:blue", "tab:purple", "tab:gray", "tab:green")))
+PALETTE = ("tab:red", "tab:orange", "tab:blue", "tab:purple", "tab:pink", "tab:gray", "tab:green", "tab:brown",
+           "tab:olive")
+COLORS = dict(zip(METHODS, PALETTE, strict=True))
 LLM_PLOT_KEEP = 1 / 8
 
 

@@ -8,20 +8,26 @@ from pathlib import Path
 
 from flash_dma.benchmark.methods import METHODS
 from flash_dma.benchmark.results import Result, select
-from flash_dma.benchmark.suites import MASK_BLOCK, MODES, SUITES
-from flash_dma.benchmark.targets import Check
+from flash_dma.benchmark.suites import CEILING, KINDS, MASK_BLOCK, MODES, SUITES, Case
+from flash_dma.benchmark.targets import Check, format_amount
 
-KINDS = ("prefill", "decode", "window")
 MODE_TITLES = {"fwd": "forward", "fwdbwd": "forward + backward"}
+KIND_TITLES = {"host": "host time per call", "train": "train step"}
 ENVIRONMENT_FIELDS = (("gpu", "GPU"), ("torch", "torch"), ("triton", "triton"), ("cuda", "CUDA"),
                       ("date", "date"), ("command", "command"))
 COUNTING = (
     f"TFLOP/s are effective: 4·D FLOPs per visible (q, k) pair for the forward (visible: causal, "
     f"bottom-right aligned, and kept by the mask), 3.5x that for forward + backward; dense methods "
-    f"count every causal pair. GB/s (decode) counts the K/V bytes the method reads: the kept keys for "
-    f"methods that skip masked blocks, every key otherwise. Peak GiB is the memory one call allocates "
-    f"beyond its inputs. 'time / flash-dma' is the row's time over flash-dma's in the same case and pass. "
-    f"Masks keep whole {MASK_BLOCK}-key blocks: the block top-k of the per-key bias, always with block 0."
+    f"count every causal pair. 'vs cuDNN' is the row's TFLOP/s over dense cuDNN's ({CEILING}) on the "
+    f"same shape and pass in the same suite. GB/s (decode) counts the K/V bytes the method reads: the "
+    f"kept keys for methods that skip masked blocks, every key otherwise. Peak GiB is the memory one "
+    f"call allocates beyond its inputs. 'time / X' is the row's time over that of X (its case's first "
+    f"method) in the same case and pass. Block masks keep whole {MASK_BLOCK}-key blocks: the block "
+    f"top-k of the per-key bias, always with block 0 (per query block in the topkq suite, with each "
+    f"query block's diagonal block too); token masks keep the keys of largest bias. Host rows: the "
+    f"mean wall time per call (and CPU time per call) of many calls issued back to back, the GPU "
+    f"synchronised only at the end. First-call rows: the first call in a new process, 'setup s' "
+    f"being the time the process took before it (imports, inputs, the model)."
 )
 
 
@@ -61,29 +67,62 @@ def _environment_table(environment: dict) -> str:
 
 def checks_table(checks: list[Check]) -> str:
     rows = [
-        [c.name, c.target, "" if c.value is None else f"{c.value:.2f}x", f"**{c.status}**", c.detail]
+        [c.name, c.target, "" if c.value is None else format_amount(c.value, c.unit), f"**{c.status}**", c.detail]
         for c in checks
     ]
     return _markdown_table(["target", "goal", "value", "status", "detail"], rows)
 
 
-def _rows_table(rows: list[Result]) -> str:
-    """One suite/kind/mode group; the GB/s column only where some row has it (decode)."""
-    flash_dma_ms = {r.case: r.ms for r in rows if r.method == "flash-dma" and r.ok}
-    with_bandwidth = any(r.gbps is not None for r in rows)
-    header = ["case", "kept blocks", "method", "ms", "TFLOP/s", *(["GB/s"] if with_bandwidth else []),
-              "peak GiB", "time / flash-dma", "setup s", "note"]
-    table = []
-    for r in rows:
-        kept = f"{r.case.kept_blocks}/{r.case.key_blocks}" if METHODS[r.method].applies_mask else "all"
-        baseline = flash_dma_ms.get(r.case)
-        relative = f"{r.ms / baseline:.2f}x" if r.ok and baseline else ""
-        table.append([
-            r.case.label, kept, r.method, _num(r.ms), _num(r.tflops), *([_num(r.gbps)] if with_bandwidth else []),
-            _num(r.peak_gib), relative, "" if r.setup_s is None else f"{r.setup_s:.1f}",
-            r.note if r.ok else f"skipped: {r.note}",
-        ])
-    return _markdown_table(header, table)
+def _shape_key(case: Case, mode: str) -> tuple:
+    return case.suite, case.batch, case.heads, case.kv_heads, case.head_dim, case.seqlen_q, case.seqlen_k, mode
+
+
+def _time_column(case: Case) -> tuple[str, float]:
+    """Header and scale from ms of a table's time column: host rows in µs, first calls in s."""
+    if case.cache is not None:
+        return "first call s", 1e-3
+    if case.is_host:
+        return "µs/call", 1e3
+    return "ms", 1.0
+
+
+def _rows_table(rows: list[Result], ceiling_tflops: dict[tuple, float]) -> str:
+    """One suite/kind/mode group. Columns without a value in any row (GB/s outside decode, TFLOP/s
+    for host rows...) are left out."""
+    header, scale = _time_column(rows[0].case)
+    baselines = {r.case.methods[0] for r in rows}
+    baseline = baselines.pop() if len(baselines) == 1 else "first method"
+    first_ms = {r.case: r.ms for r in rows if r.ok and r.method == r.case.methods[0]}
+
+    def scaled(x: float | None) -> str:
+        return "" if x is None else _num(x * scale)
+
+    def relative(r: Result) -> str:
+        first = first_ms.get(r.case)
+        return f"{r.ms / first:.2f}x" if r.ok and first and r.method != r.case.methods[0] else ""
+
+    def vs_ceiling(r: Result) -> str:
+        ceiling = ceiling_tflops.get(_shape_key(r.case, r.mode))
+        return f"{r.tflops / ceiling:.2f}x" if r.tflops is not None and ceiling else ""
+
+    columns = (
+        ("case", lambda r: r.case.label),
+        ("kept", lambda r: r.case.kept_text if METHODS[r.method].applies_mask else "all"),
+        ("method", lambda r: r.method),
+        (header, lambda r: scaled(r.ms)),
+        (f"CPU {header}", lambda r: scaled(r.cpu_ms)),
+        ("TFLOP/s", lambda r: _num(r.tflops)),
+        ("vs cuDNN", vs_ceiling),
+        ("GB/s", lambda r: _num(r.gbps)),
+        ("peak GiB", lambda r: _num(r.peak_gib)),
+        (f"time / {baseline}", relative),
+        ("setup s", lambda r: "" if r.setup_s is None else f"{r.setup_s:.1f}"),
+        ("note", lambda r: r.note if r.ok else f"skipped: {r.note}"),
+    )
+    always = {"case", "kept", "method", header, "setup s", "note"}
+    cells = {title: [cell(r) for r in rows] for title, cell in columns}
+    shown = [title for title, _ in columns if title in always or any(cells[title])]
+    return _markdown_table(shown, [[cells[title][i] for title in shown] for i in range(len(rows))])
 
 
 def render_markdown(environment: dict, results: list[Result], checks: list[Check]) -> str:
@@ -91,6 +130,7 @@ def render_markdown(environment: dict, results: list[Result], checks: list[Check
     parts += ["", "## Targets", "", checks_table(checks), "", "## Methods", ""]
     parts += [f"- `{name}`: {method.description}." for name, method in METHODS.items()]
     parts += ["", COUNTING]
+    ceiling_tflops = {_shape_key(r.case, r.mode): r.tflops for r in select(results, CEILING) if r.tflops}
     for suite in SUITES:
         for kind in KINDS:
             for mode in MODES:
@@ -98,8 +138,9 @@ def render_markdown(environment: dict, results: list[Result], checks: list[Check
                 if not rows:
                     continue
                 first = rows[0].case
-                parts += ["", f"## {suite} · {kind} · {MODE_TITLES[mode]}", "",
-                          f"{first.shape_text()}, bf16, causal.", "", _rows_table(rows)]
+                title = f"{suite} · {KIND_TITLES.get(kind, kind)} · {MODE_TITLES[mode]}"
+                parts += ["", f"## {title}", "", f"{first.shape_text()}, bf16, causal.", "",
+                          _rows_table(rows, ceiling_tflops)]
     return "\n".join(parts) + "\n"
 
 

@@ -12,9 +12,12 @@ class Result:
     """One (case, method, mode) row. A skipped row has ``status="skipped"``, no numbers, and the
     reason (or the error it raised) in ``note``.
 
-    ``tflops`` is effective (over ``active_pairs``); ``gbps`` counts the K/V bytes the method reads
-    and is given for decode rows only; ``peak_gib`` excludes the inputs; ``setup_s`` is the wall
-    time spent before timing (block masks, compilation, autotuning).
+    ``ms`` is the time of one call: on the GPU (the median), on the host (host rows: the mean over
+    many calls, with ``cpu_ms`` the CPU time per call), or the first call in a new process
+    (first-call rows). ``tflops`` is effective (over ``active_pairs``) and given for attention
+    rows timed on the GPU; ``gbps`` counts the K/V bytes the method reads and is given for decode
+    rows only; ``peak_gib`` excludes the inputs; ``setup_s`` is the wall time spent before timing
+    (block masks, compilation, autotuning; a new process's imports and inputs).
     """
 
     case: Case
@@ -27,6 +30,7 @@ class Result:
     peak_gib: float | None = None
     setup_s: float | None = None
     active_pairs: int | None = None
+    cpu_ms: float | None = None
     note: str = ""
 
     @property

@@ -1,7 +1,9 @@
 """Runs every (case, method, mode) row, one case's tensors shared by all its methods.
 
 A row that fails (out of memory, a compiler error, an unavailable SDPA backend) becomes a
-skipped row carrying the error; the run goes on. Memory is released between methods.
+skipped row carrying the error; the run goes on. Memory is released between methods. A case
+decides how its rows are measured: GPU time, host time per call (host rows), or the first
+call in a new process (first-call rows, which make their inputs in the child instead).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from typing import TypeVar
 import torch
 from tqdm import tqdm
 
-from flash_dma.benchmark.inputs import DTYPE, Inputs, make_inputs
-from flash_dma.benchmark.measure import TimingOptions, measure
-from flash_dma.benchmark.methods import METHODS, Method, MethodOptions
-from flash_dma.benchmark.metrics import active_pairs, attention_flops, gbps, kv_bytes, tflops
+from flash_dma.benchmark.first_call import measure_first_call
+from flash_dma.benchmark.inputs import DTYPE, Inputs, TokenInputs, make_inputs
+from flash_dma.benchmark.measure import Measurement, TimingOptions, measure, measure_host
+from flash_dma.benchmark.methods import METHODS, Method, MethodOptions, Prepared
+from flash_dma.benchmark.metrics import active_pairs, attention_flops, block_active_pairs, gbps, kv_bytes, tflops
 from flash_dma.benchmark.results import Result
 from flash_dma.benchmark.suites import Case
 
@@ -53,15 +56,46 @@ def format_row(result: Result) -> str:
     head = f"{result.case.suite} {result.case.kind} {result.case.label} {result.method} {result.mode}"
     if not result.ok:
         return f"{head}: skipped ({result.note})"
-    numbers = [f"{result.ms:.4g} ms", f"{result.tflops:.4g} TFLOP/s"]
-    if result.gbps is not None:
-        numbers.append(f"{result.gbps:.4g} GB/s")
-    numbers += [f"peak {result.peak_gib:.3g} GiB", f"setup {result.setup_s:.1f} s"]
+    numbers = [f"{result.ms:.4g} ms"]
+    for value, unit in ((result.cpu_ms, "ms CPU"), (result.tflops, "TFLOP/s"), (result.gbps, "GB/s")):
+        if value is not None:
+            numbers.append(f"{value:.4g} {unit}")
+    if result.peak_gib is not None:
+        numbers.append(f"peak {result.peak_gib:.3g} GiB")
+    numbers.append(f"setup {result.setup_s:.1f} s")
     return f"{head}: {', '.join(numbers)}"
 
 
+def count_work(method: Method, case: Case, inputs: Inputs | TokenInputs | None) -> tuple[int | None, int | None]:
+    """``(visible (q, k) pairs, K/V bytes read)`` behind a row's TFLOP/s and GB/s (decode rows).
+
+    None where the row's time is not attention kernels' (host time, a model, a first call).
+    """
+    if not case.counts_work:
+        return None, None
+    if method.applies_mask and inputs.block_mask is not None:
+        pairs = block_active_pairs(inputs.block_mask, case.seqlen_q, case.seqlen_k, case.batch, case.heads)
+    else:
+        mask = inputs.mask if method.applies_mask else None
+        pairs = active_pairs(case.seqlen_q, case.seqlen_k, case.batch, case.heads, mask)
+    if not case.is_decode:
+        return pairs, None
+    mask = inputs.mask if method.skips_masked_keys else None
+    return pairs, kv_bytes(case.seqlen_k, case.batch, case.kv_heads, case.head_dim, DTYPE.itemsize, mask)
+
+
+def measure_row(method: Method, case: Case, prepared: Prepared | None, mode: str, timing: TimingOptions) -> Measurement:
+    """The measurement the case asks for: a first call in a new process, host time, or GPU time."""
+    if case.cache is not None:
+        return measure_first_call(case, method.name, mode)
+    if case.is_host:
+        return measure_host(prepared, mode, timing)
+    return measure(prepared, mode, cuda_graph=case.is_decode, options=timing)
+
+
 def _run_method(
-    method: Method, case: Case, inputs: Inputs, method_options: MethodOptions, timing: TimingOptions
+    method: Method, case: Case, inputs: Inputs | TokenInputs | None, method_options: MethodOptions,
+    timing: TimingOptions,
 ) -> Iterator[Result]:
     """The rows of one method on one case, in the case's mode order."""
     modes = []
@@ -73,13 +107,11 @@ def _run_method(
             yield Result(case, method.name, mode, status="skipped", note=reason)
     if not modes:
         return
-    mask_for_pairs = inputs.mask if method.applies_mask else None
-    mask_for_bytes = inputs.mask if method.skips_masked_keys else None
-    pairs = active_pairs(case.seqlen_q, case.seqlen_k, case.batch, case.heads, mask_for_pairs)
-    nbytes = kv_bytes(case.seqlen_k, case.batch, case.kv_heads, case.head_dim, DTYPE.itemsize, mask_for_bytes)
+    pairs, nbytes = count_work(method, case, inputs)
 
     start = time.perf_counter()
-    prepared, failure = attempt(lambda: method.prepare(case, inputs))
+    # A first-call row's child process prepares the method itself.
+    prepared, failure = (None, None) if case.cache else attempt(lambda: method.prepare(case, inputs))
     if failure is not None:
         for mode in modes:
             yield Result(case, method.name, mode, status="skipped", note=failure)
@@ -87,18 +119,19 @@ def _run_method(
     # Preparation (block masks, Flex's mask compilation) is charged to the method's first row.
     prepare_s = time.perf_counter() - start
     for mode in modes:
-        m, failure = attempt(lambda: measure(prepared, mode, cuda_graph=case.is_decode, options=timing))
+        m, failure = attempt(lambda: measure_row(method, case, prepared, mode, timing))
         if failure is not None:
             yield Result(case, method.name, mode, status="skipped", note=failure)
             continue
         yield Result(
             case, method.name, mode,
             ms=m.ms,
-            tflops=tflops(attention_flops(pairs, case.head_dim, mode), m.ms),
-            gbps=gbps(nbytes, m.ms) if case.is_decode else None,
+            tflops=None if pairs is None else tflops(attention_flops(pairs, case.head_dim, mode), m.ms),
+            gbps=None if nbytes is None else gbps(nbytes, m.ms),
             peak_gib=m.peak_gib,
             setup_s=prepare_s + m.setup_s,
             active_pairs=pairs,
+            cpu_ms=m.cpu_ms,
         )
         prepare_s = 0.0
 
@@ -119,7 +152,8 @@ def run_cases(
     results = []
     with tqdm(total=count_rows(cases), unit="row", desc="flash-dma bench", dynamic_ncols=True) as bar:
         for case in cases:
-            inputs, failure = attempt(lambda: make_inputs(case, device))
+            # First-call rows make their inputs in the child process.
+            inputs, failure = (None, None) if case.cache else attempt(lambda: make_inputs(case, device))
             if failure is not None:
                 for name in case.methods:
                     for mode in case.modes:

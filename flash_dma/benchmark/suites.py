@@ -1,15 +1,28 @@
-"""The benchmark cases: shapes, mask sparsity, and which methods and passes run on each.
+"""The benchmark cases: shapes, masks, and which methods and passes run on each.
 
-Two suites:
+Suites, in the order ``--suite all`` runs them (the llm suite holds most targets, so a run cut
+short has them first):
 
 - ``llm``: a GQA model layer (B=1, H=16, Hkv=4, D=128) at 4K-32K with 1 to 1/32 of the key
-  blocks kept, plus one case whose bias is per query and key.
+  blocks kept, 128K with 1/8, plus one case whose bias is per query and key.
+- ``topkq``: the llm shape at 16K with a per-query-block top-k: each 128-query block keeps its
+  own 1/8 of the key blocks (``flash_dma.topk_block_mask(query_len=S)``), among them block 0
+  and its diagonal block.
+- ``token``: the llm shape at 16K with the seeds' token-level mask (``flash_dma.create_mask``
+  keeping the 2048 keys of largest bias, scattered over nearly every block), and the same shape
+  with the bias only, for the ratio of the two.
 - ``seed``: the shapes of the project's seeds (B=1, H=2, Hkv=1, D=64): prefill with a
   2048-key window, decode (one query row) over long caches, and a window sweep at S=32K.
+- ``host``: host time per call at a tiny shape (S=128), with the seeds' mask and bias and
+  with neither.
+- ``llama``: the train step of a 4-layer transformers Llama, attention by flash-dma or SDPA.
+- ``firstcall``: the first call in a new process, with warm and with cold compiler caches, and
+  a new process's first Llama generate and train step.
 
-Masks are per key (``[1, Hkv, 1, Sk]``) and keep whole blocks of :data:`MASK_BLOCK` keys, so a
-case's sparsity is the fraction ``keep`` of its key blocks. Dense methods ignore the mask, so
-they run only in the first case of each shape (the one with the most blocks kept).
+Block masks (``mask="block"``) are per key (``[1, Hkv, 1, Sk]``) and keep whole blocks of
+:data:`MASK_BLOCK` keys, so a case's sparsity is the fraction ``keep`` of its key blocks. Dense
+methods ignore the mask, so they run only in the first case of each shape (the one with the
+most blocks kept).
 """
 
 from __future__ import annotations
@@ -17,17 +30,23 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
+from flash_dma.benchmark.llama import GENERATE_NEW_TOKENS, describe_llama
 from flash_dma.block_mask import cdiv
 
-MASK_BLOCK = 128  # keys per block of the top-k mask: the default block of flash-dma and Flex
+MASK_BLOCK = 128  # keys per block of the top-k masks: the default block of flash-dma and Flex
 # Run order: the llm suite holds most targets, so a run cut short has them first.
-SUITES = ("llm", "seed")
+SUITES = ("llm", "topkq", "token", "seed", "host", "llama", "firstcall")
 MODES = ("fwd", "fwdbwd")
+# Attention calls timed on the GPU; then host time per call; then a model's train step and generate.
+ATTENTION_KINDS = ("prefill", "decode", "window")
+KINDS = (*ATTENTION_KINDS, "host", "train", "generate")
 
 MASKED_METHODS = ("flash-dma", "flex", "sdpa-additive")
 DENSE_METHODS = ("sdpa-flash", "sdpa-cudnn")
 # The per-call summary variant shows what reusing the block mask saves; one suite is enough.
 LLM_MASKED_METHODS = ("flash-dma", "flash-dma-percall", "flex", "sdpa-additive")
+# cuDNN, the dense ceiling, is what the "vs cuDNN" column of the report compares each row with.
+CEILING = "sdpa-cudnn"
 
 SEED_SHAPE = {"batch": 1, "heads": 2, "kv_heads": 1, "head_dim": 64}
 SEED_PREFILL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -42,12 +61,35 @@ LLM_LENGTHS = (4096, 8192, 16384, 32768)
 LLM_KEEPS = (1.0, 1 / 2, 1 / 8, 1 / 32)
 LLM_FULL_BIAS_LENGTH = 4096
 LLM_FULL_BIAS_KEEP = 1 / 8
+LLM_LONG_LENGTH = 131072
+LLM_LONG_KEEP = 1 / 8
 
-# --quick: a few rows per suite, with one Flex compilation per suite.
+TOPKQ_LENGTH = 16384
+TOPKQ_KEEP = 1 / 8  # of the key blocks, per query block, the sink and local blocks included
+TOPKQ_SINK_BLOCKS = 1
+TOPKQ_LOCAL_BLOCKS = 1
+
+TOKEN_LENGTH = 16384
+TOKEN_KEPT_KEYS = 2048  # per (batch, K/V head): the seeds' window
+
+HOST_LENGTH = 128
+HOST_METHODS = ("flash-dma", "flex", "sdpa")
+
+LLAMA_LENGTHS = (4096, 16384)
+LLAMA_METHODS = ("llama-flash-dma", "llama-sdpa")
+LLAMA_PROMPT_LENGTH = 128
+
+FIRST_CALL_LENGTH = 4096
+FIRST_CALL_KEEP = 1 / 8
+
+# --quick: a few rows per suite, with about one Flex compilation per suite.
 QUICK_SEED_PREFILL_LENGTHS = (4096,)
 QUICK_SEED_DECODE_LENGTHS = (524288,)
 QUICK_LLM_LENGTHS = (4096,)
 QUICK_LLM_KEEPS = (1.0, 1 / 8)
+QUICK_LLAMA_LENGTHS = (4096,)
+
+CACHE_LABELS = {"warm": ", new process, warm cache", "cold": ", new process, cold caches"}
 
 
 def kept_block_count(keep: float, num_blocks: int) -> int:
@@ -62,31 +104,50 @@ def format_fraction(x: float) -> str:
 
 @dataclass(frozen=True)
 class Case:
-    """One attention problem, benchmarked by each of ``methods`` in each of ``modes``.
+    """One attention problem (or one model run), benchmarked by each of ``methods`` in each of ``modes``.
 
-    Inputs: q ``[B, Sq, H, D]``, k/v ``[B, Sk, Hkv, D]`` bf16; mask ``[1, Hkv, 1, Sk]`` bool;
-    bias ``[1, Hkv, 1, Sk]`` (``bias="key"``) or ``[1, H, Sq, Sk]`` (``bias="full"``) bf16.
-    Attention is causal, aligned bottom-right when Sq != Sk.
+    Inputs: q ``[B, Sq, H, D]``, k/v ``[B, Sk, Hkv, D]`` bf16; mask ``[1, Hkv, 1, Sk]`` bool
+    (``mask="block"`` or ``"token"``), a block mask per query block (``"query-block"``) or none;
+    bias ``[1, Hkv, 1, Sk]`` (``bias="key"``), ``[1, H, Sq, Sk]`` (``"full"``) bf16, or none.
+    Attention is causal, aligned bottom-right when Sq != Sk. Model kinds ("train", "generate")
+    take token ids ``[B, S]`` instead; their shape fields are the model's attention's.
     """
 
-    suite: str  # "seed" | "llm"
-    kind: str  # "prefill" | "decode" | "window"
+    suite: str  # one of SUITES
+    kind: str  # one of KINDS
     batch: int
     heads: int
     kv_heads: int
     head_dim: int
     seqlen_q: int
     seqlen_k: int
-    keep: float  # fraction of the MASK_BLOCK-key blocks the mask keeps, per head
+    keep: float  # fraction of the MASK_BLOCK-key blocks (of each query block's: "query-block") or keys kept
     methods: tuple[str, ...]
     modes: tuple[str, ...]
-    bias: str = "key"
-    window: int | None = None  # keys per row that ``keep`` was derived from (seed suite)
+    bias: str = "key"  # "key" | "full" | "none"
+    window: int | None = None  # keys per row (seed suite) or per head ("token") that ``keep`` comes from
+    mask: str = "block"  # block top-k per key | "query-block": block top-k per query block | "token" | "none"
+    cache: str | None = None  # "warm" | "cold" compiler caches: the first call in a new process; None: here
 
     @property
     def is_decode(self) -> bool:
         """Decode rows are forward-only and timed under CUDA graphs (launch overhead removed)."""
         return self.kind == "decode"
+
+    @property
+    def is_host(self) -> bool:
+        """Host rows time the host's work per call, the GPU's excluded."""
+        return self.kind == "host"
+
+    @property
+    def is_model(self) -> bool:
+        """Model rows run a transformers Llama on token ids rather than one attention call."""
+        return self.kind in ("train", "generate")
+
+    @property
+    def counts_work(self) -> bool:
+        """Whether the row's time is attention kernels' time, so that TFLOP/s (and GB/s) apply."""
+        return self.kind in ATTENTION_KINDS and self.cache is None
 
     @property
     def needs_grad(self) -> bool:
@@ -101,14 +162,46 @@ class Case:
         return kept_block_count(self.keep, self.key_blocks)
 
     @property
+    def kept_keys(self) -> int:
+        """Keys a token-level mask keeps per head."""
+        return min(self.window, self.seqlen_k)
+
+    @property
+    def kept_text(self) -> str:
+        """What the mask keeps, for the tables: ``"4/32"`` blocks, ``"16/128 per q-block"``, ``"2048/16384 keys"``."""
+        if self.mask == "none":
+            return "all"
+        if self.mask == "token":
+            return f"{self.kept_keys}/{self.seqlen_k} keys"
+        per_query_block = " per q-block" if self.mask == "query-block" else ""
+        return f"{self.kept_blocks}/{self.key_blocks}{per_query_block}"
+
+    @property
     def label(self) -> str:
         """Short description for tables and the progress bar, e.g. ``"S=4096 keep=1/8"``."""
-        length = f"Sk={self.seqlen_k}" if self.seqlen_q != self.seqlen_k else f"S={self.seqlen_k}"
-        sparsity = f"W={self.window}" if self.kind == "window" else f"keep={format_fraction(self.keep)}"
-        bias = f" bias[1,{self.heads},Sq,Sk]" if self.bias == "full" else ""
-        return f"{length} {sparsity}{bias}"
+        if self.kind == "train":
+            text = f"S={self.seqlen_k} train step"
+        elif self.kind == "generate":
+            text = f"prompt={self.seqlen_k} generate {GENERATE_NEW_TOKENS}"
+        else:
+            length = f"Sk={self.seqlen_k}" if self.seqlen_q != self.seqlen_k else f"S={self.seqlen_k}"
+            bias = f" bias[1,{self.heads},Sq,Sk]" if self.bias == "full" else ""
+            text = f"{length} {self._mask_text()}{bias}"
+        return text + CACHE_LABELS.get(self.cache, "")
+
+    def _mask_text(self) -> str:
+        if self.kind == "window":
+            return f"W={self.window}"
+        if self.mask == "token":
+            return f"top-{self.kept_keys} keys"
+        if self.mask == "none":
+            return "bias only" if self.bias != "none" else "no mask, no bias"
+        per_query_block = " per q-block" if self.mask == "query-block" else ""
+        return f"keep={format_fraction(self.keep)}{per_query_block}"
 
     def shape_text(self) -> str:
+        if self.is_model:
+            return f"{describe_llama()}, B={self.batch}"
         return f"B={self.batch} H={self.heads} Hkv={self.kv_heads} D={self.head_dim}"
 
 
@@ -159,18 +252,90 @@ def llm_cases(quick: bool = False) -> list[Case]:
             Case("llm", "prefill", **LLM_SHAPE, seqlen_q=LLM_FULL_BIAS_LENGTH, seqlen_k=LLM_FULL_BIAS_LENGTH,
                  keep=LLM_FULL_BIAS_KEEP, methods=MASKED_METHODS, modes=MODES, bias="full")
         )
+        # 128K, keep 1/8 only: keep 1 there costs about 0.1 s a forward and 0.45 s a forward +
+        # backward per method. sdpa-additive is skipped by its float mask budget (512 GiB). Of
+        # the dense ceilings only cuDNN runs, for the "vs cuDNN" column; FA2 would add 0.75 s a
+        # call and nothing that the shorter lengths do not already show.
+        cases.append(
+            Case("llm", "prefill", **LLM_SHAPE, seqlen_q=LLM_LONG_LENGTH, seqlen_k=LLM_LONG_LENGTH,
+                 keep=LLM_LONG_KEEP, methods=(*LLM_MASKED_METHODS, CEILING), modes=MODES)
+        )
     return cases
 
 
+def topkq_cases(quick: bool = False) -> list[Case]:
+    """One case: each query block picks its own blocks, so there is no per-call variant (the
+    selection is only ever a block mask) and no float-mask SDPA (an 8 GiB ``[H, S, S]`` mask)."""
+    return [
+        Case("topkq", "prefill", **LLM_SHAPE, seqlen_q=TOPKQ_LENGTH, seqlen_k=TOPKQ_LENGTH, keep=TOPKQ_KEEP,
+             methods=("flash-dma", "flex", CEILING), modes=MODES, mask="query-block")
+    ]
+
+
+def token_cases(quick: bool = False) -> list[Case]:
+    """The token-level mask and, on the same shape, the bias alone: flash-dma's cost of the mask."""
+    shape = dict(**LLM_SHAPE, seqlen_q=TOKEN_LENGTH, seqlen_k=TOKEN_LENGTH, modes=MODES)
+    return [
+        Case("token", "prefill", **shape, keep=TOKEN_KEPT_KEYS / TOKEN_LENGTH, methods=("flash-dma", "flex"),
+             window=TOKEN_KEPT_KEYS, mask="token"),
+        Case("token", "prefill", **shape, keep=1.0, methods=("flash-dma", CEILING), mask="none"),
+    ]
+
+
+def host_cases(quick: bool = False) -> list[Case]:
+    """The seeds' call at S=128 (their 2048-key window keeps every key there), and a bare call."""
+    shape = dict(**SEED_SHAPE, seqlen_q=HOST_LENGTH, seqlen_k=HOST_LENGTH, keep=1.0, methods=HOST_METHODS, modes=MODES)
+    return [
+        Case("host", "host", **shape, window=SEED_PREFILL_WINDOW, mask="token"),
+        Case("host", "host", **shape, mask="none", bias="none"),
+    ]
+
+
+def llama_cases(quick: bool = False) -> list[Case]:
+    lengths = QUICK_LLAMA_LENGTHS if quick else LLAMA_LENGTHS
+    return [
+        Case("llama", "train", **LLM_SHAPE, seqlen_q=s, seqlen_k=s, keep=1.0, methods=LLAMA_METHODS,
+             modes=("fwdbwd",), mask="none", bias="none")
+        for s in lengths
+    ]
+
+
+def first_call_cases(quick: bool = False) -> list[Case]:
+    """A first-time user's call (no block mask built beforehand), then the Llama's first generate and step."""
+    attention = dict(**LLM_SHAPE, seqlen_q=FIRST_CALL_LENGTH, seqlen_k=FIRST_CALL_LENGTH, keep=FIRST_CALL_KEEP,
+                     methods=("flash-dma-percall",), modes=MODES)
+    model = dict(**LLM_SHAPE, keep=1.0, methods=("llama-flash-dma",), mask="none", bias="none", cache="warm")
+    cases = [Case("firstcall", "prefill", **attention, cache="warm")]
+    if not quick:
+        cases += [
+            Case("firstcall", "prefill", **attention, cache="cold"),
+            Case("firstcall", "generate", **model, seqlen_q=LLAMA_PROMPT_LENGTH, seqlen_k=LLAMA_PROMPT_LENGTH,
+                 modes=("fwd",)),
+            Case("firstcall", "train", **model, seqlen_q=FIRST_CALL_LENGTH, seqlen_k=FIRST_CALL_LENGTH,
+                 modes=("fwdbwd",)),
+        ]
+    return cases
+
+
+BUILDERS = {
+    "llm": llm_cases,
+    "topkq": topkq_cases,
+    "token": token_cases,
+    "seed": seed_cases,
+    "host": host_cases,
+    "llama": llama_cases,
+    "firstcall": first_call_cases,
+}
+
+
 def build_cases(suite: str = "all", quick: bool = False, modes=MODES, methods=None) -> list[Case]:
-    """The cases of ``suite`` ("seed", "llm" or "all"), keeping only the given modes and methods.
+    """The cases of ``suite`` (one of :data:`SUITES`, or "all"), keeping only the given modes and methods.
 
     A case left with no mode or no method is dropped (``--mode fwdbwd`` drops the decode cases).
     """
     if suite not in (*SUITES, "all"):
         raise ValueError(f"suite: expected one of {SUITES + ('all',)}, got {suite!r}")
-    builders = {"llm": llm_cases, "seed": seed_cases}
-    cases = [case for name in SUITES if suite in (name, "all") for case in builders[name](quick)]
+    cases = [case for name in SUITES if suite in (name, "all") for case in BUILDERS[name](quick)]
     selected = []
     for case in cases:
         case_modes = tuple(m for m in case.modes if m in modes)

@@ -7,14 +7,17 @@ from dataclasses import replace
 from flash_dma.benchmark.results import Result
 from flash_dma.benchmark.suites import LLM_SHAPE, SEED_SHAPE, Case
 
+MODES_OF_KIND = {"decode": ("fwd",), "generate": ("fwd",), "train": ("fwdbwd",)}
 
-def case(suite: str, kind: str, seqlen_k: int, keep: float = 1.0, methods=("flash-dma",), bias: str = "key") -> Case:
-    shape = SEED_SHAPE if suite == "seed" else LLM_SHAPE
+
+def case(suite: str, kind: str, seqlen_k: int, keep: float = 1.0, methods=("flash-dma",), bias: str = "key",
+         mask: str = "block", cache: str | None = None) -> Case:
+    shape = SEED_SHAPE if suite in ("seed", "host") else LLM_SHAPE
     seqlen_q = 1 if kind == "decode" else seqlen_k
-    modes = ("fwd",) if kind == "decode" else ("fwd", "fwdbwd")
-    window = 2048 if kind == "window" else None
+    modes = MODES_OF_KIND.get(kind, ("fwd", "fwdbwd"))
+    window = 2048 if kind == "window" or mask == "token" else None
     return Case(suite, kind, **shape, seqlen_q=seqlen_q, seqlen_k=seqlen_k, keep=keep, methods=methods,
-                modes=modes, bias=bias, window=window)
+                modes=modes, bias=bias, window=window, mask=mask, cache=cache)
 
 
 def row(case: Case, method: str, mode: str, ms: float = 1.0, **numbers) -> Result:
@@ -29,26 +32,55 @@ def skipped(case: Case, method: str, mode: str, note: str) -> Result:
 def passing_results() -> list[Result]:
     """Rows for every target, each comfortably inside its limit."""
     rows = []
-    for s in (16384, 32768):
+    for s in (4096, 8192, 16384, 32768, 131072):
         sparse = case("llm", "prefill", s, 1 / 8)
-        dense = case("llm", "prefill", s, 1.0)
         rows += [
             row(sparse, "flash-dma", "fwd", ms=0.5, peak_gib=0.5),
+            row(sparse, "flash-dma-percall", "fwd", ms=0.52),
             row(sparse, "flex", "fwd", ms=1.0),
             row(sparse, "flash-dma", "fwdbwd", ms=1.0, peak_gib=1.0),
-            row(sparse, "flex", "fwdbwd", ms=4.0, peak_gib=1.1),
-            row(dense, "flash-dma", "fwd", ms=3.0, tflops=400.0),
-            row(dense, "flash-dma", "fwdbwd", ms=12.0, tflops=300.0),
+            row(sparse, "flash-dma-percall", "fwdbwd", ms=1.05),
+            row(sparse, "flex", "fwdbwd", ms=4.0, peak_gib=1.5),
+        ]
+    for s in (16384, 32768):
+        dense = case("llm", "prefill", s, 1.0)
+        rows += [
+            row(dense, "flash-dma", "fwd", ms=3.0, tflops=500.0),
+            row(dense, "flash-dma", "fwdbwd", ms=12.0, tflops=450.0),
             row(dense, "sdpa-flash", "fwd", ms=3.3, tflops=332.0, peak_gib=0.5),
             row(dense, "sdpa-flash", "fwdbwd", ms=12.3, tflops=330.0, peak_gib=1.0),
+            row(dense, "sdpa-cudnn", "fwd", ms=1.72, tflops=550.0),
+            row(dense, "sdpa-cudnn", "fwdbwd", ms=6.8, tflops=520.0),
         ]
+    topkq = case("topkq", "prefill", 16384, 1 / 8, mask="query-block")
+    rows += [row(topkq, "flash-dma", "fwdbwd", ms=1.0), row(topkq, "flex", "fwdbwd", ms=4.0)]
+    token = case("token", "prefill", 16384, 1 / 8, mask="token")
+    bias_only = case("token", "prefill", 16384, mask="none")
+    for mode, ours, flex, unmasked in (("fwd", 0.1, 1.0, 1.0), ("fwdbwd", 0.3, 1.0, 2.0)):
+        rows += [row(token, "flash-dma", mode, ms=ours), row(token, "flex", mode, ms=flex),
+                 row(bias_only, "flash-dma", mode, ms=unmasked)]
+    for s in (4096, 16384):
+        step = case("llama", "train", s, methods=("llama-flash-dma", "llama-sdpa"), mask="none", bias="none")
+        rows += [row(step, "llama-flash-dma", "fwdbwd", ms=50.0, tflops=None),
+                 row(step, "llama-sdpa", "fwdbwd", ms=60.0, tflops=None)]
     rows += [
         row(case("seed", "decode", 524288, 1.0), "flash-dma", "fwd", ms=0.1, gbps=2000.0),
         row(case("seed", "decode", 524288, 1 / 8), "flash-dma", "fwd", ms=0.02, gbps=1300.0),
     ]
     for s in (256, 512, 1024, 2048, 4096, 8192, 16384):
         prefill = case("seed", "prefill", s, min(1.0, 2048 / s))
-        rows += [row(prefill, "flash-dma", "fwdbwd", ms=1.0), row(prefill, "sdpa-additive", "fwdbwd", ms=2.0)]
+        rows += [row(prefill, method, mode, ms=ms) for method, ms in (("flash-dma", 1.0), ("sdpa-additive", 2.0),
+                                                                      ("flex", 2.0)) for mode in ("fwd", "fwdbwd")]
+    no_work = {"tflops": None, "peak_gib": None}  # host and first-call rows time no attention kernel
+    host = case("host", "host", 128, mask="token")
+    rows += [row(host, "flash-dma", "fwd", ms=0.02, cpu_ms=0.018, **no_work),
+             row(host, "flash-dma", "fwdbwd", ms=0.1, cpu_ms=0.09, **no_work)]
+    for cache, seconds in (("warm", 5.0), ("cold", 20.0)):
+        first = case("firstcall", "prefill", 4096, 1 / 8, methods=("flash-dma-percall",), cache=cache)
+        rows.append(row(first, "flash-dma-percall", "fwdbwd", ms=seconds * 1e3, setup_s=3.0, **no_work))
+    generate = case("firstcall", "generate", 128, methods=("llama-flash-dma",), mask="none", bias="none",
+                    cache="warm")
+    rows.append(row(generate, "llama-flash-dma", "fwd", ms=3000.0, setup_s=6.0, **no_work))
     return rows
 
 

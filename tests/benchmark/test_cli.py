@@ -17,11 +17,17 @@ def _parse(*argv):
 def test_defaults():
     args = _parse()
     assert (args.suite, args.mode, args.methods, args.out) == ("all", "both", None, Path("benchmarks/results"))
-    assert (args.quick, args.flex_decode, args.warmup_ms, args.rep_ms) == (False, False, 25, 100)
+    assert (args.quick, args.flex_decode, args.warmup_ms, args.rep_ms, args.host_calls) == (False, False, 25, 100, 1000)
+
+
+@pytest.mark.parametrize("suite", ["llm", "topkq", "token", "seed", "host", "llama", "firstcall", "all"])
+def test_every_suite_can_be_chosen(suite):
+    assert _parse("--suite", suite, "--quick").suite == suite
 
 
 def test_methods_are_validated():
     assert _parse("--methods", "flex, flash-dma").methods == ("flex", "flash-dma")
+    assert _parse("--methods", "sdpa,llama-sdpa,llama-flash-dma").methods == ("sdpa", "llama-sdpa", "llama-flash-dma")
     with pytest.raises(SystemExit):
         _parse("--methods", "flex,fa4")
     with pytest.raises(SystemExit):

@@ -1,8 +1,11 @@
 import pytest
 import torch
 
-from flash_dma.benchmark.inputs import block_topk_mask, make_inputs
+from flash_dma import create_mask
+from flash_dma.benchmark.inputs import TokenInputs, block_topk_mask, make_inputs, query_block_topk_mask
+from flash_dma.benchmark.llama import LLAMA_CONFIG
 from flash_dma.benchmark.suites import Case, kept_block_count
+from flash_dma.block_mask import EMPTY, FULL
 
 BLOCK = 128
 
@@ -78,3 +81,47 @@ def test_make_inputs_is_deterministic_per_seed():
         assert torch.equal(getattr(a, name), getattr(b, name))
     assert not torch.equal(a.mask, c.mask)
     assert not torch.equal(a.query, c.query)
+
+
+def test_token_masks_are_the_seeds_create_mask_of_the_bias():
+    inputs = make_inputs(_case(mask="token", window=100, keep=100 / 256), "cpu")
+    assert inputs.mask.shape == inputs.bias.shape == (1, 2, 1, 256) and inputs.block_mask is None
+    assert inputs.mask.sum(-1).flatten().tolist() == [100, 100]
+    assert torch.equal(inputs.mask, create_mask(inputs.bias.detach(), None, 2, 256, 256, window_size=100))
+    # Scattered: unlike a block top-k, kept keys are not whole blocks.
+    assert not torch.equal(inputs.mask, block_topk_mask(inputs.bias.detach(), 100 / 256))
+
+
+def test_query_block_masks_keep_a_share_of_the_visible_blocks_per_query_block():
+    case = _case(seqlen_q=2048, seqlen_k=2048, keep=1 / 4, mask="query-block")
+    inputs = make_inputs(case, "cpu")
+    assert inputs.mask is None and inputs.bias.shape == (1, 2, 1, 2048)
+    bm = inputs.block_mask
+    assert not bm.needs_mask and bm.state.shape == (1, 2, 16, 16)
+    state = bm.state[0]
+    for q_block in range(16):
+        kept = (state[:, q_block] == FULL).sum(-1)
+        assert kept.tolist() == [min(q_block + 1, case.kept_blocks)] * 2  # all it sees, up to 4 of 16
+        assert bool((state[:, q_block, 0] == FULL).all())  # the sink block
+        assert bool((state[:, q_block, q_block] == FULL).all())  # the diagonal (local) block
+        assert not bool((state[:, q_block, q_block + 1 :] != EMPTY).any())  # nothing the causal rule hides
+    assert bool(((state == FULL) | (state == EMPTY)).all())
+    assert torch.equal(state, query_block_topk_mask(inputs.bias.detach(), case).state[0])
+
+
+def test_unmasked_cases_and_cases_without_bias():
+    bias_only = make_inputs(_case(mask="none"), "cpu")
+    assert bias_only.mask is None and bias_only.block_mask is None and bias_only.bias.shape == (1, 2, 1, 256)
+    bare = make_inputs(_case(mask="none", bias="none"), "cpu")
+    assert bare.bias is None and len(bare.leaves) == 3
+    assert all(t.requires_grad for t in bare.leaves)
+
+
+def test_model_cases_get_token_ids():
+    case = _case(kind="train", seqlen_q=64, seqlen_k=64, mask="none", bias="none", modes=("fwdbwd",))
+    inputs = make_inputs(case, "cpu")
+    assert isinstance(inputs, TokenInputs)
+    ids = inputs.input_ids
+    assert ids.shape == (2, 64) and ids.dtype == torch.int64
+    assert 1 <= int(ids.min()) and int(ids.max()) < LLAMA_CONFIG["vocab_size"]
+    assert torch.equal(ids, make_inputs(case, "cpu").input_ids)

@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from flash_dma import flash_dma_func
-from flash_dma.benchmark.inputs import Inputs, make_inputs
+from flash_dma.benchmark.inputs import Inputs, TokenInputs, make_inputs
+from flash_dma.benchmark import llama
 from flash_dma.benchmark.methods import (
     METHODS,
     MethodOptions,
     SdpaAdditive,
     additive_float_mask,
     flex_mask_mod,
+    flex_mods,
     flex_score_mod,
     float_mask_gib,
 )
@@ -44,8 +46,9 @@ def _case(name: str) -> Case:
 
 def _float32_inputs(case: Case) -> Inputs:
     inputs = make_inputs(case, "cpu")
-    query, key, value, bias = (t.detach().float().requires_grad_(case.needs_grad) for t in inputs.leaves)
-    return Inputs(query=query, key=key, value=value, mask=inputs.mask, bias=bias)
+    leaves = [t.detach().float().requires_grad_(case.needs_grad) for t in inputs.leaves]
+    query, key, value, bias = leaves if len(leaves) == 4 else (*leaves, None)
+    return replace(inputs, query=query, key=key, value=value, bias=bias)
 
 
 def _bshd(out: torch.Tensor, case: Case) -> torch.Tensor:
@@ -150,3 +153,93 @@ def test_skip_reasons():
     assert "--flex-decode" in METHODS["flex"].skip_reason(decode, "fwd", options)
     assert METHODS["flex"].skip_reason(decode, "fwd", MethodOptions(flex_decode=True)) is None
     assert METHODS["flash-dma"].skip_reason(decode, "fwd", options) is None
+
+
+# Cases of the masks the new suites use, at CPU sizes: 128-blocks, so 300 keys make ragged blocks.
+MASK_CASES = {
+    "block": dict(mask="block", keep=1 / 2),
+    "query-block": dict(mask="query-block", keep=2 / 3),
+    "token": dict(mask="token", keep=50 / 300, window=50),
+    "bias-only": dict(mask="none"),
+    "bare": dict(mask="none", bias="none"),
+}
+
+
+def _mask_case(name: str, **changes) -> Case:
+    fields = dict(suite="llm", kind="prefill", batch=1, heads=4, kv_heads=2, head_dim=16, seqlen_q=300, seqlen_k=300,
+                  keep=1.0, methods=("flash-dma", "flex"), modes=("fwd", "fwdbwd"))
+    return Case(**{**fields, **MASK_CASES[name], **changes})
+
+
+def _eager_flex(case: Case, inputs: Inputs) -> torch.Tensor:
+    """What the flex method computes, through eager ``flex_attention`` (compiling needs the GPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    mask_mod, score_mod = flex_mods(case, inputs)
+    block_mask = create_block_mask(mask_mod, case.batch, case.heads, case.seqlen_q, case.seqlen_k, device="cpu")
+    q, k, v = (t.transpose(1, 2) for t in (inputs.query, inputs.key, inputs.value))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()": intended here
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True).transpose(1, 2)
+
+
+@pytest.mark.parametrize("name", MASK_CASES)
+def test_flex_gets_the_selection_and_bias_flash_dma_gets(name):
+    """Forward only: Flex has no backward on the CPU."""
+    case = _mask_case(name, modes=("fwd",))
+    inputs = _float32_inputs(case)
+    expected = METHODS["flash-dma"].prepare(case, inputs).forward()
+    torch.testing.assert_close(_eager_flex(case, inputs), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_flash_dma_passes_each_mask_as_the_library_takes_it(monkeypatch):
+    calls = []
+    monkeypatch.setattr("flash_dma.benchmark.methods.flash_dma_func", lambda *args, **kwargs: calls.append(kwargs))
+    for name in ("block", "query-block", "token", "bare"):
+        case = _mask_case(name)
+        inputs = make_inputs(case, "cpu")
+        METHODS["flash-dma"].prepare(case, inputs).forward()
+        METHODS["flash-dma-percall"].prepare(case, inputs).forward()
+    (block, block_percall, query_block, _, token, token_percall, bare, _) = calls
+    assert block["attn_mask"] is not None and block["block_mask"] is not None and block_percall["block_mask"] is None
+    assert query_block["attn_mask"] is None and query_block["block_mask"].state.shape == (1, 2, 3, 3)
+    # A token-level mask goes in alone: flash-dma works out its kept keys itself.
+    assert token["attn_mask"].shape == (1, 2, 1, 300) and token["block_mask"] is None
+    assert token_percall == token
+    assert bare["attn_mask"] is None and bare["attn_bias"] is None and bare["block_mask"] is None
+    assert all(kwargs["is_causal"] for kwargs in calls)
+
+
+@pytest.mark.parametrize("name", ["token", "bare"])
+def test_plain_sdpa_matches_flash_dma(name):
+    # The host suite's token mask keeps every key (the seeds' window exceeds S): no row is left empty.
+    case = _mask_case(name, window=300, keep=1.0, methods=("sdpa",))
+    inputs = _float32_inputs(case)
+    expected = METHODS["flash-dma"].prepare(case, inputs).forward()
+    prepared = METHODS["sdpa"].prepare(case, inputs)
+    torch.testing.assert_close(prepared.forward().transpose(1, 2), expected, atol=2e-5, rtol=1e-4)
+    assert len(prepared.leaves) == len(inputs.leaves)
+
+
+def test_llama_methods_share_weights_and_run_a_step_and_generate(monkeypatch):
+    tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=97, max_position_embeddings=64)
+    monkeypatch.setattr(llama, "LLAMA_CONFIG", tiny)
+    monkeypatch.setattr(llama, "MODEL_DTYPE", torch.float32)
+    train = Case("llama", "train", 1, 4, 2, 16, 32, 32, 1.0, ("llama-flash-dma", "llama-sdpa"), ("fwdbwd",),
+                 bias="none", mask="none")
+    ids = TokenInputs(torch.randint(1, 97, (1, 32), generator=torch.Generator().manual_seed(0)))
+    losses = []
+    for name in ("llama-flash-dma", "llama-sdpa"):
+        prepared = METHODS[name].prepare(train, ids)
+        loss = prepared.forward()
+        loss.backward()
+        assert loss.dim() == 0 and all(p.grad is not None for p in prepared.leaves)
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1])
+
+    generate = replace(train, kind="generate", modes=("fwd",))
+    prepared = METHODS["llama-flash-dma"].prepare(generate, ids)
+    assert prepared.leaves == ()
+    tokens = prepared.forward()
+    assert tokens.shape == (1, 32 + llama.GENERATE_NEW_TOKENS) and torch.equal(tokens[:, :32], ids.input_ids)

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from flash_dma.benchmark.metrics import active_pairs, attention_flops, gbps, kv_bytes, tflops
+from flash_dma import topk_block_mask
+from flash_dma.benchmark.metrics import active_pairs, attention_flops, block_active_pairs, gbps, kv_bytes, tflops
+from flash_dma.block_mask import FULL
 
 
 def _brute_force_pairs(seqlen_q, seqlen_k, batch, num_heads, mask):
@@ -59,3 +61,19 @@ def test_kv_bytes_and_bandwidth():
     # Batch 3 shares the mask; each kept key is read once per batch for K and for V.
     assert kv_bytes(1000, 3, 2, 16, 2, mask) == 3 * 400 * 16 * 2 * 2
     assert kv_bytes(1000, 3, 2, 16, 2) == 3 * 2 * 1000 * 16 * 2 * 2
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(256, 256), (200, 330), (330, 200)])
+def test_block_active_pairs_match_brute_force(seqlen_q, seqlen_k):
+    batch, num_heads, block = 2, 4, 64
+    gen = torch.Generator().manual_seed(seqlen_q + seqlen_k)
+    bias = torch.randn(1, 2, 1, seqlen_k, generator=gen)
+    bm = topk_block_mask(bias, window_size=block, block_size=(block, block), query_len=seqlen_q, is_causal=True,
+                         sink_blocks=1)
+    state = bm.state.repeat_interleave(block, 2).repeat_interleave(block, 3)[:, :, :seqlen_q, :seqlen_k]
+    i = torch.arange(seqlen_q)[:, None]
+    j = torch.arange(seqlen_k)[None, :]
+    visible = (i >= j + seqlen_q - seqlen_k) & (state == FULL)  # [1, 2, Sq, Sk]: each mask head serves 2 query heads
+    expected = int(visible.sum()) * batch * (num_heads // 2)
+    assert block_active_pairs(bm, seqlen_q, seqlen_k, batch, num_heads) == expected
+    assert expected < active_pairs(seqlen_q, seqlen_k, batch, num_heads)

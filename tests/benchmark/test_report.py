@@ -2,7 +2,7 @@ import json
 
 from flash_dma.benchmark.plots import plot_results
 from flash_dma.benchmark.report import render_markdown, write_json, write_markdown
-from flash_dma.benchmark.targets import evaluate
+from flash_dma.benchmark.targets import TARGETS, evaluate
 from tests.benchmark.fakes import case, passing_results, row, skipped
 
 ENVIRONMENT = {
@@ -16,7 +16,7 @@ ENVIRONMENT = {
 
 
 def _results():
-    prefill = case("llm", "prefill", 4096, 1 / 8)
+    prefill = case("llm", "prefill", 4096, 1 / 4)  # a case of its own: passing_results() has keep 1/8
     decode = case("seed", "decode", 524288, 1 / 8)
     return [
         row(prefill, "flash-dma", "fwd", ms=0.05, tflops=350.0, peak_gib=0.0625),
@@ -34,11 +34,14 @@ def test_json_holds_environment_targets_and_every_row(tmp_path):
     write_json(path, ENVIRONMENT, results, evaluate(results))
     data = json.loads(path.read_text())
     assert data["environment"] == ENVIRONMENT
-    assert len(data["targets"]) == 12 and {t["status"] for t in data["targets"]} == {"NO DATA"}
+    assert len(data["targets"]) == len(TARGETS) and {t["status"] for t in data["targets"]} == {"NO DATA"}
+    assert data["targets"][0]["unit"] == "x" and data["targets"][-1]["unit"] == "s"
     assert len(data["results"]) == len(results)
     first, oom = data["results"][0], data["results"][2]
-    assert first["case"]["seqlen_k"] == 4096 and first["case"]["keep"] == 0.125 and first["case"]["heads"] == 16
+    assert first["case"]["seqlen_k"] == 4096 and first["case"]["keep"] == 0.25 and first["case"]["heads"] == 16
+    assert (first["case"]["mask"], first["case"]["cache"]) == ("block", None)
     assert (first["method"], first["mode"], first["status"], first["ms"]) == ("flash-dma", "fwd", "ok", 0.05)
+    assert first["cpu_ms"] is None
     assert (oom["status"], oom["ms"], oom["note"]) == ("skipped", None, "OutOfMemoryError: CUDA out of memory")
 
 
@@ -56,16 +59,59 @@ def test_markdown_has_header_targets_and_grouped_tables(tmp_path):
         "## Targets", "## Methods",
         "## llm · prefill · forward",
         "## llm · prefill · forward + backward",
+        "## topkq · prefill · forward + backward",
+        "## token · prefill · forward",
+        "## token · prefill · forward + backward",
+        "## seed · prefill · forward",
         "## seed · prefill · forward + backward",
         "## seed · decode · forward",
+        "## host · host time per call · forward",
+        "## host · host time per call · forward + backward",
+        "## llama · train step · forward + backward",
+        "## firstcall · prefill · forward + backward",
+        "## firstcall · generate · forward",
     ]
-    llm_forward = text.split("## llm · prefill · forward\n")[1].split("##")[0]
+    assert "| host S=128 mask+bias fwd: flash-dma host time per call | <= 40 µs | 20 µs | **PASS** |" in text
+
+
+def _section(text: str, title: str) -> str:
+    return text.split(f"## {title}\n")[1].split("##")[0]
+
+
+def test_markdown_tables_show_the_columns_their_rows_have():
+    results = _results() + passing_results()
+    text = render_markdown(ENVIRONMENT, results, evaluate(results))
+    llm_forward = _section(text, "llm · prefill · forward")
+    header = "| case | kept | method | ms | TFLOP/s | vs cuDNN | peak GiB | time / flash-dma | setup s | note |"
+    assert header in llm_forward
+    assert "| S=4096 keep=1/4 | 8/32 | flex | 0.1 | 100 |  | 1 | 2.00x | 0.5 |  |" in llm_forward
+    assert "| S=4096 keep=1/4 | 8/32 | flash-dma | 0.05 | 350 |  | 0.0625 |  | 0.5 |  |" in llm_forward
+    assert "| sdpa-additive |  |  |  |  |  |  | skipped: OutOfMemoryError: CUDA out of memory |" in llm_forward
+    # vs cuDNN: the row's TFLOP/s over sdpa-cudnn's on the same suite, shape, S and pass.
+    assert "| S=16384 keep=1 | 128/128 | flash-dma | 3 | 500 | 0.91x |" in llm_forward
+    assert "| S=16384 keep=1/8 | 16/128 | flex | 1 | 100 | 0.18x |" in llm_forward
+    assert "| S=16384 keep=1 | all | sdpa-cudnn | 1.72 | 550 | 1.00x |" in llm_forward
+    assert "| S=131072 keep=1/8 | 128/1024 | flex | 1 | 100 |  |" in llm_forward  # no cuDNN row at 128K here
+    decode = _section(text, "seed · decode · forward")
+    assert "| ms | TFLOP/s | GB/s | peak GiB |" in decode and "vs cuDNN" not in decode
+    assert "| Sk=524288 keep=1/8 | 512/4096 | flash-dma | 0.02 | 100 | 840 | 1 |" in decode
     assert "GB/s" not in llm_forward  # bandwidth only where rows have it (decode)
-    assert "| S=4096 keep=1/8 | 4/32 | flex | 0.1 | 100 | 1 | 2.00x | 0.5 |  |" in llm_forward
-    assert "| sdpa-additive |  |  |  |  |  | skipped: OutOfMemoryError: CUDA out of memory |" in llm_forward
-    assert "| S=16384 keep=1 | all | sdpa-flash | 3.3 | 332 |" in llm_forward
-    decode = text.split("## seed · decode · forward\n")[1].split("##")[0]
-    assert "| Sk=524288 keep=1/8 | 512/4096 | flash-dma | 0.02 | 100 | 840 | 1 | 1.00x |" in decode
+
+    token = _section(text, "token · prefill · forward")
+    assert "| S=16384 top-2048 keys | 2048/16384 keys | flex | 1 | 100 | 1 | 10.00x |" in token
+    assert "| S=16384 bias only | all | flash-dma | 1 |" in token
+    assert "| S=16384 keep=1/8 per q-block | 16/128 per q-block | flex | 4 |" in text
+
+    host = _section(text, "host · host time per call · forward + backward")
+    assert "| case | kept | method | µs/call | CPU µs/call | setup s | note |" in host
+    assert "| S=128 top-128 keys | 128/128 keys | flash-dma | 100 | 90.0 | 0.5 |  |" in host
+    llama = _section(text, "llama · train step · forward + backward")
+    assert "transformers Llama, 4 layers, hidden 2048" in llama
+    assert "| S=16384 train step | all | llama-sdpa | 60.0 | 1 | 1.20x | 0.5 |  |" in llama
+    first = _section(text, "firstcall · prefill · forward + backward")
+    assert "| case | kept | method | first call s | setup s | note |" in first
+    assert "| S=4096 keep=1/8, new process, cold caches | 4/32 | flash-dma-percall | 20.0 | 3.0 |  |" in first
+    assert "| prompt=128 generate 8, new process, warm cache | all | llama-flash-dma | 3 | 6.0 |  |" in text
 
 
 def test_plot_is_written_with_data_and_without(tmp_path):

@@ -5,9 +5,9 @@ import torch
 
 from flash_dma.benchmark import runner
 from flash_dma.benchmark.inputs import make_inputs
-from flash_dma.benchmark.measure import Measurement
+from flash_dma.benchmark.measure import Measurement, TimingOptions
 from flash_dma.benchmark.methods import Method, Prepared
-from flash_dma.benchmark.metrics import active_pairs, attention_flops, gbps, kv_bytes, tflops
+from flash_dma.benchmark.metrics import active_pairs, attention_flops, block_active_pairs, gbps, kv_bytes, tflops
 from flash_dma.benchmark.suites import Case
 
 
@@ -142,3 +142,54 @@ def test_a_case_whose_inputs_fail_is_skipped_whole(fake_measure, monkeypatch):
     ]
     assert results[0].note == "inputs: OutOfMemoryError: CUDA out of memory"
     assert fake_measure.calls == []
+
+
+def test_host_rows_measure_host_time_and_count_no_flops(fake_measure, monkeypatch):
+    calls = []
+
+    def fake_host(prepared, mode, options):
+        calls.append((mode, options.host_calls))
+        return Measurement(ms=0.03, peak_gib=None, setup_s=0.2, cpu_ms=0.025)
+
+    monkeypatch.setattr(runner, "measure_host", fake_host)
+    case = _case(kind="host", seqlen_q=128, seqlen_k=128, mask="token", window=2048, keep=1.0, methods=("good",))
+    fwd, fwdbwd = runner.run_cases([case], device="cpu", methods=FAKES, timing=TimingOptions(host_calls=7))
+    assert calls == [("fwd", 7), ("fwdbwd", 7)] and fake_measure.calls == []
+    assert (fwd.ms, fwd.cpu_ms, fwd.tflops, fwd.gbps, fwd.peak_gib, fwd.active_pairs) == (0.03, 0.025, None, None, None,
+                                                                                          None)
+    assert runner.format_row(fwd) == (
+        "llm host S=128 top-128 keys good fwd: 0.03 ms, 0.025 ms CPU, setup 0.2 s"
+    )
+
+
+def test_first_call_rows_run_in_a_new_process_without_inputs_or_preparation(fake_measure, monkeypatch):
+    calls = []
+
+    def fake_first_call(case, method, mode):
+        calls.append((case.cache, method, mode))
+        return Measurement(ms=4200.0, peak_gib=None, setup_s=3.5)
+
+    def no_inputs(case, device):
+        raise AssertionError("a first-call row makes its inputs in the child")
+
+    monkeypatch.setattr(runner, "measure_first_call", fake_first_call)
+    monkeypatch.setattr(runner, "make_inputs", no_inputs)
+    case = _case(cache="cold", methods=("broken",))  # its prepare would fail: the child prepares instead
+    results = runner.run_cases([case], device="cpu", methods=FAKES)
+    assert calls == [("cold", "broken", "fwd"), ("cold", "broken", "fwdbwd")] and fake_measure.calls == []
+    assert [(r.status, r.ms, r.tflops) for r in results] == [("ok", 4200.0, None)] * 2
+    assert results[0].setup_s >= 3.5 and results[1].setup_s == 3.5
+
+
+def test_model_rows_count_no_flops(fake_measure):
+    case = _case(kind="train", mask="none", bias="none", modes=("fwdbwd",), methods=("good",))
+    (step,) = runner.run_cases([case], device="cpu", methods=FAKES)
+    assert step.ok and step.ms == 2.0 and step.tflops is None and step.active_pairs is None
+
+
+def test_query_block_masks_count_the_pairs_their_blocks_keep(fake_measure):
+    case = _case(seqlen_q=384, seqlen_k=384, keep=2 / 3, mask="query-block", methods=("good", "dense"))
+    good, _, dense, _ = runner.run_cases([case], device="cpu", methods=FAKES)
+    block_mask = make_inputs(case, "cpu").block_mask
+    assert good.active_pairs == block_active_pairs(block_mask, 384, 384, 1, 4) < dense.active_pairs
+    assert dense.active_pairs == active_pairs(384, 384, 1, 4)

@@ -2,7 +2,18 @@ import pytest
 
 from flash_dma.benchmark.methods import METHODS
 from flash_dma.benchmark.runner import count_rows
-from flash_dma.benchmark.suites import DENSE_METHODS, build_cases, llm_cases, seed_cases
+from flash_dma.benchmark.suites import (
+    DENSE_METHODS,
+    SUITES,
+    build_cases,
+    first_call_cases,
+    host_cases,
+    llama_cases,
+    llm_cases,
+    seed_cases,
+    token_cases,
+    topkq_cases,
+)
 
 
 def _by_kind(cases, kind):
@@ -42,15 +53,73 @@ def test_llm_suite():
     per_key = [c for c in cases if c.bias == "key"]
     assert [(c.seqlen_k, c.keep) for c in per_key] == [
         (s, k) for s in (4096, 8192, 16384, 32768) for k in (1.0, 1 / 2, 1 / 8, 1 / 32)
-    ]
+    ] + [(131072, 1 / 8)]
     for c in cases:
         assert (c.batch, c.heads, c.kv_heads, c.head_dim) == (1, 16, 4, 128)
-        assert c.seqlen_q == c.seqlen_k
-    for c in per_key:
+        assert c.seqlen_q == c.seqlen_k and c.mask == "block" and c.cache is None
+    for c in per_key[:-1]:
         assert "flash-dma-percall" in c.methods
         assert all(m in c.methods for m in DENSE_METHODS) == (c.keep == 1.0)
     (full,) = [c for c in cases if c.bias == "full"]
     assert (full.seqlen_k, full.keep, full.modes) == (4096, 1 / 8, ("fwd", "fwdbwd"))
+    # 128K: keep 1/8 only, with cuDNN as the dense ceiling (sdpa-additive is skipped by its budget).
+    long = per_key[-1]
+    assert long.methods == ("flash-dma", "flash-dma-percall", "flex", "sdpa-additive", "sdpa-cudnn")
+    assert long.kept_blocks == 128 and long.modes == ("fwd", "fwdbwd")
+
+
+def test_topkq_suite_keeps_one_eighth_of_the_blocks_per_query_block():
+    (c,) = topkq_cases()
+    assert (c.suite, c.mask, c.bias, c.seqlen_q, c.seqlen_k) == ("topkq", "query-block", "key", 16384, 16384)
+    assert (c.batch, c.heads, c.kv_heads, c.head_dim) == (1, 16, 4, 128)
+    assert c.methods == ("flash-dma", "flex", "sdpa-cudnn") and c.modes == ("fwd", "fwdbwd")
+    assert c.kept_text == "16/128 per q-block" and c.label == "S=16384 keep=1/8 per q-block"
+
+
+def test_token_suite_has_the_mask_and_a_bias_only_reference():
+    token, bias_only = token_cases()
+    assert (token.mask, token.window, token.keep, token.kept_keys) == ("token", 2048, 1 / 8, 2048)
+    assert token.methods == ("flash-dma", "flex") and token.label == "S=16384 top-2048 keys"
+    assert (bias_only.mask, bias_only.bias, bias_only.keep) == ("none", "key", 1.0)
+    assert bias_only.methods == ("flash-dma", "sdpa-cudnn") and bias_only.label == "S=16384 bias only"
+    for c in (token, bias_only):
+        assert (c.heads, c.kv_heads, c.head_dim, c.seqlen_k, c.modes) == (16, 4, 128, 16384, ("fwd", "fwdbwd"))
+        assert c.counts_work and not c.is_host and not c.is_model
+
+
+def test_host_suite_is_tiny_with_and_without_mask_and_bias():
+    seeds, bare = host_cases()
+    for c in (seeds, bare):
+        shape = (c.batch, c.heads, c.kv_heads, c.head_dim, c.seqlen_q, c.seqlen_k)
+        assert c.kind == "host" and shape == (1, 2, 1, 64, 128, 128)
+        assert c.is_host and not c.counts_work
+        assert c.methods == ("flash-dma", "flex", "sdpa") and c.modes == ("fwd", "fwdbwd")
+    assert (seeds.mask, seeds.bias, seeds.kept_keys) == ("token", "key", 128)  # the seeds' window keeps all 128
+    assert (bare.mask, bare.bias, bare.label) == ("none", "none", "S=128 no mask, no bias")
+
+
+def test_llama_suite_times_train_steps():
+    cases = llama_cases()
+    assert [c.seqlen_k for c in cases] == [4096, 16384]
+    for c in cases:
+        assert c.kind == "train" and c.is_model and not c.counts_work
+        assert c.methods == ("llama-flash-dma", "llama-sdpa") and c.modes == ("fwdbwd",)
+        assert c.shape_text().startswith("transformers Llama, 4 layers, hidden 2048")
+    assert [c.seqlen_k for c in llama_cases(quick=True)] == [4096]
+
+
+def test_first_call_suite():
+    warm, cold, generate, train = first_call_cases()
+    for c in (warm, cold):
+        assert (c.kind, c.seqlen_k, c.keep, c.mask, c.heads) == ("prefill", 4096, 1 / 8, "block", 16)
+        assert c.methods == ("flash-dma-percall",) and c.modes == ("fwd", "fwdbwd") and not c.counts_work
+    assert (warm.cache, cold.cache) == ("warm", "cold")
+    assert cold.label == "S=4096 keep=1/8, new process, cold caches"
+    assert (generate.kind, generate.seqlen_k, generate.modes, generate.cache) == ("generate", 128, ("fwd",), "warm")
+    assert generate.label == "prompt=128 generate 8, new process, warm cache"
+    assert (train.kind, train.seqlen_k, train.modes, train.cache) == ("train", 4096, ("fwdbwd",), "warm")
+    assert generate.methods == train.methods == ("llama-flash-dma",)
+    assert first_call_cases(quick=True) == [warm]
 
 
 def test_every_method_named_by_a_suite_exists():
@@ -60,15 +129,24 @@ def test_every_method_named_by_a_suite_exists():
 def test_quick_is_a_small_subset_of_the_full_run():
     full, quick = build_cases(), build_cases(quick=True)
     assert set(quick) <= set(full)
-    assert {c.suite for c in quick} == {"seed", "llm"}
-    assert count_rows(quick) <= 40 < count_rows(full)
+    assert {c.suite for c in quick} == set(SUITES)
+    assert count_rows(quick) <= 70 < count_rows(full)
+
+
+def test_all_runs_every_suite_in_order_and_each_suite_runs_alone():
+    cases = build_cases()
+    order = list(dict.fromkeys(c.suite for c in cases))
+    assert order == list(SUITES) and order[0] == "llm"
+    assert cases == [c for suite in SUITES for c in build_cases(suite)]
 
 
 def test_filters_on_modes_and_methods():
     backward_only = build_cases(modes=("fwdbwd",))
     assert backward_only and all(c.modes == ("fwdbwd",) and not c.is_decode for c in backward_only)
     flex_only = build_cases("llm", methods=("flex",))
-    assert len(flex_only) == 17 and all(c.methods == ("flex",) for c in flex_only)
+    assert len(flex_only) == 18 and all(c.methods == ("flex",) for c in flex_only)
+    assert all(c.kind == "train" for c in build_cases(modes=("fwdbwd",), methods=("llama-sdpa",)))
+    assert not build_cases("llama", modes=("fwd",))
     dense_only = build_cases("seed", methods=("sdpa-flash",))
     assert all(c.keep == 1.0 or c.kind == "prefill" for c in dense_only)
     with pytest.raises(ValueError, match="suite"):
@@ -80,4 +158,5 @@ def test_labels():
     assert seed[4].label == "S=4096 keep=1/2"
     assert _by_kind(seed, "decode")[1].label == "Sk=256 keep=1/8"
     assert _by_kind(seed, "window")[0].label == "S=32768 W=32"
-    assert llm_cases()[-1].label == "S=4096 keep=1/8 bias[1,16,Sq,Sk]"
+    assert llm_cases()[-2].label == "S=4096 keep=1/8 bias[1,16,Sq,Sk]"
+    assert llm_cases()[-1].label == "S=131072 keep=1/8"

@@ -1,5 +1,10 @@
-from flash_dma.benchmark.targets import TARGETS, evaluate
-from tests.benchmark.fakes import case, passing_results, skipped, with_ms
+import pytest
+
+from flash_dma.benchmark.targets import TARGETS, Target, evaluate, format_amount
+from tests.benchmark.fakes import case, passing_results, row, skipped, with_ms
+
+SEED_NAME = "seed prefill fwd+bwd S=1K..16K: flash-dma / sdpa-additive time (worst S)"
+HOST_NAME = "host S=128 mask+bias fwd: flash-dma host time per call"
 
 
 def _by_name(checks):
@@ -8,14 +13,42 @@ def _by_name(checks):
 
 def test_every_target_passes_on_good_numbers():
     checks = evaluate(passing_results())
-    assert len(checks) == len(TARGETS) == 12
-    assert [c.status for c in checks] == ["PASS"] * 12, [c for c in checks if c.status != "PASS"]
+    assert len(checks) == len(TARGETS) == 32
+    assert len({c.name for c in checks}) == 32
+    assert [c.status for c in checks] == ["PASS"] * 32, [c for c in checks if c.status != "PASS"]
     values = _by_name(checks)
     assert values["llm keep 1/8 S=16K fwd: flash-dma / flex time"].value == 0.5
-    assert values["llm keep 1 S=16K fwd: flash-dma / sdpa-flash TFLOP/s"].value == 400 / 332
+    assert values["llm keep 1/8 S=128K fwd+bwd: flash-dma / flex time"].value == 0.25
+    assert values["llm keep 1 S=16K fwd: flash-dma / sdpa-cudnn TFLOP/s"].value == 500 / 550
+    assert values["topkq S=16K fwd+bwd: flash-dma / flex time"].value == 0.25
+    assert values["token S=16K fwd+bwd: flash-dma top-2048 keys / bias only time"].value == 0.3 / 2.0
+    assert values["llama S=16K train step: llama-flash-dma / llama-sdpa time"].value == 50 / 60
     assert values["seed decode Sk=512K keep 1: flash-dma GB/s / 3.0 TB/s"].value == 2000 / 3000
     assert values["seed decode Sk=512K: flash-dma time keep 1/8 / keep 1"].value == 0.02 / 0.1
-    assert values["llm S=32K keep 1/8 fwd+bwd: flash-dma / flex peak memory"].value == 1.0 / 1.1
+    assert values["llm S=32K keep 1/8 fwd+bwd: flash-dma / flex peak memory"].value == 1.0 / 1.5
+    assert values["llm keep 1/8 fwd S>=4K: flash-dma-percall / flash-dma time (worst S)"].value == 0.52 / 0.5
+
+
+def test_absolute_targets_keep_their_unit():
+    checks = _by_name(evaluate(passing_results()))
+    host = checks[HOST_NAME]
+    assert (host.target, host.unit, host.value) == ("<= 40 µs", "µs", pytest.approx(20.0))
+    assert host.detail == "wall 20 µs, CPU 18 µs per call"
+    warm = checks["new process, warm cache: first fwd+bwd, llm S=4K keep 1/8"]
+    assert (warm.target, warm.value, warm.status) == ("<= 10 s", 5.0, "PASS")
+    assert warm.detail.startswith("flash-dma-percall; 3 s in the new process before it")
+    assert checks["new process, cold caches: first fwd+bwd, llm S=4K keep 1/8"].target == "<= 30 s"
+    assert checks["llm keep 1/8 S=16K fwd: flash-dma / flex time"].target == "<= 0.70x"
+
+    slow = with_ms(passing_results(), "flash-dma", "fwd", 0.041, suite="host")
+    assert _by_name(evaluate(slow))[HOST_NAME].status == "MISS"
+
+
+def test_a_target_in_any_unit():
+    target = Target("tokens", ">=", 2.5, lambda results: (3.0, "three"), unit="tokens/s")
+    (check,) = evaluate([], (target,))
+    assert (check.target, check.status, check.unit) == (">= 2.5 tokens/s", "PASS", "tokens/s")
+    assert format_amount(0.456, "x") == "0.46x" and format_amount(150.0, "µs") == "150 µs"
 
 
 def test_a_slow_row_is_a_miss():
@@ -25,13 +58,19 @@ def test_a_slow_row_is_a_miss():
     assert check.detail == "flash-dma 0.5 ms, flex 0.55 ms"
 
 
-def test_prefill_check_reports_the_worst_length_and_is_strict():
-    name = "seed prefill fwd+bwd S=256..16K: flash-dma / sdpa-additive time (worst S)"
-    slow = with_ms(passing_results(), "flash-dma", "fwdbwd", 3.0, suite="seed", seqlen_k=512)
-    check = _by_name(evaluate(slow))[name]
-    assert check.status == "MISS" and check.value == 1.5 and check.detail.startswith("worst at S=512")
-    tie = with_ms(passing_results(), "flash-dma", "fwdbwd", 2.0, suite="seed", seqlen_k=256)
-    assert _by_name(evaluate(tie))[name].status == "MISS"  # "faster than": equal time misses
+def test_worst_length_checks_report_the_worst_length():
+    slow = with_ms(passing_results(), "flash-dma", "fwdbwd", 3.0, suite="seed", seqlen_k=2048)
+    check = _by_name(evaluate(slow))[SEED_NAME]
+    assert check.status == "MISS" and check.value == 1.5 and check.detail.startswith("worst at S=2048")
+    tie = with_ms(passing_results(), "flash-dma", "fwdbwd", 2.0, suite="seed", seqlen_k=1024)
+    assert _by_name(evaluate(tie))[SEED_NAME].status == "PASS"  # "no slower than": equal time passes
+    # S=256 and 512 are outside the checked range.
+    short = with_ms(passing_results(), "flash-dma", "fwdbwd", 5.0, suite="seed", seqlen_k=512)
+    assert _by_name(evaluate(short))[SEED_NAME].status == "PASS"
+
+    percall = with_ms(passing_results(), "flash-dma-percall", "fwd", 0.6, suite="llm", seqlen_k=131072)
+    check = _by_name(evaluate(percall))["llm keep 1/8 fwd S>=4K: flash-dma-percall / flash-dma time (worst S)"]
+    assert check.status == "MISS" and check.detail.startswith("worst at S=131072")
 
 
 def test_missing_or_skipped_rows_give_no_data_with_the_reason():
@@ -43,8 +82,22 @@ def test_missing_or_skipped_rows_give_no_data_with_the_reason():
     bwd = checks["llm keep 1/8 S=16K fwd+bwd: flash-dma / flex time"]
     assert bwd.status == "NO DATA" and bwd.detail.endswith("OutOfMemoryError: boom")
     assert checks["llm keep 1/8 S=32K fwd: flash-dma / flex time"].status == "PASS"
+    assert checks["topkq S=16K fwd+bwd: flash-dma / flex time"].status == "NO DATA"
 
     no_prefill = [r for r in passing_results() if not (r.case.kind == "prefill" and r.case.seqlen_k == 8192)]
-    name = "seed prefill fwd+bwd S=256..16K: flash-dma / sdpa-additive time (worst S)"
-    assert _by_name(evaluate(no_prefill))[name].status == "NO DATA"
+    assert _by_name(evaluate(no_prefill))[SEED_NAME].status == "NO DATA"
     assert {c.status for c in evaluate([])} == {"NO DATA"}
+
+
+def test_first_call_rows_are_told_apart_by_cache():
+    cold_only = [r for r in passing_results() if r.case.cache != "warm"]
+    checks = _by_name(evaluate(cold_only))
+    warm = checks["new process, warm cache: first fwd+bwd, llm S=4K keep 1/8"]
+    assert warm.status == "NO DATA" and "cache=warm" in warm.detail
+    assert checks["new process, cold caches: first fwd+bwd, llm S=4K keep 1/8"].status == "PASS"
+
+    slow_generate = cold_only + [
+        row(case("firstcall", "generate", 128, mask="none", bias="none", cache="warm"), "llama-flash-dma", "fwd",
+            ms=7000.0)
+    ]
+    assert _by_name(evaluate(slow_generate))["new process, warm cache: Llama first generate"].status == "MISS"
