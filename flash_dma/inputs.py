@@ -85,6 +85,10 @@ def _check_qkv(query, key, value) -> None:
 def check_broadcastable(name: str, t: torch.Tensor, shape: tuple[int, int, int, int, int, int]) -> None:
     """Check that ``t`` is ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` for ``shape = (B, Sq, Sk, H, Hkv, D)``."""
     batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, _ = shape
+    if t.dim() == 4:
+        b, h, q, k = t.shape
+        if b in (1, batch) and h in (1, num_kv_heads, num_heads) and q in (1, seqlen_q) and k in (1, seqlen_k):
+            return
     if t.dim() != 4:
         raise ValueError(
             f"{name}: expected a 4-D tensor broadcastable to [B, H, Sq, Sk] = "

@@ -43,6 +43,9 @@ class Case:
     # Block summary passed explicitly (small blocks make short sequences span many blocks);
     # None lets the backend summarise the mask itself.
     block_size: tuple[int, int] | None = None
+    # Without a summary, small problems read the mask on every tile; "listed" makes the backend
+    # walk them as it walks large ones (key lists, or a summary it builds).
+    listed: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
     def __str__(self) -> str:
@@ -61,6 +64,8 @@ class Case:
             parts.append(f"cap{self.softcap:g}")
         if self.block_size and self.mask:
             parts.append(f"blk{self.block_size[0]}x{self.block_size[1]}")
+        if self.listed:
+            parts.append("listed")
         return "-".join(parts)
 
     def with_(self, **changes) -> "Case":
@@ -118,7 +123,7 @@ def poisoned_empty(real_empty):
     def empty(*args, **kwargs):
         t = real_empty(*args, **kwargs)
         with torch.no_grad():  # callers may ask for requires_grad=True
-            t.fill_(float("nan") if t.dtype.is_floating_point else 2**30 if t.dtype != torch.bool else True)
+            t.fill_(float("nan") if t.dtype.is_floating_point else True if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
         return t
 
     return empty
@@ -151,11 +156,22 @@ def call_kwargs(case: Case) -> dict:
 
 def triton_call(case: Case, inputs: dict, **kwargs):
     """``flash_dma_func`` on the Triton backend, with the case's block summary if it names one."""
+    import flash_dma.backends.triton as triton_backend
     from flash_dma import build_block_mask, flash_dma_func
 
     if case.block_size and inputs["attn_mask"] is not None:
         kwargs.setdefault("block_mask", build_block_mask(inputs["attn_mask"], block_size=case.block_size))
-    return flash_dma_func(**inputs, **call_kwargs(case), backend="triton", **kwargs)
+    small = triton_backend.SMALL_PROBLEM
+    triton_backend.SMALL_PROBLEM = 0 if case.listed else small
+    try:
+        return flash_dma_func(**inputs, **call_kwargs(case), backend="triton", **kwargs)
+    finally:
+        triton_backend.SMALL_PROBLEM = small
+
+
+def listed_variants(cases: list[Case]) -> list[Case]:
+    """The cases with a mask and no summary again, walked as large problems are."""
+    return [case.with_(listed=True) for case in cases if case.mask and not case.block_size]
 
 
 def reference_outputs(case: Case, inputs: dict, dout: torch.Tensor | None, compute_dtype: torch.dtype, **kwargs):

@@ -24,7 +24,17 @@ import triton.language as tl
 
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import broadcast_strides, common_arguments, head_divisor, placeholder
+from flash_dma.backends.triton.layout import (
+    SPECIALIZED,
+    broadcast_strides,
+    common_arguments,
+    common_layout,
+    common_tensors,
+    head_divisor,
+    placeholder,
+    tensor_layout,
+)
+from flash_dma.block_mask import cdiv
 from flash_dma.backends.triton.tiles import (
     LOG2E,
     STAGE_EDGE,
@@ -39,6 +49,7 @@ from flash_dma.backends.triton.tiles import (
     key_walk,
     listed_tiles,
     load_tile,
+    row_tile_scores,
     scores_log2,
     split_range,
     tile_indices,
@@ -168,8 +179,7 @@ def _flush_key_gradient(dbias_head, keys, key_real, stride_dbk, values, ATOMIC: 
 
 
 @triton.jit(do_not_specialize=[
-    "stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_bb", "stride_bh", "stride_bq", "stride_bk",
-    "stride_wb", "stride_wh", "stride_wr", "walk_width", "seqlen_q", "seqlen_k", "num_heads", "num_kv_heads",
+    "stride_wb", "stride_wh", "stride_wr", "walk_width", "num_heads", "num_kv_heads",
     "mask_head_div", "bias_head_div", "walk_head_div", "list_block_q", "list_block_k", "band_lo", "band_hi",
     "stride_dbc", "stride_dbb", "stride_dbh", "stride_dbq", "stride_dbk", "dbias_head_div",
 ])
@@ -278,24 +288,36 @@ def _dkdv_kernel(
                     DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
                 )
             tiles += 2 * walk_width  # the full tiles' list
-        dk, dv, dbias_keys = _dkdv_tiles(
-            dk, dv, dbias_keys, k, v, keys, key_ok,
-            q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
-            mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-            tiles, tiles_per_block, t_interior_lo, t_interior_hi, t_interior_hi, t_interior_hi,
-            seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_INTERIOR, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
-            DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
-        )
-        dk, dv, dbias_keys = _dkdv_tiles(
-            dk, dv, dbias_keys, k, v, keys, key_ok,
-            q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
-            mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-            tiles, tiles_per_block, t_lo, t_hi, t_interior_lo, t_interior_hi,
-            seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_EDGE, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
-            DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
-        )
+        if query_walk == WALK_DENSE and HAS_MASK:
+            # A mask without a summary (small problems): every query tile reads it.
+            dk, dv, dbias_keys = _dkdv_tiles(
+                dk, dv, dbias_keys, k, v, keys, key_ok,
+                q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
+                mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
+                tiles, tiles_per_block, t_lo, t_hi, t_hi, t_hi,
+                seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+                STAGE_PARTIAL, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
+                DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
+            )
+        else:
+            dk, dv, dbias_keys = _dkdv_tiles(
+                dk, dv, dbias_keys, k, v, keys, key_ok,
+                q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
+                mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
+                tiles, tiles_per_block, t_interior_lo, t_interior_hi, t_interior_hi, t_interior_hi,
+                seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+                STAGE_INTERIOR, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
+                DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
+            )
+            dk, dv, dbias_keys = _dkdv_tiles(
+                dk, dv, dbias_keys, k, v, keys, key_ok,
+                q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
+                mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
+                tiles, tiles_per_block, t_lo, t_hi, t_interior_lo, t_interior_hi,
+                seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+                STAGE_EDGE, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
+                DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
+            )
         if DBIAS == 1:
             if not DBIAS_HEAD_SHARED:
                 _flush_key_gradient(dbias_head, keys, key_real, stride_dbk, dbias_keys, DBIAS_ATOMIC)
@@ -348,16 +370,11 @@ def _dq_tiles(
     for j in range(0, count):
         next_tile = tile_start(tiles, walk_position(j + 1, lo, gap_lo, gap_hi), tiles_per_block, WALK)
         keys, key_ok = tile_indices(tiles, tile, key_limit, BLOCK_N, WALK)  # [BLOCK_N]
-        k = load_tile(k_base, keys, key_ok, stride_ks, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
-        v = load_tile(v_base, keys, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        scores = scores_log2(qk, scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
-        s = visible_scores(
-            scores, offs_m[:, None], keys[None, :], key_ok[None, :], band_lo, band_hi,
-            key_pointers(bias_rows, keys, stride_bk, BIAS_PER_KEY, False),
-            key_pointers(mask_rows, keys, stride_mk, MASK_PER_KEY, False),
-            HAS_BIAS, STAGE,
+        k, scores, s = row_tile_scores(  # [BLOCK_N, BLOCK_D], then [BLOCK_M, BLOCK_N]
+            q, offs_m, k_base, keys, key_ok, stride_ks, head_dim, band_lo, band_hi, bias_rows, stride_bk, mask_rows, stride_mk,
+            scale_log2, softcap_log2, scale_over_cap, STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_D, DOT_PRECISION,
         )
+        v = load_tile(v_base, keys, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         p, ds, dqk = _softmax_grad(s, lse2, delta, dp, 0, scale, softcap_log2, SOFTCAP, scores)
         dq += tl.dot(dqk.to(k.dtype), k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
@@ -366,8 +383,7 @@ def _dq_tiles(
 
 
 @triton.jit(do_not_specialize=[
-    "stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_bb", "stride_bh", "stride_bq", "stride_bk",
-    "stride_wb", "stride_wh", "stride_wr", "walk_width", "seqlen_q", "seqlen_k", "num_heads", "num_kv_heads",
+    "stride_wb", "stride_wh", "stride_wr", "walk_width", "num_heads", "num_kv_heads",
     "mask_head_div", "bias_head_div", "walk_head_div", "list_block_q", "list_block_k", "band_lo", "band_hi",
 ])
 def _dq_kernel(
@@ -424,27 +440,33 @@ def _dq_kernel(
             band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
             STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
-        tiles, tiles_per_block, key_limit, interior_lo, interior_hi, interior_hi, interior_hi,
-        band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-        STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
-    )
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
-        tiles, tiles_per_block, key_limit, lo, hi, interior_lo, interior_hi,
-        band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-        STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
-    )
+    if WALK == WALK_DENSE and HAS_MASK:
+        # A mask without a summary (small problems): every tile reads it.
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            tiles, tiles_per_block, key_limit, lo, hi, hi, hi,
+            band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        )
+    else:
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            tiles, tiles_per_block, key_limit, interior_lo, interior_hi, interior_hi, interior_hi,
+            band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+            STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        )
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            tiles, tiles_per_block, key_limit, lo, hi, interior_lo, interior_hi,
+            band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+            STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        )
     offs_d = tl.arange(0, BLOCK_D)
     dq_ptrs = DQ + b64 * stride_dqb + head * stride_dqh + offs_m.to(tl.int64)[:, None] * stride_dqs + offs_d[None, :]
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d < head_dim)[None, :])
 
 
-_ROW_STRIDES = (
-    "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
-    "stride_dob", "stride_dos", "stride_doh", "head_dim",
-)
+_GRADIENT_STRIDES = ("stride_dob", "stride_dos", "stride_doh")
 delta_launcher = Launcher(
     _delta_kernel, tensors=("Out", "DOut", "Delta"),
     specialized=("stride_ob", "stride_os", "stride_oh", "stride_db", "stride_ds", "stride_dh", "head_dim"),
@@ -452,13 +474,13 @@ delta_launcher = Launcher(
 dkdv_launcher = Launcher(
     _dkdv_kernel,
     tensors=("Q", "K", "V", "Mask", "Bias", "Walk", "DO", "Lse", "Delta", "DK", "DV", "DBias", "ScratchK", "ScratchV", "Turns"),
-    specialized=(*_ROW_STRIDES, "stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh"),
+    specialized=(*SPECIALIZED, *_GRADIENT_STRIDES, "stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh"),
     reset_to_zero=("DBias", "Turns"),
 )
 dq_launcher = Launcher(
     _dq_kernel,
     tensors=("Q", "K", "V", "Mask", "Bias", "Walk", "DO", "Lse", "Delta", "DQ"),
-    specialized=(*_ROW_STRIDES, "stride_dqb", "stride_dqs", "stride_dqh"),
+    specialized=(*SPECIALIZED, *_GRADIENT_STRIDES, "stride_dqb", "stride_dqs", "stride_dqh"),
 )
 
 
@@ -531,10 +553,10 @@ def attention_backward(
     block_d = configs.head_dim_block(head_dim)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     delta = torch.empty(batch, num_heads, seqlen_q, dtype=torch.float32, device=device)
-    delta_launcher(
-        lambda meta: (triton.cdiv(seqlen_q, _DELTA_ROWS), batch * num_heads),
-        [out, dout, delta, *out.stride()[:3], *dout.stride()[:3], seqlen_q, num_heads, head_dim, _DELTA_ROWS, block_d],
-        (block_d,), configs.single_program_config,
+    delta_launcher.launch(
+        (out.shape, out.stride(), dout.stride(), out.dtype, device), [out, dout, delta],
+        lambda: ([out, dout, delta, *out.stride()[:3], *dout.stride()[:3], seqlen_q, num_heads, head_dim, _DELTA_ROWS, block_d], (out.dtype, block_d)),
+        configs.single_program_config, lambda meta: (cdiv(seqlen_q, _DELTA_ROWS), batch * num_heads),
     )
     dk = torch.empty(batch, seqlen_k, num_kv_heads, head_dim, dtype=q.dtype, device=device)
     dv = torch.empty_like(dk)
@@ -545,46 +567,56 @@ def attention_backward(
             bias, batch, num_heads, num_kv_heads, deterministic, chunks
         )
     no_floats = placeholder(device, torch.float32)
-    settings = (softmax_scale, window_left, window_right, softcap)
-    runtime, flags = common_arguments(q, k, v, mask, bias, q_lists, key_list, list_block_q, list_block_k, *settings)
+    settings = (list_block_q, list_block_k, softmax_scale, window_left, window_right, softcap)
     # Chunks after the first add into fp32 scratch; one turn counter per key tile (any BLOCK_N).
     scratch_k, scratch_v, turns = no_floats, no_floats, placeholder(device, torch.int32)
     if chunks > 1:
         scratch_k = torch.empty_like(dk, dtype=torch.float32)
         scratch_v = torch.empty_like(dv, dtype=torch.float32)
-        turns = torch.zeros(batch * num_kv_heads * triton.cdiv(seqlen_k, _SMALLEST_BLOCK_N), dtype=torch.int32, device=device)
-    dbias_slice = None if dbias_acc is None else dbias_acc[0]
-    dkdv_args = [
-        *runtime, dout, lse, delta, dk, dv, no_floats if dbias_acc is None else dbias_acc, scratch_k, scratch_v, turns,
-        *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0),
-        *broadcast_strides(dbias_slice), head_divisor(dbias_slice, num_heads),
-        *flags, dbias_kind, dbias_atomic, dbias_head_shared, block_d,
-    ]
+        turns = torch.zeros(batch * num_kv_heads * cdiv(seqlen_k, _SMALLEST_BLOCK_N), dtype=torch.int32, device=device)
+    dbias_target = no_floats if dbias_acc is None else dbias_acc
+    dkdv_walk = key_list if key_list is not None else q_lists
+    dkdv_tensors = [*common_tensors(q, k, v, mask, bias, dkdv_walk), dout, lse, delta, dk, dv, dbias_target, scratch_k, scratch_v, turns]
+
+    def build_dkdv():
+        runtime, flags = common_arguments(q, k, v, mask, bias, q_lists, key_list, *settings)
+        dbias_slice = None if dbias_acc is None else dbias_acc[0]
+        args = [
+            *runtime, *dkdv_tensors[6:], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0),
+            *broadcast_strides(dbias_slice), head_divisor(dbias_slice, num_heads),
+            *flags, dbias_kind, dbias_atomic, dbias_head_shared, block_d,
+        ]
+        key = (q.dtype, *flags, dbias_kind, dbias_atomic, dbias_head_shared, block_d, configs.length_bucket(seqlen_q),
+               configs.length_bucket(seqlen_k), list_block_q, list_block_k)
+        return args, key
 
     def dkdv_candidates():
         return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dkdv"), seqlen_q, list_block_q, list_block_k)
 
-    dkdv_launcher(
-        lambda meta: (chunks, triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * num_kv_heads),
-        dkdv_args,
-        (q.dtype, *flags, dbias_kind, dbias_atomic, dbias_head_shared, block_d, configs.length_bucket(seqlen_q),
-         configs.length_bucket(seqlen_k), list_block_q, list_block_k),
-        dkdv_candidates,
+    layout = (common_layout(q, k, v, mask, bias, dkdv_walk), key_list is not None, *settings, dout.stride())
+    dkdv_launcher.launch(
+        (layout, chunks, dbias_kind, dbias_atomic, dbias_head_shared, tensor_layout(dbias_acc)), dkdv_tensors,
+        build_dkdv, dkdv_candidates, lambda meta: (chunks, cdiv(seqlen_k, meta["BLOCK_N"]), batch * num_kv_heads),
     )
     # dQ is allocated only once the dK/dV scratch is released, so the two never add up in the peak.
-    del dkdv_args, scratch_k, scratch_v
+    del dkdv_tensors, scratch_k, scratch_v
     dq = torch.empty(batch, seqlen_q, num_heads, head_dim, dtype=q.dtype, device=device)
-    runtime, flags = common_arguments(q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k, *settings)
+    dq_walk = key_list if key_list is not None else kv_lists
+
+    def build_dq():
+        runtime, flags = common_arguments(q, k, v, mask, bias, kv_lists, key_list, *settings)
+        args = [*runtime, dout, lse, delta, dq, *dout.stride()[:3], *dq.stride()[:3], *flags, block_d]
+        key = (q.dtype, *flags, block_d, configs.length_bucket(seqlen_q), configs.length_bucket(seqlen_k), list_block_q, list_block_k)
+        return args, key
 
     def dq_candidates():
         return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dq"), seqlen_q, list_block_q, list_block_k)
 
-    dq_launcher(
-        lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_heads),
-        [*runtime, dout, lse, delta, dq, *dout.stride()[:3], *dq.stride()[:3], *flags, block_d],
-        (q.dtype, *flags, block_d, configs.length_bucket(seqlen_q), configs.length_bucket(seqlen_k), list_block_q, list_block_k),
-        dq_candidates,
+    dq_launcher.launch(
+        (common_layout(q, k, v, mask, bias, dq_walk), key_list is not None, *settings, dout.stride()),
+        [*common_tensors(q, k, v, mask, bias, dq_walk), dout, lse, delta, dq], build_dq, dq_candidates,
+        lambda meta: (cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_heads),
     )
 
     dbias = None

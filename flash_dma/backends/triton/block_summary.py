@@ -20,6 +20,7 @@ import triton.language as tl
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import kernel_view
+from flash_dma.block_mask import cdiv
 
 _ROWS, _COLS = 16, 128  # mask elements read per step of a block
 _CHUNK = 1024  # states per step of a row
@@ -104,7 +105,7 @@ def block_state(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
     """
     nb, nh, sq, sk = mask.shape
     block_q, block_k = (block_q if sq > 1 else 1), (block_k if sk > 1 else 1)
-    nqb, nkb = triton.cdiv(sq, block_q), triton.cdiv(sk, block_k)
+    nqb, nkb = cdiv(sq, block_q), cdiv(sk, block_k)
     state = torch.empty(nb, nh, nqb, nkb, dtype=torch.int8, device=mask.device)
     state_launcher(
         lambda meta: (nqb * nkb, nb * nh),

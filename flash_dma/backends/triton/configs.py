@@ -31,7 +31,7 @@ _FALLBACK = (32, 32, 4, 1)
 _FORWARD = {
     "sm90": {
         64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
-        128: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)],
+        128: [(128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)],
         256: [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2)],
     },
     "sm80": {
@@ -44,9 +44,9 @@ _FORWARD = {
 _BACKWARD = {
     "dkdv": {
         "sm90": {
-            64: [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)],
-            128: [(64, 64, 8, 2), (32, 128, 8, 2), (32, 64, 4, 3)],
-            256: [(32, 64, 8, 2), (32, 32, 4, 2)],
+            64: [(32, 64, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3)],
+            128: [(32, 128, 8, 2), (32, 64, 4, 3), (64, 128, 8, 2)],
+            256: [(32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2)],
         },
         "sm80": {
             64: [(32, 64, 4, 3), (64, 64, 4, 2)],
@@ -56,8 +56,8 @@ _BACKWARD = {
     },
     "dq": {
         "sm90": {
-            64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
-            128: [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)],
+            64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+            128: [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2)],
             256: [(64, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2)],
         },
         "sm80": {
@@ -97,8 +97,13 @@ def length_bucket(n: int) -> int:
     return (max(n, 1) - 1).bit_length() // 2
 
 
+def next_power_of_2(n: int) -> int:
+    # Plain Python: triton.next_power_of_2 is a constexpr function, slow to call from the host.
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def head_dim_block(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> triton.Config:
@@ -132,7 +137,7 @@ def fit_to_problem(configs, rows: int, list_block_q: int, list_block_k: int) -> 
     """Shrink tiles to the summary blocks and to the rows there are; drop duplicates."""
     fitted = {}
     for config in configs:
-        block_m = min(config.kwargs["BLOCK_M"], max(16, triton.next_power_of_2(rows)))
+        block_m = min(config.kwargs["BLOCK_M"], max(16, next_power_of_2(rows)))
         block_n = config.kwargs["BLOCK_N"]
         if list_block_q > 0:
             block_m = min(block_m, list_block_q)

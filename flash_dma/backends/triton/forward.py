@@ -21,7 +21,8 @@ import triton.language as tl
 
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import common_arguments
+from flash_dma.backends.triton.layout import SPECIALIZED, common_arguments, common_layout, common_tensors
+from flash_dma.block_mask import cdiv
 from flash_dma.backends.triton.tiles import (
     LN2,
     LOG2E,
@@ -29,13 +30,12 @@ from flash_dma.backends.triton.tiles import (
     STAGE_INTERIOR,
     STAGE_PARTIAL,
     WALK_BLOCKS,
-    key_pointers,
+    WALK_DENSE,
     key_walk,
     load_tile,
-    scores_log2,
+    row_tile_scores,
     tile_indices,
     tile_start,
-    visible_scores,
     walk_position,
 )
 
@@ -59,14 +59,9 @@ def _attn_fwd_tiles(
     for j in range(0, count):
         next_tile = tile_start(tiles, walk_position(j + 1, lo, gap_lo, gap_hi), tiles_per_block, WALK)
         keys, key_ok = tile_indices(tiles, tile, key_limit, BLOCK_N, WALK)  # [BLOCK_N]
-        k = load_tile(k_base, keys, key_ok, stride_ks, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        s = scores_log2(qk, scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
-        s = visible_scores(
-            s, q_idx[:, None], keys[None, :], key_ok[None, :], band_lo, band_hi,
-            key_pointers(bias_rows, keys, stride_bk, BIAS_PER_KEY, False),
-            key_pointers(mask_rows, keys, stride_mk, MASK_PER_KEY, False),
-            HAS_BIAS, STAGE,
+        _, _, s = row_tile_scores(  # [BLOCK_M, BLOCK_N]
+            q, q_idx, k_base, keys, key_ok, stride_ks, head_dim, band_lo, band_hi, bias_rows, stride_bk, mask_rows, stride_mk,
+            scale_log2, softcap_log2, scale_over_cap, STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_D, DOT_PRECISION,
         )
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead, so p = 0, not NaN.
@@ -82,10 +77,9 @@ def _attn_fwd_tiles(
 
 
 @triton.jit(do_not_specialize=[
-    "stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_bb", "stride_bh", "stride_bq", "stride_bk",
-    "stride_wb", "stride_wh", "stride_wr", "walk_width", "seqlen_q", "seqlen_k", "num_heads", "num_kv_heads",
+    "stride_wb", "stride_wh", "stride_wr", "walk_width", "num_heads", "num_kv_heads",
     "mask_head_div", "bias_head_div", "walk_head_div", "list_block_q", "list_block_k", "band_lo", "band_hi",
-    "stride_lse_split", "stride_lse_b", "stride_lse_h", "stride_lse_q", "rows",
+    "stride_lse_split", "stride_lse_b", "stride_lse_h", "stride_lse_q",
 ])
 def _attn_fwd_kernel(
     Q, K, V, Mask, Bias, Walk,
@@ -173,18 +167,27 @@ def _attn_fwd_kernel(
             band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
             STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
-    acc, l_i, m_i = _attn_fwd_tiles(
-        acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
-        tiles, tiles_per_block, key_limit, interior_lo, interior_hi, interior_hi, interior_hi,
-        band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-        STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
-    )
-    acc, l_i, m_i = _attn_fwd_tiles(
-        acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
-        tiles, tiles_per_block, key_limit, lo, hi, interior_lo, interior_hi,
-        band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-        STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
-    )
+    if WALK == WALK_DENSE and HAS_MASK:
+        # A mask without a summary (small problems): every tile reads it.
+        acc, l_i, m_i = _attn_fwd_tiles(
+            acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            tiles, tiles_per_block, key_limit, lo, hi, hi, hi,
+            band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
+            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        )
+    else:
+        acc, l_i, m_i = _attn_fwd_tiles(
+            acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            tiles, tiles_per_block, key_limit, interior_lo, interior_hi, interior_hi, interior_hi,
+            band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
+            STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        )
+        acc, l_i, m_i = _attn_fwd_tiles(
+            acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            tiles, tiles_per_block, key_limit, lo, hi, interior_lo, interior_hi,
+            band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
+            STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        )
 
     # Rows with no visible key: out = 0, lse = -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -234,11 +237,10 @@ def _combine_splits_kernel(
     tl.store(Lse + (b * num_heads + h) * seqlen_q + q, lse)
 
 
-_ROW_STRIDES = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh")
 forward_launcher = Launcher(
     _attn_fwd_kernel,
     tensors=("Q", "K", "V", "Mask", "Bias", "Walk", "Out", "Lse"),
-    specialized=(*_ROW_STRIDES, "head_dim", "stride_o_split", "stride_ob", "stride_os", "stride_oh"),
+    specialized=(*SPECIALIZED, "stride_o_split", "stride_ob", "stride_os", "stride_oh", "rows"),
 )
 combine_launcher = Launcher(_combine_splits_kernel, tensors=("OutSplits", "LseSplits", "Out", "Lse"), specialized=("head_dim",))
 
@@ -287,7 +289,7 @@ def attention_forward(
     pack_gqa = group > 1 and seqlen_q * group <= 64 and walk_heads in (1, num_kv_heads) and list_block_q == 0
     rows = seqlen_q * group if pack_gqa else seqlen_q
     if num_splits is None:
-        programs = batch * (num_kv_heads if pack_gqa else num_heads) * triton.cdiv(rows, 64)
+        programs = batch * (num_kv_heads if pack_gqa else num_heads) * cdiv(rows, 64)
         num_splits = split_count(programs, seqlen_k, q.device)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
 
@@ -296,37 +298,48 @@ def attention_forward(
     if num_splits > 1:
         out_target = torch.empty(num_splits, batch, seqlen_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
         lse_target = torch.empty(num_splits, batch, seqlen_q, num_heads, dtype=torch.float32, device=q.device)
-        lse_strides = (lse_target.stride(0), lse_target.stride(1), lse_target.stride(3), lse_target.stride(2))
     else:
         out_target, lse_target = out.unsqueeze(0), lse
-        lse_strides = (0, *lse.stride())
-
-    runtime, flags = common_arguments(
-        q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k,
-        softmax_scale, window_left, window_right, softcap, pack_gqa,
-    )
     block_d = configs.head_dim_block(head_dim)
-    args = [
-        *runtime, out_target, lse_target, *out_target.stride()[:4], *lse_strides, rows,
-        *flags, pack_gqa, num_splits > 1, block_d,
-    ]
     heads = num_kv_heads if pack_gqa else num_heads
     decode = rows <= 64
+
+    def build():
+        runtime, flags = common_arguments(
+            q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k,
+            softmax_scale, window_left, window_right, softcap, pack_gqa,
+        )
+        if num_splits > 1:
+            lse_strides = (lse_target.stride(0), lse_target.stride(1), lse_target.stride(3), lse_target.stride(2))
+        else:
+            lse_strides = (0, *lse.stride())
+        args = [
+            *runtime, out_target, lse_target, *out_target.stride()[:4], *lse_strides, rows,
+            *flags, pack_gqa, num_splits > 1, block_d,
+        ]
+        key = (q.dtype, *flags, pack_gqa, num_splits > 1, block_d, decode, configs.length_bucket(seqlen_k), list_block_q, list_block_k)
+        return args, key
 
     def candidates():
         return configs.fit_to_problem(configs.forward_candidates(q.device, block_d, decode), rows, list_block_q, list_block_k)
 
-    forward_launcher(
-        lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), batch * heads, num_splits),
-        args, (q.dtype, *flags, pack_gqa, num_splits > 1, block_d, decode, configs.length_bucket(seqlen_k), list_block_q, list_block_k),
-        candidates,
+    layout = (
+        common_layout(q, k, v, mask, bias, walked), key_list is not None, list_block_q, list_block_k,
+        softmax_scale, window_left, window_right, softcap, num_splits,
+    )
+    forward_launcher.launch(
+        layout, [*common_tensors(q, k, v, mask, bias, walked), out_target, lse_target], build, candidates,
+        lambda meta: (cdiv(rows, meta["BLOCK_M"]), batch * heads, num_splits),
     )
     if num_splits > 1:
-        combine_launcher(
-            lambda meta: (batch * seqlen_q * num_heads,),
-            [out_target, lse_target, out, lse, num_splits, seqlen_q, num_heads, head_dim,
-             out_target.stride(0), lse_target.stride(0), triton.next_power_of_2(num_splits), block_d],
-            (triton.next_power_of_2(num_splits), block_d),
-            configs.single_program_config,
+        splits_block = configs.next_power_of_2(num_splits)
+        combine_launcher.launch(
+            (layout, splits_block), [out_target, lse_target, out, lse],
+            lambda: (
+                [out_target, lse_target, out, lse, num_splits, seqlen_q, num_heads, head_dim,
+                 out_target.stride(0), lse_target.stride(0), splits_block, block_d],
+                (splits_block, block_d),
+            ),
+            configs.single_program_config, lambda meta: (batch * seqlen_q * num_heads,),
         )
     return out, lse

@@ -20,6 +20,7 @@ Under the Triton interpreter the first candidate runs through ``kernel[grid]``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -43,12 +44,23 @@ def tuning_cache_path(kernel) -> Path:
     return root / f"tuning-{kernel.__name__}-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.json"
 
 
+@functools.cache
+def _stream_of():
+    """Triton's current-stream getter (the driver exists only once CUDA is up)."""
+    return triton.runtime.driver.active.get_current_stream
+
+
+def _grid3(grid: tuple) -> tuple:
+    return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+
+
 def _int_spec(value: int):
     """What Triton specialises an int argument on: 1 is a constant; else its width and divisibility by 16."""
     return 1 if value == 1 else (-_I32 <= value < _I32, value % 16 == 0)
 
 
 _LAUNCHERS: list["Launcher"] = []
+_MAX_PLANS = 4096  # layouts remembered per kernel; past that the memo starts afresh
 
 
 def forget_choices() -> None:
@@ -57,7 +69,44 @@ def forget_choices() -> None:
     for launcher in _LAUNCHERS:
         launcher.choices.clear()
         launcher.compiled.clear()
+        launcher.plans.clear()
         launcher._stored = None
+
+
+class Prepared:
+    """A compiled launch whose only changing arguments are its tensors."""
+
+    __slots__ = ("kernel", "compiled", "grid", "template", "slots", "options")
+
+    def __init__(self, kernel, compiled, grid: tuple, args: list, slots: list, options: dict):
+        # The template keeps no tensor: a memoised launch must not hold the memory of the call it came from.
+        template = list(args)
+        for slot in slots:
+            template[slot] = None
+        self.kernel, self.compiled, self.grid, self.template, self.slots, self.options = (
+            kernel, compiled, grid, template, slots, options,
+        )
+
+    def run(self, tensors: list, addresses: list) -> None:
+        """Launch with ``tensors`` (in the kernel's pointer order) at ``addresses`` (their data pointers)."""
+        args = self.template.copy()
+        if self.compiled is None:  # the interpreter runs on the tensors themselves
+            for slot, tensor in zip(self.slots, tensors):
+                args[slot] = tensor
+            self.kernel[self.grid](*args, **self.options)
+            return
+        for slot, address in zip(self.slots, addresses):
+            args[slot] = address
+        g, compiled = self.grid, self.compiled
+        stream = _stream_of()(tensors[0].device.index)
+        enter = triton.knobs.runtime.launch_enter_hook
+        # Hooks (profilers) get what Triton's own launch gives them; without any, none is called.
+        if enter is None or not getattr(enter, "calls", True):
+            metadata = enter = leave = None
+        else:
+            leave = triton.knobs.runtime.launch_exit_hook
+            metadata = compiled.launch_metadata(g, stream, *args)
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *args)
 
 
 class Launcher:
@@ -82,44 +131,63 @@ class Launcher:
         self.reset_slots = [names.index(n) for n in reset_to_zero]
         self.choices: dict = {}  # problem key -> Config
         self.compiled: dict = {}  # launch signature -> (CompiledKernel, Config)
+        self.plans: dict = {}  # (caller's layout, pointers aligned) -> Prepared
         self._stored: dict | None = None  # tuning choices on disk, read on first use
         _LAUNCHERS.append(self)
 
+    def launch(self, layout, tensors: list, build: Callable[[], tuple[list, tuple]], candidates, grid) -> None:
+        """Launch with ``tensors`` (the kernel's pointers, in order) on arguments memoised per ``layout``.
+
+        ``build()`` gives ``(args, key)``: all parameters before the configuration's, and what
+        the configuration choice depends on. It runs once per ``layout``, which must therefore
+        determine everything in ``args`` but the tensors' addresses. ``candidates()`` lists the
+        configurations and ``grid(config.kwargs)`` gives the grid.
+        """
+        addresses = [t.data_ptr() for t in tensors]
+        layout = (layout, math.gcd(*addresses) % 16 == 0)
+        prepared = self.plans.get(layout)
+        if prepared is None:
+            if len(self.plans) >= _MAX_PLANS:
+                self.plans.clear()
+            args, key = build()
+            prepared = self.plans[layout] = self.prepare(grid, args, key, candidates)
+        prepared.run(tensors, addresses)
+
     def __call__(self, grid: Callable[[dict], tuple], args: list, key: tuple, candidates: Callable[[], list]) -> None:
-        """Launch on ``grid(config.kwargs)``; ``args`` are all parameters before the config's."""
+        """Launch once, with every argument given (``args``: all parameters before the configuration's)."""
+        tensors = [args[i] for i in self.tensor_slots]
+        self.prepare(grid, args, key, candidates).run(tensors, [t.data_ptr() for t in tensors])
+
+    def prepare(self, grid, args: list, key: tuple, candidates: Callable[[], list]) -> Prepared:
+        """The compiled kernel for ``args`` and its configuration, ready to relaunch."""
         if triton_interpreting():
             config = candidates()[0]
-            self.kernel[grid(config.kwargs)](*args, **config.all_kwargs())
-            return
+            return Prepared(self.kernel, None, _grid3(grid(config.kwargs)), list(args), self.tensor_slots, config.all_kwargs())
+        self._check_classified(args)
         tensors = [args[i] for i in self.tensor_slots]
+        addresses = [t.data_ptr() for t in tensors]
         ints = [args[i] for i in self.int_slots]
         others = [args[i] for i in self.other_int_slots]
-        # Fast path: every specialised int a multiple of 16 (so none is 1), and every int within int32.
         lowest = min(min(ints, default=0), min(others, default=0))
         highest = max(max(ints, default=0), max(others, default=0))
+        # Fast path: every specialised int a multiple of 16 (so none is 1), and every int within int32.
         if math.gcd(*ints) % 16 == 0 and -_I32 <= lowest and highest < _I32:
             int_key = True
         else:
             int_key = (tuple(map(_int_spec, ints)), tuple(-_I32 <= x < _I32 for x in others))
-        aligned = math.gcd(*(t.data_ptr() for t in tensors)) % 16 == 0
-        signature = (
-            key, int_key, tuple(t.dtype for t in tensors),
-            True if aligned else tuple(t.data_ptr() % 16 == 0 for t in tensors),
-        )
+        signature = (key, int_key, tuple([t.dtype for t in tensors]), tuple(a % 16 == 0 for a in addresses))
         entry = self.compiled.get(signature)
         if entry is None:
             entry = self.compiled[signature] = self._compile(grid, args, key, candidates)
-        self._run(*entry, grid, args)
+        compiled, config = entry
+        return Prepared(self.kernel, compiled, _grid3(grid(config.kwargs)), [*args, *config.kwargs.values()], self.tensor_slots, {})
 
-    def _run(self, compiled, config: triton.Config, grid: Callable[[dict], tuple], args: list) -> None:
-        g = grid(config.kwargs)
-        stream = triton.runtime.driver.active.get_current_stream(args[self.tensor_slots[0]].device.index)
-        enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
-        metadata = compiled.launch_metadata(g, stream, *args) if enter is not None else None
-        compiled.run(
-            g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, compiled.function,
-            compiled.packed_metadata, metadata, enter, leave, *args, *config.kwargs.values(),
-        )
+    def _check_classified(self, args: list) -> None:
+        # An int the launcher does not classify would be specialised by Triton behind its back.
+        known = {*self.int_slots, *self.other_int_slots, *getattr(self.kernel, "constexprs", ())}
+        stray = [self.kernel.arg_names[i] for i, a in enumerate(args) if type(a) is int and i not in known]
+        if stray:
+            raise TypeError(f"{self.kernel.__name__}: int parameters {stray} are neither specialized nor do_not_specialize")
 
     # -- the slow path: once per launch signature ----------------------------------------------
 
@@ -127,7 +195,12 @@ class Launcher:
         config = self.choices.get(key)
         if config is None:
             config = self.choices[key] = self._choose(grid, args, key, candidates())
-        return self._build(args, config), config
+        compiled = self._build(args, config)
+        if not self._fits(compiled, args):
+            # This specialisation (other strides or head dim) needs more shared memory than the
+            # one the choice was made on: take the first candidate that fits it.
+            config, compiled = self._first_fitting(args, candidates())
+        return compiled, config
 
     def _build(self, args: list, config: triton.Config):
         return self.kernel.warmup(*args, grid=(1,), **config.all_kwargs())
@@ -136,35 +209,45 @@ class Launcher:
         device = args[self.tensor_slots[0]].device.index
         return compiled.metadata.shared <= triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
 
+    def _fitting(self, args: list, configs: list):
+        """``(config, compiled)`` of each candidate that fits the device, in order, compiled lazily."""
+        for config in configs:
+            compiled = self._build(args, config)
+            if self._fits(compiled, args):
+                yield config, compiled
+
+    def _first_fitting(self, args: list, configs: list):
+        for found in self._fitting(args, configs):
+            return found
+        raise RuntimeError(
+            f"{self.kernel.__name__}: none of the tile configurations {[c.all_kwargs() for c in configs]} "
+            "fits the shared memory of this GPU"
+        )
+
     def _choose(self, grid, args: list, key: tuple, configs: list) -> triton.Config:
         stored = self._read_stored().get(repr(key))
         if stored is not None:
             return triton.Config(stored["kwargs"], num_warps=stored["num_warps"], num_stages=stored["num_stages"])
-        tuning = autotune_enabled()
-        timed = []
-        for config in configs:
-            compiled = self._build(args, config)
-            if not self._fits(compiled, args):
-                continue
-            if not tuning:
-                return config
-            timed.append((self._time(compiled, config, grid, args), config))
+        if not autotune_enabled() or len(configs) == 1:
+            return self._first_fitting(args, configs)[0]
+        timed = [(self._time(compiled, config, grid, args), config) for config, compiled in self._fitting(args, configs)]
         if not timed:
-            raise RuntimeError(
-                f"{self.kernel.__name__}: none of the tile configurations {[c.all_kwargs() for c in configs]} "
-                "fits the shared memory of this GPU"
-            )
+            self._first_fitting(args, configs)  # raises, naming the candidates
         best = min(timed, key=lambda pair: pair[0])[1]
-        self._store(repr(key), best)
+        self._store(repr(key), best, {str(c.all_kwargs()): ms for ms, c in timed})
         return best
 
     def _time(self, compiled, config: triton.Config, grid, args: list) -> float:
         accumulators = [args[i] for i in self.reset_slots]
 
+        tensors = [args[i] for i in self.tensor_slots]
+        prepared = Prepared(self.kernel, compiled, _grid3(grid(config.kwargs)), [*args, *config.kwargs.values()], self.tensor_slots, {})
+        addresses = [t.data_ptr() for t in tensors]
+
         def launch():
             for t in accumulators:
                 t.zero_()
-            self._run(compiled, config, grid, args)
+            prepared.run(tensors, addresses)
 
         return triton.testing.do_bench(launch, warmup=5, rep=25, return_mode="median")
 
@@ -174,8 +257,11 @@ class Launcher:
             self._stored = json.loads(path.read_text()) if path.exists() else {}
         return self._stored
 
-    def _store(self, key: str, config: triton.Config) -> None:
-        self._stored[key] = {"kwargs": config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    def _store(self, key: str, config: triton.Config, timings: dict) -> None:
+        # The timings (ms per candidate) are kept for whoever revises the shipped tables.
+        self._stored[key] = {
+            "kwargs": config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages, "timings_ms": timings,
+        }
         path = tuning_cache_path(self.kernel)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")

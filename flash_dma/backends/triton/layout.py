@@ -18,17 +18,29 @@ import functools
 import torch
 
 WALK_DENSE, WALK_BLOCKS, WALK_KEYS = 0, 1, 2  # tiles.WALK_*
+# Shared int parameters that Triton may specialise: strides and sizes in the address and bounds
+# arithmetic of row and mask/bias loads (a stride of 1 makes a per-key bias a contiguous load,
+# multiples of 16 let whole rows load as 16-byte vectors). The others never change the kernel.
+SPECIALIZED = (
+    "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
+    "stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_bb", "stride_bh", "stride_bq", "stride_bk",
+    "seqlen_q", "seqlen_k", "head_dim",
+)
 _LOG2E = 1.4426950408889634
 
 
 @functools.lru_cache(maxsize=None)
 def placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A one-element tensor standing in for an absent kernel input (never read)."""
-    return torch.zeros(1, dtype=dtype, device=device)
+    """An empty tensor standing in for an absent kernel input (never read).
+
+    Empty, so that it owns no memory: caching it is then safe even when its first use is inside
+    a CUDA graph capture, whose pool must hold nothing but the graph's own tensors.
+    """
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 def broadcast_strides(t: torch.Tensor | None) -> tuple[int, ...]:
-    """Strides of a 4-D tensor with 0 on every size-1 (broadcast) dimension."""
+    """Strides of a tensor with 0 on every size-1 (broadcast) dimension; four zeros for None."""
     if t is None:
         return (0, 0, 0, 0)
     return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
@@ -58,6 +70,29 @@ def walk_kind(walk: torch.Tensor | None, key_list: torch.Tensor | None) -> int:
     return WALK_DENSE if walk is None else WALK_BLOCKS
 
 
+def tensor_layout(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype)
+
+
+def common_tensors(q, k, v, mask, bias, walked) -> list:
+    """The six pointer arguments the kernels share: q, k, v, mask, bias and the walked lists."""
+    device = q.device
+    return [
+        q, k, v,
+        placeholder(device, torch.uint8) if mask is None else kernel_view(mask),
+        placeholder(device, torch.float32) if bias is None else bias,
+        placeholder(device, torch.int32) if walked is None else walked,
+    ]
+
+
+def common_layout(q, k, v, mask, bias, walked) -> tuple:
+    """Everything :func:`common_arguments` reads of its tensors besides their addresses."""
+    return (
+        q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
+        tensor_layout(mask), tensor_layout(bias), tensor_layout(walked),
+    )
+
+
 def common_arguments(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -83,7 +118,6 @@ def common_arguments(
         key_list: ``[Bm, Hm, 2, Sk + 1]`` int32 from ``key_list.build_key_list``, or None.
         pack_gqa: the forward packs a GQA group's heads into one tile's rows.
     """
-    device = q.device
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
@@ -94,10 +128,7 @@ def common_arguments(
     # A per-key input is one row shared by a tile's query rows, unless packed rows mix heads it varies over.
     per_key = lambda t: t is not None and t.shape[2] == 1 and (not pack_gqa or t.shape[1] != num_heads or group == 1)  # noqa: E731
     runtime = [
-        q, k, v,
-        placeholder(device, torch.uint8) if mask is None else kernel_view(mask),
-        placeholder(device, torch.float32) if bias is None else bias,
-        placeholder(device, torch.int32) if walked is None else walked,
+        *common_tensors(q, k, v, mask, bias, walked),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *broadcast_strides(mask), *broadcast_strides(bias),
         *walk_strides[:3], 0 if walked is None else walked.shape[-1],

@@ -19,21 +19,18 @@ from flash_dma.backends.triton.key_list import build_key_list
 
 
 @torch.library.custom_op("flash_dma::key_list", mutates_args=())
-def key_list_op(mask: torch.Tensor | None, seqlen_k: int, state: torch.Tensor | None, block_k: int) -> torch.Tensor:
-    return build_key_list(mask, seqlen_k, state, block_k)
+def key_list_op(mask: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    return build_key_list(mask, seqlen_k)
 
 
 @key_list_op.register_fake
-def _key_list_fake(mask, seqlen_k, state, block_k):
-    present = [t for t in (mask, state) if t is not None]
-    batch = max(t.shape[0] for t in present)
-    heads = max(t.shape[1] for t in present)
-    return present[0].new_empty(batch, heads, 2, seqlen_k + 1, dtype=torch.int32)
+def _key_list_fake(mask, seqlen_k):
+    return mask.new_empty(mask.shape[0], mask.shape[1], 2, seqlen_k + 1, dtype=torch.int32)
 
 
-def key_list(mask: torch.Tensor | None, seqlen_k: int, state: torch.Tensor | None, block_k: int) -> torch.Tensor:
+def key_list(mask: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     """``build_key_list``, through the custom op when compiling."""
-    return (key_list_op if torch.compiler.is_compiling() else build_key_list)(mask, seqlen_k, state, block_k)
+    return (key_list_op if torch.compiler.is_compiling() else build_key_list)(mask, seqlen_k)
 
 
 @torch.library.custom_op("flash_dma::block_state", mutates_args=())
@@ -167,20 +164,25 @@ torch.library.register_autograd(
 )
 
 
+_TENSOR_INPUTS = 8  # q, k, v, mask, bias and the three walks; the settings follow
+
+
 class _EagerAttention(torch.autograd.Function):
+    # The settings travel as one tuple: apply's host time grows with its argument count.
     @staticmethod
-    def forward(ctx, *inputs):
+    def forward(ctx, *tensors_and_settings):
+        inputs = (*tensors_and_settings[:_TENSOR_INPUTS], *tensors_and_settings[_TENSOR_INPUTS])
         output = _forward(*inputs)
         _setup_context(ctx, inputs, output)
         return output
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        return _gradients(ctx, dout, attention_backward)
+        return (*_gradients(ctx, dout, attention_backward)[:_TENSOR_INPUTS], None)
 
 
 def attention_op(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``, with the arguments of ``forward_op``."""
     if torch.compiler.is_compiling():
         return forward_op(*inputs)
-    return _EagerAttention.apply(*inputs)
+    return _EagerAttention.apply(*inputs[:_TENSOR_INPUTS], inputs[_TENSOR_INPUTS:])

@@ -268,3 +268,26 @@ def key_walk(
             partial_tiles, walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi
         )
     return partial_tiles, tiles, tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi
+
+
+@triton.jit
+def row_tile_scores(
+    q, q_idx, k_base, keys, key_ok, stride_ks, head_dim, band_lo, band_hi,
+    bias_rows, stride_bk, mask_rows, stride_mk, scale_log2, softcap_log2, scale_over_cap,
+    STAGE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The per-tile prologue of the kernels that own query rows (forward, dQ).
+
+    Loads the K tile of ``keys`` and returns it, the log2 scores of ``q`` against it before the
+    bias (for the softcap derivative) and the visible scores with the bias: ``[BLOCK_M, BLOCK_N]``.
+    """
+    k = load_tile(k_base, keys, key_ok, stride_ks, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+    scores = scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
+    s = visible_scores(
+        scores, q_idx[:, None], keys[None, :], key_ok[None, :], band_lo, band_hi,
+        key_pointers(bias_rows, keys, stride_bk, BIAS_PER_KEY, False),
+        key_pointers(mask_rows, keys, stride_mk, MASK_PER_KEY, False),
+        HAS_BIAS, STAGE,
+    )
+    return k, scores, s

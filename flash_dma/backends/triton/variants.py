@@ -70,22 +70,25 @@ _PER_KEY = dict(HAS_MASK=True, HAS_BIAS=True, WALK=WALK_BLOCKS, MASK_PER_KEY=Tru
 _KEYS = dict(_PER_KEY, HAS_MASK=False, WALK=WALK_KEYS, MASK_PER_KEY=False)
 _DENSE = dict(_PER_KEY, HAS_MASK=False, WALK=WALK_DENSE, MASK_PER_KEY=False, BIAS_PER_KEY=False, SOFTCAP=True)
 _FULL_MASK = dict(_PER_KEY, MASK_PER_KEY=False, BIAS_PER_KEY=False)
-_FORWARD = dict(PACK_GQA=False, SPLIT=False, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128)
-_DKDV = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DBIAS_HEAD_SHARED=True, DBIAS_ATOMIC=False)
+_FORWARD = dict(PACK_GQA=False, SPLIT=False, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
+_DKDV = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_D=128, DBIAS_HEAD_SHARED=True, DBIAS_ATOMIC=False)
 _DQ = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128)
 
 VARIANTS = [
-    Variant("forward-key-list", forward_launcher, 8, 3, {**_KEYS, **_FORWARD}),
-    Variant("forward-full-mask", forward_launcher, 8, 3, {**_FULL_MASK, **_FORWARD}),
-    Variant("forward-dense-softcap", forward_launcher, 8, 3, {**_DENSE, **_FORWARD}),
+    Variant("forward-key-list", forward_launcher, 8, 2, {**_KEYS, **_FORWARD}),
+    Variant("forward-full-mask", forward_launcher, 8, 2, {**_FULL_MASK, **_FORWARD}),
+    Variant("forward-dense-softcap", forward_launcher, 8, 2, {**_DENSE, **_FORWARD}),
+    Variant("forward-dense-mask", forward_launcher, 4, 3, {**_FULL_MASK, **_FORWARD, "WALK": WALK_DENSE, "BLOCK_M": 64, "BLOCK_N": 64}),
     Variant("forward-decode", forward_launcher, 4, 3, {**_KEYS, **_FORWARD, "PACK_GQA": True, "SPLIT": True, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_D": 64}),
     Variant("forward-d256", forward_launcher, 8, 2, {**_KEYS, **_FORWARD, "BLOCK_N": 32, "BLOCK_D": 256}),
     Variant("dkdv-key-list", dkdv_launcher, 8, 2, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
     Variant("dkdv-full-bias-atomic", dkdv_launcher, 8, 2, {**_FULL_MASK, **_DKDV, "DBIAS": DBIAS_FULL, "DBIAS_ATOMIC": True}),
     Variant("dkdv-dense-softcap", dkdv_launcher, 8, 2, {**_DENSE, **_DKDV, "DBIAS": DBIAS_NONE}),
+    Variant("dkdv-dense-mask", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "WALK": WALK_DENSE, "DBIAS": DBIAS_PER_KEY, "BLOCK_M": 32, "BLOCK_N": 64}),
     Variant("dq-key-list", dq_launcher, 8, 2, {**_KEYS, **_DQ}),
     Variant("dq-full-mask", dq_launcher, 8, 2, {**_FULL_MASK, **_DQ}),
-    Variant("key-list", key_list_launcher, 4, 1, dict(HAS_MASK=True, HAS_STATE=True, CHUNK=1024)),
+    Variant("dq-dense-mask", dq_launcher, 4, 3, {**_FULL_MASK, **_DQ, "WALK": WALK_DENSE, "BLOCK_M": 64, "BLOCK_N": 64}),
+    Variant("key-list", key_list_launcher, 4, 1, dict(CHUNK=1024)),
     Variant("block-state", state_launcher, 4, 1, dict(ROWS=16, COLS=128)),
     Variant("block-lists", lists_launcher, 4, 1, dict(CHUNK=1024)),
 ]

@@ -12,6 +12,7 @@ from tests.helpers import (
     broadcast_cases,
     make_inputs,
     reference_outputs,
+    listed_variants,
     triton_call,
 )
 
@@ -34,6 +35,7 @@ BACKWARD_CASES = [
     Case(seqlen_q=1, seqlen_k=130, mask="B,Hkv,1,Sk", bias="B,H,Sq,Sk", causal=True),
     Case(seqlen_q=130, seqlen_k=1, bias="1,Hkv,1,Sk"),
 ]
+BACKWARD_CASES += listed_variants(BACKWARD_CASES)
 
 
 def _gradients(case, inputs, **kwargs):

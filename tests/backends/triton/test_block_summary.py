@@ -5,7 +5,7 @@ import torch
 
 from flash_dma.backends.triton.block_summary import block_lists, block_state
 from flash_dma.block_mask import _block_lists, _summarize
-from tests.helpers import Case, make_mask
+from tests.helpers import DEVICE, Case, make_mask
 
 
 @pytest.mark.parametrize("block_size", [(16, 16), (32, 64), (128, 128)], ids=lambda b: f"block{b[0]}x{b[1]}")
@@ -31,5 +31,5 @@ def test_kernels_match_the_torch_summary(case, block_size):
 
 def test_integer_masks_and_broadcast_strides():
     gen = torch.Generator().manual_seed(3)
-    mask = (torch.rand(1, 2, 50, 70, generator=gen) < 0.5).to(torch.int64).expand(3, 2, 50, 70)
+    mask = (torch.rand(1, 2, 50, 70, generator=gen) < 0.5).to(DEVICE, torch.int64).expand(3, 2, 50, 70)
     assert torch.equal(block_state(mask, 16, 32), _summarize(mask, 16, 32))

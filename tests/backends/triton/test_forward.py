@@ -13,6 +13,7 @@ from tests.helpers import (
     broadcast_cases,
     make_inputs,
     reference_outputs,
+    listed_variants,
     triton_call,
 )
 
@@ -46,6 +47,7 @@ FORWARD_CASES = [
     # No mask and no bias at all: plain (causal) attention.
     Case(seqlen_q=130, seqlen_k=130, heads=8, kv_heads=2, causal=True),
 ]
+FORWARD_CASES += listed_variants(FORWARD_CASES)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)

@@ -3,9 +3,7 @@
 import pytest
 import torch
 
-from flash_dma import build_block_mask
 from flash_dma.backends.triton.key_list import build_key_list
-from flash_dma.block_mask import effective_mask_rows
 from tests.helpers import DEVICE
 
 
@@ -41,18 +39,3 @@ def test_integer_masks_and_broadcast_views():
     mask = (torch.rand(1, 2, 1, 300, generator=gen) < 0.3).to(DEVICE)
     view = mask.to(torch.int32).expand(3, 2, 1, 300)  # a batch broadcast through a zero stride
     _check(build_key_list(view, 300), view[:, :, 0] != 0)
-
-
-@pytest.mark.parametrize("with_mask", [True, False], ids=["mask", "no-mask"])
-def test_key_list_of_a_block_state(with_mask):
-    """FULL blocks keep every key, EMPTY none, PARTIAL the mask's (``effective_mask_rows``)."""
-    gen = torch.Generator().manual_seed(1)
-    seqlen_k = 200
-    mask = torch.rand(2, 2, 1, seqlen_k, generator=gen) < 0.5
-    mask[:, :, :, :32] = True  # a FULL block
-    mask[:, :, :, 64:96] = False  # an EMPTY block
-    mask = mask.to(DEVICE)
-    summary = build_block_mask(mask, block_size=(16, 32))
-    key_list = build_key_list(mask if with_mask else None, seqlen_k, summary.state, 32)
-    expected = effective_mask_rows(mask if with_mask else None, summary, 0, 1, seqlen_k)
-    _check(key_list, expected[:, :, 0])

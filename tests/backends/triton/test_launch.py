@@ -22,12 +22,13 @@ def tuning(monkeypatch, tmp_path, request):
 
 
 @pytest.mark.gpu_only
+@pytest.mark.parametrize("head_dims", [range(start, start + 32) for start in range(1, 257, 32)], ids=lambda r: f"D{r.start}-{r.stop - 1}")
 @pytest.mark.parametrize("tuning", [False, True], ids=["shipped", "autotune"], indirect=True)
-def test_every_head_dim_fits_shared_memory(tuning):
+def test_every_head_dim_fits_shared_memory(tuning, head_dims):
     """No configuration may exceed the device's shared memory, whichever path picks it."""
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
-    for head_dim in range(1, 257):
+    for head_dim in head_dims:
         q = torch.randn(1, 64, 4, head_dim, generator=gen).to(DEVICE, dtype).requires_grad_()
         k, v = (torch.randn(1, 64, 1, head_dim, generator=gen).to(DEVICE, dtype).requires_grad_() for _ in range(2))
         out = flash_dma_func(q, k, v, is_causal=True)
