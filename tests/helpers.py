@@ -87,6 +87,16 @@ class Case:
         return torch.Generator(device="cpu").manual_seed(seed)
 
 
+# Masks and block sizes that every block-summary builder is checked on.
+SUMMARY_BLOCK_SIZES = ((16, 16), (32, 64), (128, 128))
+SUMMARY_CASES = (
+    Case(seqlen_q=130, seqlen_k=239, mask="B,H,Sq,Sk", mask_kind="blocks"),
+    Case(seqlen_q=63, seqlen_k=130, mask="1,Hkv,1,Sk", mask_kind="blocks"),
+    Case(seqlen_q=17, seqlen_k=63, mask="B,1,Sq,1", mask_kind="rows"),
+    Case(seqlen_q=1, seqlen_k=1, mask="1,1,1,1"),
+)
+
+
 def make_mask(case: Case, gen: torch.Generator, device=DEVICE) -> torch.Tensor | None:
     if case.mask is None:
         return None

@@ -5,7 +5,7 @@ import torch
 
 from flash_dma import BlockMask, build_block_mask, flash_dma_func
 from flash_dma.block_mask import EMPTY, FULL, PARTIAL
-from tests.helpers import DEVICE, Case, make_inputs, make_mask
+from tests.helpers import DEVICE, SUMMARY_BLOCK_SIZES, SUMMARY_CASES, Case, make_inputs, make_mask
 
 
 def brute_force_state(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
@@ -31,17 +31,8 @@ def check_lists(lists: torch.Tensor, state: torch.Tensor) -> None:
             assert torch.equal(listed, torch.nonzero(hit[tuple(index)]).flatten().int())
 
 
-@pytest.mark.parametrize("block_size", [(16, 16), (32, 64), (128, 128)], ids=lambda b: f"block{b[0]}x{b[1]}")
-@pytest.mark.parametrize(
-    "case",
-    [
-        Case(seqlen_q=130, seqlen_k=239, mask="B,H,Sq,Sk", mask_kind="blocks"),
-        Case(seqlen_q=63, seqlen_k=130, mask="1,Hkv,1,Sk", mask_kind="blocks"),
-        Case(seqlen_q=17, seqlen_k=63, mask="B,1,Sq,1", mask_kind="rows"),
-        Case(seqlen_q=1, seqlen_k=1, mask="1,1,1,1"),
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("block_size", SUMMARY_BLOCK_SIZES, ids=lambda b: f"block{b[0]}x{b[1]}")
+@pytest.mark.parametrize("case", SUMMARY_CASES, ids=str)
 def test_summary_matches_brute_force(case, block_size):
     mask = make_mask(case, case.generator())
     summary = build_block_mask(mask, block_size=block_size)

@@ -1,6 +1,5 @@
 """The reference backend against an independent, dense float64 formulation of the contract."""
 
-import resource
 import subprocess
 import sys
 

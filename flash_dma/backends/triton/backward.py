@@ -34,7 +34,6 @@ from flash_dma.backends.triton.layout import (
     placeholder,
     tensor_layout,
 )
-from flash_dma.block_mask import cdiv
 from flash_dma.backends.triton.tiles import (
     LOG2E,
     STAGE_EDGE,
@@ -44,7 +43,6 @@ from flash_dma.backends.triton.tiles import (
     WALK_DENSE,
     WALK_KEYS,
     band_tiles,
-    first_position,
     key_pointers,
     key_walk,
     listed_tiles,
@@ -57,6 +55,7 @@ from flash_dma.backends.triton.tiles import (
     visible_scores,
     walk_position,
 )
+from flash_dma.block_mask import cdiv
 
 # Kinds of bias gradient.
 DBIAS_NONE, DBIAS_PER_KEY, DBIAS_FULL = 0, 1, 2
@@ -518,6 +517,49 @@ def query_chunks(seqlen_q: int) -> int:
     return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_CHUNK))
 
 
+def _launch_dkdv(q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks):
+    """The dK/dV launch of ``attention_backward``, with its fp32 scratch for query chunks."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    device = q.device
+    block_d = configs.head_dim_block(head_dim)
+    list_block_q, list_block_k = settings[:2]
+    no_floats = placeholder(device, torch.float32)
+    # Chunks after the first add into fp32 scratch; one turn counter per key tile (any BLOCK_N).
+    scratch_k, scratch_v, turns = no_floats, no_floats, placeholder(device, torch.int32)
+    if chunks > 1:
+        scratch_k = torch.empty_like(dk, dtype=torch.float32)
+        scratch_v = torch.empty_like(dv, dtype=torch.float32)
+        turns = torch.zeros(batch * num_kv_heads * cdiv(seqlen_k, _SMALLEST_BLOCK_N), dtype=torch.int32, device=device)
+    walk = key_list if key_list is not None else q_lists
+    own = [dout, lse, delta, dk, dv, no_floats if dbias_acc is None else dbias_acc, scratch_k, scratch_v, turns]
+
+    def build():
+        runtime, flags = common_arguments(q, k, v, mask, bias, q_lists, key_list, *settings)
+        dbias_slice = None if dbias_acc is None else dbias_acc[0]
+        args = [
+            *runtime, *own, *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0),
+            *broadcast_strides(dbias_slice), head_divisor(dbias_slice, num_heads),
+            *flags, *dbias_flags, block_d,
+        ]
+        key = (q.dtype, *flags, *dbias_flags, block_d, configs.length_bucket(seqlen_q),
+               configs.length_bucket(seqlen_k), list_block_q, list_block_k)
+        return args, key
+
+    def candidates():
+        return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dkdv"), seqlen_q, list_block_q, list_block_k)
+
+    layout = (
+        common_layout(q, k, v, mask, bias, walk), key_list is not None, *settings, dout.stride(),
+        chunks, *dbias_flags, tensor_layout(dbias_acc),
+    )
+    dkdv_launcher.launch(
+        layout, [*common_tensors(q, k, v, mask, bias, walk), *own], build, candidates,
+        lambda meta: (chunks, cdiv(seqlen_k, meta["BLOCK_N"]), batch * num_kv_heads),
+    )
+
+
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -566,41 +608,12 @@ def attention_backward(
         dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = bias_gradient_buffer(
             bias, batch, num_heads, num_kv_heads, deterministic, chunks
         )
-    no_floats = placeholder(device, torch.float32)
     settings = (list_block_q, list_block_k, softmax_scale, window_left, window_right, softcap)
-    # Chunks after the first add into fp32 scratch; one turn counter per key tile (any BLOCK_N).
-    scratch_k, scratch_v, turns = no_floats, no_floats, placeholder(device, torch.int32)
-    if chunks > 1:
-        scratch_k = torch.empty_like(dk, dtype=torch.float32)
-        scratch_v = torch.empty_like(dv, dtype=torch.float32)
-        turns = torch.zeros(batch * num_kv_heads * cdiv(seqlen_k, _SMALLEST_BLOCK_N), dtype=torch.int32, device=device)
-    dbias_target = no_floats if dbias_acc is None else dbias_acc
-    dkdv_walk = key_list if key_list is not None else q_lists
-    dkdv_tensors = [*common_tensors(q, k, v, mask, bias, dkdv_walk), dout, lse, delta, dk, dv, dbias_target, scratch_k, scratch_v, turns]
-
-    def build_dkdv():
-        runtime, flags = common_arguments(q, k, v, mask, bias, q_lists, key_list, *settings)
-        dbias_slice = None if dbias_acc is None else dbias_acc[0]
-        args = [
-            *runtime, *dkdv_tensors[6:], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-            0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0),
-            *broadcast_strides(dbias_slice), head_divisor(dbias_slice, num_heads),
-            *flags, dbias_kind, dbias_atomic, dbias_head_shared, block_d,
-        ]
-        key = (q.dtype, *flags, dbias_kind, dbias_atomic, dbias_head_shared, block_d, configs.length_bucket(seqlen_q),
-               configs.length_bucket(seqlen_k), list_block_q, list_block_k)
-        return args, key
-
-    def dkdv_candidates():
-        return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dkdv"), seqlen_q, list_block_q, list_block_k)
-
-    layout = (common_layout(q, k, v, mask, bias, dkdv_walk), key_list is not None, *settings, dout.stride())
-    dkdv_launcher.launch(
-        (layout, chunks, dbias_kind, dbias_atomic, dbias_head_shared, tensor_layout(dbias_acc)), dkdv_tensors,
-        build_dkdv, dkdv_candidates, lambda meta: (chunks, cdiv(seqlen_k, meta["BLOCK_N"]), batch * num_kv_heads),
+    _launch_dkdv(
+        q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, delta, dk, dv,
+        dbias_acc, (dbias_kind, dbias_atomic, dbias_head_shared), chunks,
     )
-    # dQ is allocated only once the dK/dV scratch is released, so the two never add up in the peak.
-    del dkdv_tensors, scratch_k, scratch_v
+    # dQ is allocated once the dK/dV scratch is released, so the two never add up in the peak.
     dq = torch.empty(batch, seqlen_q, num_heads, head_dim, dtype=q.dtype, device=device)
     dq_walk = key_list if key_list is not None else kv_lists
 

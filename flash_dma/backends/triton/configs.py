@@ -6,14 +6,19 @@ memory (``launch.Launcher``), so it never autotunes. ``FLASH_DMA_AUTOTUNE=1`` ti
 instead and keeps the fastest on disk. Tiles never exceed the block summary's blocks, because a
 kernel tile must lie inside one summary block, nor the rows there are.
 
-Why these tiles (H100, bf16; tools/compile_report.py for registers and spills):
+Why these tiles (H100, bf16, measured with ``FLASH_DMA_AUTOTUNE=1``, which stores every
+candidate's time; 2026-11-23):
 
-- forward, D <= 128: 128 query rows x 64 keys, 8 warps, 3 stages: two warpgroups share the
-  K/V stream; larger key tiles spill the fp32 score tile.
+- forward, D = 128: 128 query rows x 128 keys, 8 warps, 2 stages. On the 16K keep-1/8 key-list
+  forward it took 0.655 ms against 0.743 (64 x 64, 4 warps) and 0.779 (128 x 64, 8 warps, 3 stages).
 - forward, D = 256: 64-key tiles no longer fit three stages in 227 KB, hence 32 keys and two.
-- dK/dV keeps dK, dV (fp32, ``BLOCK_N x D`` each) and K, V in registers, so its key tiles are
-  smaller than the forward's; dQ mirrors the forward.
-- decode (few query rows): 16-row tiles and long key tiles; split-KV supplies the parallelism.
+- dK/dV, D = 128: 32 queries x 128 keys, 8 warps. 128 keys give each of the two warpgroups its
+  own 64 keys; with 64-key tiles both warpgroups computed the same S and dP tiles, and the 16K
+  keep-1/8 backward took 2.20 ms instead of 1.24. dK and dV stay in registers (128 fp32 values a
+  thread), so it spills a little (tools/compile_report.py), and is still the fastest.
+- dK/dV, D = 64: 32 x 64 with 4 warps (one warpgroup, no duplicated tiles) was fastest at S = 128.
+- dQ mirrors the forward; decode (few query rows): 16-row tiles and long key tiles, with split-KV
+  supplying the parallelism.
 
 Each list ends with a small tile that fits any head dim's shared memory on any generation.
 """

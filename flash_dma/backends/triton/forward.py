@@ -22,7 +22,6 @@ import triton.language as tl
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import SPECIALIZED, common_arguments, common_layout, common_tensors
-from flash_dma.block_mask import cdiv
 from flash_dma.backends.triton.tiles import (
     LN2,
     LOG2E,
@@ -38,6 +37,7 @@ from flash_dma.backends.triton.tiles import (
     tile_start,
     walk_position,
 )
+from flash_dma.block_mask import cdiv
 
 MAX_SPLITS = 256
 _KEYS_PER_SPLIT = 256  # fewer keys than this per split is not worth a split

@@ -10,9 +10,9 @@ from tests.helpers import (
     Case,
     assert_close,
     broadcast_cases,
+    listed_variants,
     make_inputs,
     reference_outputs,
-    listed_variants,
     triton_call,
 )
 

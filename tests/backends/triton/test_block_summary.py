@@ -5,20 +5,12 @@ import torch
 
 from flash_dma.backends.triton.block_summary import block_lists, block_state
 from flash_dma.block_mask import _block_lists, _summarize
-from tests.helpers import DEVICE, Case, make_mask
+from tests.helpers import DEVICE, SUMMARY_BLOCK_SIZES, SUMMARY_CASES, Case, make_mask
 
 
-@pytest.mark.parametrize("block_size", [(16, 16), (32, 64), (128, 128)], ids=lambda b: f"block{b[0]}x{b[1]}")
+@pytest.mark.parametrize("block_size", SUMMARY_BLOCK_SIZES, ids=lambda b: f"block{b[0]}x{b[1]}")
 @pytest.mark.parametrize(
-    "case",
-    [
-        Case(seqlen_q=130, seqlen_k=239, mask="B,H,Sq,Sk", mask_kind="blocks"),
-        Case(seqlen_q=63, seqlen_k=130, mask="1,Hkv,1,Sk", mask_kind="blocks"),
-        Case(seqlen_q=17, seqlen_k=63, mask="B,1,Sq,1", mask_kind="rows"),
-        Case(seqlen_q=1, seqlen_k=1, mask="1,1,1,1"),
-        Case(seqlen_q=40, seqlen_k=2100, mask="1,H,Sq,Sk", mask_kind="random"),
-    ],
-    ids=str,
+    "case", [*SUMMARY_CASES, Case(seqlen_q=40, seqlen_k=2100, mask="1,H,Sq,Sk")], ids=str  # rows of many chunks
 )
 def test_kernels_match_the_torch_summary(case, block_size):
     mask = make_mask(case, case.generator())
