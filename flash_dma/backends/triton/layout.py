@@ -17,7 +17,9 @@ import functools
 
 import torch
 
-WALK_DENSE, WALK_BLOCKS, WALK_KEYS = 0, 1, 2  # tiles.WALK_*
+from flash_dma.backends.triton import tiles
+
+WALK_DENSE, WALK_BLOCKS, WALK_KEYS = (w.value for w in (tiles.WALK_DENSE, tiles.WALK_BLOCKS, tiles.WALK_KEYS))
 # Shared int parameters that Triton may specialise: strides and sizes in the address and bounds
 # arithmetic of row and mask/bias loads (a stride of 1 makes a per-key bias a contiguous load,
 # multiples of 16 let whole rows load as 16-byte vectors). The others never change the kernel.
@@ -26,7 +28,6 @@ SPECIALIZED = (
     "stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_bb", "stride_bh", "stride_bq", "stride_bk",
     "seqlen_q", "seqlen_k", "head_dim",
 )
-_LOG2E = 1.4426950408889634
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,7 +136,7 @@ def common_arguments(
         seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim,
         head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(walked, num_heads),
         list_block_q, list_block_k, band_lo, band_hi,
-        softmax_scale, softmax_scale * _LOG2E, softcap * _LOG2E, softmax_scale / softcap if softcap > 0 else 0.0,
+        softmax_scale, softmax_scale * tiles.LOG2E.value, softcap * tiles.LOG2E.value, softmax_scale / softcap if softcap > 0 else 0.0,
     ]
     constexprs = [
         mask is not None, bias is not None, walk, per_key(mask), per_key(bias), softcap > 0,
