@@ -19,7 +19,7 @@ import triton.language as tl
 
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import kernel_view
+from flash_dma.backends.triton.layout import kernel_view, tensor_layout
 from flash_dma.block_mask import cdiv
 
 _ROWS, _COLS = 16, 128  # mask elements read per step of a block
@@ -107,10 +107,11 @@ def block_state(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
     block_q, block_k = (block_q if sq > 1 else 1), (block_k if sk > 1 else 1)
     nqb, nkb = cdiv(sq, block_q), cdiv(sk, block_k)
     state = torch.empty(nb, nh, nqb, nkb, dtype=torch.int8, device=mask.device)
-    state_launcher(
-        lambda meta: (nqb * nkb, nb * nh),
-        [kernel_view(mask), state, *mask.stride(), *state.stride(), sq, sk, nh, nkb, block_q, block_k, _ROWS, _COLS],
-        (), configs.single_program_config,
+    tensors = [kernel_view(mask), state]
+    state_launcher.launch(
+        (tensor_layout(mask), block_q, block_k), tensors,
+        lambda: ([*tensors, *mask.stride(), *state.stride(), sq, sk, nh, nkb, block_q, block_k, _ROWS, _COLS], ()),
+        configs.single_program_config, lambda meta: (nqb * nkb, nb * nh),
     )
     return state
 
@@ -124,9 +125,9 @@ def block_lists(state: torch.Tensor, transpose: bool) -> torch.Tensor:
         rows, columns = columns, rows
         strides[2], strides[3] = strides[3], strides[2]
     lists = torch.empty(nb, nh, rows, 2, 2, columns + 1, dtype=torch.int32, device=state.device)
-    lists_launcher(
-        lambda meta: (nb * nh * rows,),
-        [state, lists, *strides, *lists.stride()[:3], rows, columns, nh, _CHUNK],
-        (), configs.single_program_config,
+    lists_launcher.launch(
+        (tensor_layout(state), transpose), [state, lists],
+        lambda: ([state, lists, *strides, *lists.stride()[:3], rows, columns, nh, _CHUNK], ()),
+        configs.single_program_config, lambda meta: (nb * nh * rows,),
     )
     return lists

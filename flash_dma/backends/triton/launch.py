@@ -144,7 +144,9 @@ class Launcher:
         configurations and ``grid(config.kwargs)`` gives the grid.
         """
         addresses = [t.data_ptr() for t in tensors]
-        layout = (layout, math.gcd(*addresses) % 16 == 0)
+        # Triton specialises each pointer on its own 16-byte alignment: a misaligned call needs the pattern.
+        aligned = math.gcd(*addresses) % 16 == 0
+        layout = (layout, True if aligned else tuple(a % 16 == 0 for a in addresses))
         prepared = self.plans.get(layout)
         if prepared is None:
             if len(self.plans) >= _MAX_PLANS:
@@ -152,11 +154,6 @@ class Launcher:
             args, key = build()
             prepared = self.plans[layout] = self.prepare(grid, args, key, candidates)
         prepared.run(tensors, addresses)
-
-    def __call__(self, grid: Callable[[dict], tuple], args: list, key: tuple, candidates: Callable[[], list]) -> None:
-        """Launch once, with every argument given (``args``: all parameters before the configuration's)."""
-        tensors = [args[i] for i in self.tensor_slots]
-        self.prepare(grid, args, key, candidates).run(tensors, [t.data_ptr() for t in tensors])
 
     def prepare(self, grid, args: list, key: tuple, candidates: Callable[[], list]) -> Prepared:
         """The compiled kernel for ``args`` and its configuration, ready to relaunch."""

@@ -69,3 +69,10 @@ def test_inputs_of_any_alignment_and_stride(head_dim):
     for query in (strided, q, misaligned, q, strided):
         out = flash_dma_func(**{**inputs, "query": query}, is_causal=True, backend="triton")
         assert_close("out", out, oracle, baseline)
+    # Another input misaligned instead, on the same layout: its own compiled kernel, not q's.
+    k = inputs["key"]
+    key_buffer = torch.zeros(k.numel() + 1, dtype=dtype, device=DEVICE)
+    misaligned_key = key_buffer[1:].view(k.shape).copy_(k)
+    for query, key in ((misaligned, k), (q, misaligned_key)):
+        out = flash_dma_func(**{**inputs, "query": query, "key": key}, is_causal=True, backend="triton")
+        assert_close("out", out, oracle, baseline)
