@@ -3,6 +3,8 @@
 Public API (see ``docs/api.md``):
 
 - :func:`flash_dma_func`: attention with a broadcastable mask and a trainable bias.
+- :func:`flash_dma_varlen_func`: the same over packed sequences of different lengths.
+- :func:`flash_dma_with_kvcache`: decoding over a contiguous or paged KV cache with a per-key bias.
 - :func:`build_block_mask` / :class:`BlockMask`: a reusable block summary of a mask.
 - :mod:`flash_dma.masks`: dynamic masks from a learned bias (:func:`create_mask`, :func:`topk_block_mask`).
 - :class:`DynamicMaskAttention`: the trainable dynamic-mask attention layer.
@@ -12,7 +14,14 @@ Public API (see ``docs/api.md``):
 
 from flash_dma.backends import get_available_backends
 from flash_dma.block_mask import BlockMask, build_block_mask
-from flash_dma.interface import flash_dma_func, flash_dma_func_auto, flash_dmattn_func, flash_sparse_attn_func
+from flash_dma.interface import (
+    flash_dma_func,
+    flash_dma_func_auto,
+    flash_dma_varlen_func,
+    flash_dma_with_kvcache,
+    flash_dmattn_func,
+    flash_sparse_attn_func,
+)
 from flash_dma.masks import attended_fraction, create_mask, topk_block_mask
 from flash_dma.modules import DynamicMaskAttention
 
@@ -26,6 +35,8 @@ __all__ = [
     "create_mask",
     "flash_dma_func",
     "flash_dma_func_auto",
+    "flash_dma_varlen_func",
+    "flash_dma_with_kvcache",
     "flash_dmattn_func",
     "flash_sparse_attn_func",
     "get_available_backends",

@@ -204,13 +204,22 @@ def _summarize(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
     return torch.cat(states, dim=2) if len(states) > 1 else states[0]
 
 
-def build_block_mask(attn_mask: torch.Tensor, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BlockMask:
+def build_block_mask(
+    attn_mask: torch.Tensor,
+    *,
+    block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
+) -> BlockMask:
     """Summarise a boolean mask into a reusable :class:`BlockMask`.
 
     Args:
         attn_mask: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` bool (True = attend) or 0/1 integer mask.
         block_size: ``(block_q, block_k)``, each a power of two from 16 to 256. The kernels' tiles
             divide the blocks, so smaller blocks skip finer but cost longer lists.
+        cu_seqlens_k, max_seqlen_k: packed sequences (``flash_dma_varlen_func``): then
+            ``attn_mask`` is per key, packed ``[1|Hkv|H, total_k]`` or per sequence ``[1|N,
+            1|Hkv|H, 1|max_seqlen_k]``, and the summary has one entry per sequence.
 
     Returns:
         A :class:`BlockMask` on the mask's device. The mask is read once and no ``[Sq, Sk]``
@@ -219,6 +228,10 @@ def build_block_mask(attn_mask: torch.Tensor, *, block_size: tuple[int, int] = D
     """
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(attn_mask).__name__}")
+    if cu_seqlens_k is not None:
+        from flash_dma.packed import packed_rows  # packed imports inputs, which imports this module
+
+        attn_mask, _ = packed_rows("attn_mask", attn_mask, cu_seqlens_k, max_seqlen_k, False)
     if attn_mask.dim() != 4:
         raise ValueError(
             f"attn_mask: expected a 4-D mask [1|B, 1|Hkv|H, 1|Sq, 1|Sk], got shape {tuple(attn_mask.shape)}"

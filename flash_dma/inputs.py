@@ -39,19 +39,33 @@ class AttentionProblem:
     window: tuple[int, int]
     softcap: float
     deterministic: bool
+    # Packed (varlen) problems: query/key/value are [1, total, heads, D], and the mask, bias and
+    # summary hold one entry per sequence: [1|N, 1|Hkv|H, 1, 1|max_seqlen_k].
+    cu_seqlens_q: torch.Tensor | None = None  # [N + 1] int32
+    cu_seqlens_k: torch.Tensor | None = None  # [N + 1] int32
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        """``(B, Sq, Sk, H, Hkv, D)``."""
+        """``(B, Sq, Sk, H, Hkv, D)`` of the tensors."""
         batch, seqlen_q, num_heads, head_dim = self.query.shape
         return batch, seqlen_q, self.key.shape[1], num_heads, self.key.shape[2], head_dim
+
+    @property
+    def entries(self) -> tuple[int, int, int, int, int, int]:
+        """``(B, Sq, Sk, H, Hkv, D)`` of the entries: for packed sequences ``(N, max_seqlen_q, max_seqlen_k, ...)``."""
+        if self.cu_seqlens_q is None:
+            return self.shape
+        _, _, _, num_heads, num_kv_heads, head_dim = self.shape
+        return self.cu_seqlens_q.shape[0] - 1, self.max_seqlen_q, self.max_seqlen_k, num_heads, num_kv_heads, head_dim
 
 
 def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
-def _check_qkv(query, key, value) -> None:
+def _check_qkv(query, key, value, same_batch: bool = True) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -68,7 +82,7 @@ def _check_qkv(query, key, value) -> None:
     if value.shape != key.shape:
         raise ValueError(f"value: expected shape {tuple(key.shape)} (the shape of key), got {tuple(value.shape)}")
     batch, _, num_heads, head_dim = query.shape
-    if key.shape[0] != batch:
+    if same_batch and key.shape[0] != batch:
         raise ValueError(f"key: expected batch size {batch} (that of query), got {key.shape[0]}")
     if key.shape[3] != head_dim:
         raise ValueError(f"key: expected head dim {head_dim} (that of query), got {key.shape[3]}")
@@ -111,7 +125,7 @@ def check_broadcastable(name: str, t: torch.Tensor, shape: tuple[int, int, int, 
             )
 
 
-def _check_mask(mask: torch.Tensor, query: torch.Tensor, shape) -> None:
+def check_mask(mask: torch.Tensor, query: torch.Tensor, shape) -> None:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attn_mask: expected a torch.Tensor or None, got {type(mask).__name__}")
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
@@ -216,17 +230,35 @@ def normalize_inputs(
     softcap=0.0,
     block_mask=None,
     deterministic=False,
+    entries=None,
 ) -> AttentionProblem:
-    """Validate the arguments of :func:`flash_dma.flash_dma_func` and return the problem they describe."""
+    """Validate the arguments of :func:`flash_dma.flash_dma_func` and return the problem they describe.
+
+    ``entries`` ``(B, Sq, Sk, H, Hkv, D)`` is what masks, biases and summaries broadcast to, when
+    not the tensors' own shape (packed sequences: one entry per sequence).
+    """
     _check_qkv(query, key, value)
     shape = (query.shape[0], query.shape[1], key.shape[1], query.shape[2], key.shape[2], query.shape[3])
+    shape = shape if entries is None else entries
     if attn_mask is not None:
-        _check_mask(attn_mask, query, shape)
+        check_mask(attn_mask, query, shape)
     if attn_bias is not None:
         _check_bias(attn_bias, query, shape)
     if block_mask is not None:
         _check_block_mask(block_mask, attn_mask, query, shape)
+    return AttentionProblem(
+        query=_last_dim_contiguous(query),
+        key=_last_dim_contiguous(key),
+        value=_last_dim_contiguous(value),
+        attn_mask=attn_mask,
+        attn_bias=attn_bias,
+        block_mask=block_mask,
+        **normalize_settings(query, softmax_scale, is_causal, window_size, softcap, deterministic),
+    )
 
+
+def normalize_settings(query, softmax_scale, is_causal, window_size, softcap, deterministic=False) -> dict:
+    """The scalar settings of an attention call, validated: the matching fields of :class:`AttentionProblem`."""
     if softmax_scale is None:
         # int(): under torch.compile the head dim is specialised (the kernels compile per head dim
         # anyway), so that the scale is a plain float rather than a symbolic one.
@@ -239,15 +271,9 @@ def normalize_inputs(
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
 
-    return AttentionProblem(
-        query=_last_dim_contiguous(query),
-        key=_last_dim_contiguous(key),
-        value=_last_dim_contiguous(value),
-        attn_mask=attn_mask,
-        attn_bias=attn_bias,
-        block_mask=block_mask,
-        softmax_scale=float(softmax_scale),
-        window=_normalize_window(window_size, is_causal),
-        softcap=float(softcap),
-        deterministic=deterministic,
-    )
+    return {
+        "softmax_scale": float(softmax_scale),
+        "window": _normalize_window(window_size, is_causal),
+        "softcap": float(softcap),
+        "deterministic": deterministic,
+    }

@@ -9,6 +9,8 @@ import torch
 from flash_dma.backends import BACKENDS, resolve_backend
 from flash_dma.block_mask import BlockMask
 from flash_dma.inputs import UNBOUNDED, normalize_inputs
+from flash_dma.kv_cache import normalize_kvcache_inputs
+from flash_dma.packed import normalize_varlen_inputs
 
 
 def flash_dma_func(
@@ -76,6 +78,147 @@ def flash_dma_func(
         # Empty problems have nothing to launch; the reference handles them with autograd intact.
         implementation = resolve_backend("reference", query.device)
     out, lse = implementation.attention(problem)
+    return (out, lse) if return_lse else out
+
+
+def flash_dma_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    attn_mask: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    *,
+    softmax_scale: float | None = None,
+    is_causal: bool = False,
+    window_size: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
+    softcap: float = 0,
+    block_mask: BlockMask | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """:func:`flash_dma_func` over packed sequences of different lengths (FlashAttention's varlen).
+
+    Sequence i owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and key rows
+    ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``; each is attended as its own problem (causal and
+    windows bottom-right aligned per sequence), and sequences never see each other.
+
+    Args:
+        q: ``[total_q, H, D]``; k, v: ``[total_k, Hkv, D]``, as for :func:`flash_dma_func`.
+        cu_seqlens_q, cu_seqlens_k: ``[N + 1]`` int32 (or int64) cumulative lengths, from 0 to the total.
+        max_seqlen_q, max_seqlen_k: the longest query and key lengths (ints, so that no call
+            synchronises with the device).
+        attn_mask: per-key bool or 0/1 integer, packed ``[1|Hkv|H, total_k]`` or per sequence
+            ``[1|N, 1|Hkv|H, 1|max_seqlen_k]``, or None.
+        attn_bias: per-key float, in the same two forms, or None. Its gradient has its shape.
+        block_mask: a summary of ``attn_mask`` from ``build_block_mask(..., cu_seqlens_k=...)``
+            or ``topk_block_mask(..., cu_seqlens_k=...)``: one entry per sequence.
+        Other arguments: as for :func:`flash_dma_func`.
+
+    Returns:
+        ``out`` ``[total_q, H, D]``; with ``return_lse`` also ``lse`` ``[H, total_q]`` float32.
+    """
+    problem = normalize_varlen_inputs(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        attn_mask,
+        attn_bias,
+        softmax_scale=softmax_scale,
+        is_causal=is_causal,
+        window_size=window_size,
+        softcap=softcap,
+        block_mask=block_mask,
+        deterministic=deterministic,
+    )
+    implementation = resolve_backend(backend, q.device)
+    if problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0:
+        implementation = resolve_backend("reference", q.device)
+    out, lse = implementation.attention(problem)
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def flash_dma_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    bias_cache: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    is_causal: bool = False,
+    window_size: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
+    softcap: float = 0,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """Attention over a KV cache, appending new keys in place first (FlashAttention's convention).
+
+    Entry b of the batch holds ``cache_seqlens[b]`` keys. The new ``k``/``v`` (and ``bias``) are
+    written at positions ``cache_seqlens[b]`` onwards, then ``q`` attends to positions ``[0,
+    cache_seqlens[b] + S_new)``, causal and windows bottom-right aligned to that length. Cache
+    slots past it are never read or written. Forward only; split-KV for long caches.
+
+    Args:
+        q: ``[B, Sq, H, D]``.
+        k_cache, v_cache: ``[B_cache, S_cache, Hkv, D]``, or with ``block_table`` a pool of pages
+            ``[num_pages, page_size, Hkv, D]`` (any page size; 256 is a good one).
+        k, v: ``[B, S_new, Hkv, D]`` new keys and values, or None.
+        cache_seqlens: keys already cached per entry: an int, ``[B]`` int32, or None for a full cache.
+        cache_batch_idx: ``[B]`` int32, the cache row of each entry (contiguous caches only).
+        block_table: ``[B, max_pages]`` int32, the pages of each entry, in order (paged caches).
+        attn_mask: ``[1|B, 1|Hkv|H, 1|Sq, 1|capacity]`` bool or 0/1 over key positions, where
+            capacity is ``S_cache`` or ``max_pages * page_size``; or None.
+        bias_cache: a per-key bias stored in the cache's layout, ``[B_cache, S_cache, 1|Hkv|H]``
+            or ``[num_pages, page_size, 1|Hkv|H]``, float32 or q's dtype; or None.
+        bias: ``[B, S_new, 1|Hkv|H]``, the new keys' bias, appended to ``bias_cache``.
+        num_splits: split-KV parts, 0 to choose from the problem and the GPU.
+        Other arguments: as for :func:`flash_dma_func`.
+
+    Values of ``cache_seqlens``, ``cache_batch_idx`` and ``block_table`` are checked on the host
+    (a ValueError naming the argument) except inside a CUDA graph capture or torch.compile,
+    where the kernels clamp every index into the cache instead.
+
+    Returns:
+        ``out`` ``[B, Sq, H, D]``; with ``return_lse`` also ``lse`` ``[B, H, Sq]`` float32.
+    """
+    cached = normalize_kvcache_inputs(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens,
+        cache_batch_idx,
+        block_table,
+        attn_mask,
+        bias_cache,
+        bias,
+        num_splits,
+        softmax_scale=softmax_scale,
+        is_causal=is_causal,
+        window_size=window_size,
+        softcap=softcap,
+    )
+    implementation = resolve_backend(backend, q.device)
+    if q.numel() == 0 or cached.capacity == 0:
+        implementation = resolve_backend("reference", q.device)
+    out, lse = implementation.attention_with_cache(cached)
     return (out, lse) if return_lse else out
 
 

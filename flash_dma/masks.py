@@ -31,11 +31,27 @@ from flash_dma.block_mask import (
     effective_mask_rows,
 )
 from flash_dma.inputs import UNBOUNDED, check_choice, check_int
+from flash_dma.packed import packed_rows
 
 MASK_TYPES = ("topk", "relu")
 BLOCK_REDUCTIONS = ("max", "mean")
 # Mask elements expanded at a time by attended_fraction; bounds its temporary memory.
 _COUNT_CHUNK_ELEMENTS = 1 << 24
+
+
+def _sequence_rows(bias, mask, cu_seqlens_k, max_seqlen_k):
+    """Packed per-key inputs as one row per sequence: ``(bias, mask, past_end)``, each ``[., ., 1, max_seqlen_k]``.
+
+    The mask keeps only keys inside each sequence; ``past_end`` marks the positions past its end.
+    """
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"attention_bias: expected a torch.Tensor, got {type(bias).__name__}")
+    bias, cu = packed_rows("attention_bias", bias, cu_seqlens_k, max_seqlen_k, 0.0)
+    inside = packed_rows("cu_seqlens_k", bias.new_ones(1, int(cu[-1]), dtype=torch.bool), cu, max_seqlen_k, False)[0]
+    if mask is not None:
+        mask = packed_rows("attention_mask", mask, cu, max_seqlen_k, False)[0]
+        inside = inside & (mask if mask.dtype == torch.bool else mask != 0)
+    return bias, inside, ~inside if mask is None else None
 
 
 def _check_bias(attention_bias, expected: str) -> None:
@@ -255,6 +271,8 @@ def topk_block_mask(
     is_causal: bool = False,
     sink_blocks: int = 0,
     local_blocks: int = 0,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> BlockMask:
     """Select whole key blocks by their aggregated bias, straight into a :class:`BlockMask`.
 
@@ -293,11 +311,24 @@ def topk_block_mask(
         sink_blocks: the first ``sink_blocks`` key blocks are always kept, on top of the window.
         local_blocks: per-query-block layout only: the key block holding each query block's diagonal
             and the ``local_blocks - 1`` before it are always kept, on top of the window.
+        cu_seqlens_k, max_seqlen_k: packed sequences (``flash_dma_varlen_func``): then
+            ``attention_bias`` (and ``attention_mask``, if any) is a packed ``[1|Hkv|H, total_k]``
+            or per-sequence ``[1|N, 1|Hkv|H, 1|max_seqlen_k]`` tensor, each sequence selects its
+            own blocks, and the result has one entry per sequence, ``mask_shape = (N, Hm, 1,
+            max_seqlen_k)``. Per-key layout only. A block cut by a sequence's end is FULL: the
+            kernels never read past the end.
 
     Returns:
         A :class:`BlockMask` of EMPTY/FULL blocks (and PARTIAL ones where padding cuts a kept block),
         with ``mask_shape = (Bm, Hm, 1, Sk)`` per key or ``(Bm, Hm, Sq, Sk)`` per query block.
     """
+    past_end = None
+    if cu_seqlens_k is not None:
+        if query_len is not None:
+            raise ValueError(
+                f"query_len: packed sequences (cu_seqlens_k) use the per-key layout only; pass query_len=None, got {query_len!r}"
+            )
+        attention_bias, attention_mask, past_end = _sequence_rows(attention_bias, attention_mask, cu_seqlens_k, max_seqlen_k)
     _check_bias(attention_bias, "[1|B, 1|Hkv|H, 1, Sk]")
     if attention_bias.shape[2] != 1:
         raise ValueError(
@@ -341,6 +372,8 @@ def topk_block_mask(
         else:
             score = torch.where(block_allowed, block_bias, 0.0).sum(dim=-1) / allowed_count.clamp(min=1)
         eligible = allowed_count > 0
+        if past_end is not None:  # keys past a sequence's end do not exist: they do not make a block partial
+            allowed_count = allowed_count + _key_blocks(past_end, block_k, False).sum(dim=-1)
         fully_allowed = allowed_count == _key_block_lengths(key_len, block_k, bias.device)
         key_block = torch.arange(eligible.shape[-1], device=bias.device)
         forced = key_block < sink_blocks

@@ -14,6 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from flash_dma.block_mask import BlockMask, effective_mask_rows
+from flash_dma.kv_cache import cached_keys
 
 # Scores materialised per chunk (elements): bounds the memory of one chunk.
 _CHUNK_SCORES = 1 << 24
@@ -138,8 +139,72 @@ def reference_attention(
     return out.to(query.dtype), lse.to(torch.promote_types(compute_dtype, torch.float32))
 
 
+def _entry_rows(t: torch.Tensor | None, entry: int, rows: int, keys: int) -> torch.Tensor | None:
+    """Entry ``entry`` of a per-entry ``[1|N, ., 1|Sq, 1|Sk]`` tensor, cut to ``rows`` x ``keys``."""
+    if t is None:
+        return None
+    t = t[entry if t.shape[0] > 1 else 0][None]
+    t = t[:, :, :rows] if t.shape[2] > 1 else t
+    return t[..., :keys] if t.shape[3] > 1 else t
+
+
+def packed_attention(problem, compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [1, total_q, H, D], lse [1, H, total_q])`` of packed sequences, one sequence at a time:
+    each is an attention problem of its own, which is what the contract says."""
+    starts_q, starts_k = problem.cu_seqlens_q.tolist(), problem.cu_seqlens_k.tolist()
+    block_mask = problem.block_mask
+    rows = problem.max_seqlen_q if block_mask is not None and block_mask.state.shape[2] > 1 else 1
+    mask = effective_mask_rows(problem.attn_mask, block_mask, 0, rows, problem.max_seqlen_k)
+    outs, lses = [], []
+    for entry, (q0, q1, k0, k1) in enumerate(zip(starts_q, starts_q[1:], starts_k, starts_k[1:])):
+        out, lse = reference_attention(
+            problem.query[:, q0:q1],
+            problem.key[:, k0:k1],
+            problem.value[:, k0:k1],
+            _entry_rows(mask, entry, q1 - q0, k1 - k0),
+            _entry_rows(problem.attn_bias, entry, q1 - q0, k1 - k0),
+            softmax_scale=problem.softmax_scale,
+            window=problem.window,
+            softcap=problem.softcap,
+            compute_dtype=compute_dtype,
+        )
+        outs.append(out)
+        lses.append(lse)
+    if not outs:
+        return problem.query.new_zeros(problem.query.shape), problem.query.new_zeros(1, problem.query.shape[2], 0).float()
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+
+
+def attention_with_cache(cached) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backend entry point of :func:`flash_dma.flash_dma_with_kvcache`: ``(out [B, Sq, H, D], lse
+    [B, H, Sq])`` for a :class:`~flash_dma.kv_cache.CachedProblem`, entry by entry over its
+    gathered keys."""
+    problem = cached.problem
+    seqlen_q = problem.query.shape[1]
+    outs, lses = [], []
+    for entry, length in enumerate(cached.seqlens_k.tolist()):
+        key, value, bias = cached_keys(cached, entry, length)
+        out, lse = reference_attention(
+            problem.query[entry : entry + 1],
+            key,
+            value,
+            _entry_rows(problem.attn_mask, entry, seqlen_q, length),
+            bias,
+            softmax_scale=problem.softmax_scale,
+            window=problem.window,
+            softcap=problem.softcap,
+        )
+        outs.append(out)
+        lses.append(lse)
+    if not outs:
+        return problem.query.new_zeros(problem.query.shape), problem.query.new_zeros(0, problem.query.shape[2], seqlen_q).float()
+    return torch.cat(outs), torch.cat(lses)
+
+
 def attention(problem) -> tuple[torch.Tensor, torch.Tensor]:
     """Backend entry point: ``(out, lse)`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
+    if problem.cu_seqlens_q is not None:
+        return packed_attention(problem)
     return reference_attention(
         problem.query,
         problem.key,

@@ -57,7 +57,9 @@ def child_request(case: Case, method: str, mode: str, device: str = "cuda") -> s
 
 
 def _case_from_dict(fields: dict) -> Case:
-    return Case(**{**fields, "methods": tuple(fields["methods"]), "modes": tuple(fields["modes"])})
+    documents = None if fields.get("documents") is None else tuple(fields["documents"])
+    return Case(**{**fields, "methods": tuple(fields["methods"]), "modes": tuple(fields["modes"]),
+                   "documents": documents})
 
 
 def first_call_seconds(prepared: Prepared, mode: str, synchronize: Callable[[], None]) -> float:

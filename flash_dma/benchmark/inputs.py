@@ -1,8 +1,9 @@
 """The tensors of a benchmark case, shared by every method, and its mask.
 
 Masks are chosen from the per-key bias itself, as a dynamic-mask model chooses them: a block
-top-k per key (:func:`block_topk_mask`), a block top-k per query block
-(``flash_dma.topk_block_mask``) or a token top-k (``flash_dma.create_mask``).
+top-k per key (:func:`block_topk_mask`; per packed document, :func:`document_topk_block_mask`),
+a block top-k per query block (``flash_dma.topk_block_mask``) or a token top-k
+(``flash_dma.create_mask``). KV-cache cases (:class:`CacheInputs`) keep random keys instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from flash_dma.benchmark.suites import (
     Case,
     kept_block_count,
 )
-from flash_dma.block_mask import BlockMask, cdiv
+from flash_dma.block_mask import EMPTY, BlockMask, cdiv
 from flash_dma.masks import create_mask, topk_block_mask
 
 DTYPE = torch.bfloat16
@@ -65,6 +66,58 @@ def query_block_topk_mask(scores: torch.Tensor, case: Case) -> BlockMask:
     )
 
 
+def cumulative_lengths(documents: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+    """``cu_seqlens`` ``[N + 1]`` int32 of the packed documents: 0, then each one's end."""
+    ends = torch.tensor((0, *documents), dtype=torch.int64).cumsum(0)
+    return ends.to(device=device, dtype=torch.int32)
+
+
+def document_topk_block_mask(scores: torch.Tensor, documents: tuple[int, ...], keep: float) -> BlockMask:
+    """Each packed document keeps the fraction ``keep`` of its own key blocks, block 0 among them.
+
+    ``flash_dma.topk_block_mask`` in its varlen form (``cu_seqlens_k``) keeps the same number of
+    blocks in every document; here document i keeps ``kept_block_count(keep, its blocks)``, so the
+    varlen call is made once per document with that budget (block 0 as the sink, the rest by the
+    largest score) and row i of its result taken. A block cut by a document's end is FULL.
+
+    Args:
+        scores: ``[1, Hm, 1, total]`` per-key scores (the packed bias).
+
+    Returns:
+        A :class:`BlockMask` of one entry per document, ``mask_shape = (N, Hm, 1, max(documents))``.
+    """
+    cu_seqlens = cumulative_lengths(documents, scores.device)
+    packed, longest = scores[0, :, 0], max(documents)
+    rows, result = [], None
+    for i, length in enumerate(documents):
+        kept = kept_block_count(keep, cdiv(length, MASK_BLOCK))
+        result = topk_block_mask(packed, (kept - 1) * MASK_BLOCK, block_size=(MASK_BLOCK, MASK_BLOCK), sink_blocks=1,
+                                 cu_seqlens_k=cu_seqlens, max_seqlen_k=longest)
+        rows.append(result.state[i])
+    return BlockMask.from_block_state(torch.stack(rows), result.mask_shape, result.block_size)
+
+
+def document_key_mask(block_mask: BlockMask, documents: tuple[int, ...]) -> torch.Tensor:
+    """The per-key packed mask ``[1, Hm, 1, total]`` of a per-document block selection: True on
+    the keys of each document's kept blocks."""
+    kept = block_mask.state[:, :, 0, :] != EMPTY  # [N, Hm, NKB]
+    keys = kept.repeat_interleave(block_mask.block_size[1], dim=-1)
+    return torch.cat([keys[i, :, :n] for i, n in enumerate(documents)], dim=-1)[None, :, None, :]
+
+
+def pad_documents(packed: torch.Tensor, documents: tuple[int, ...], fill=0) -> torch.Tensor:
+    """``[total, ...]`` packed documents -> ``[N, max(documents), ...]``, each padded at its end with ``fill``."""
+    padded = packed.new_full((len(documents), max(documents), *packed.shape[1:]), fill)
+    for i, chunk in enumerate(packed.split(list(documents))):
+        padded[i, : chunk.shape[0]] = chunk
+    return padded
+
+
+def unpad_documents(padded: torch.Tensor, documents: tuple[int, ...]) -> torch.Tensor:
+    """The inverse of :func:`pad_documents`: ``[N, max, ...]`` -> ``[total, ...]``."""
+    return torch.cat([padded[i, :n] for i, n in enumerate(documents)])
+
+
 @dataclass(frozen=True)
 class Inputs:
     """One attention case's tensors, in flash-dma's layout; every method reads these same tensors.
@@ -76,6 +129,10 @@ class Inputs:
             (``mask="block"``) or token top-k (``"token"``); None otherwise.
         bias: ``[1, Hkv, 1, Sk]`` bf16 (the per-key scores themselves), ``[1, H, Sq, Sk]`` bf16, or None.
         block_mask: the per-query-block top-k of the scores (``mask="query-block"``), or None.
+        cu_seqlens: packed documents (``case.documents``): ``[N + 1]`` int32 boundaries, the
+            same for queries and keys. Then B is 1, Sq = Sk the total, ``block_mask`` each
+            document's own block top-k (:func:`document_topk_block_mask`) and ``mask`` the same
+            selection per key, packed ``[1, Hkv, 1, total]``.
     """
 
     query: torch.Tensor
@@ -84,11 +141,42 @@ class Inputs:
     mask: torch.Tensor | None
     bias: torch.Tensor | None
     block_mask: BlockMask | None = None
+    cu_seqlens: torch.Tensor | None = None
 
     @property
     def leaves(self) -> tuple[torch.Tensor, ...]:
         """The tensors whose gradients a backward pass produces."""
         return (self.query, self.key, self.value) + (() if self.bias is None else (self.bias,))
+
+
+@dataclass(frozen=True)
+class CacheInputs:
+    """A KV-cache decode case's tensors, as ``flash_dma_with_kvcache`` takes them (forward only).
+
+    Attributes:
+        query: ``[B, 1, H, D]`` bf16.
+        k_cache, v_cache: ``[B, S, Hkv, D]`` bf16, or paged ``[B * S / page_size, page_size, Hkv, D]``.
+        cache_seqlens: ``[B]`` int32, every entry full (S keys).
+        block_table: ``[B, S / page_size]`` int32, a random permutation of the pages; None if contiguous.
+        mask: ``[B, Hkv, 1, S]`` bool over the cached keys: ``round(keep * S)`` random keys of each
+            (entry, K/V head) kept.
+        bias_cache: ``[B, S, Hkv]`` bf16, or paged ``[pages, page_size, Hkv]``: a per-key bias.
+
+    A paged case holds the same keys, values and bias as its contiguous twin, moved to the pages
+    of its block table.
+    """
+
+    query: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cache_seqlens: torch.Tensor
+    block_table: torch.Tensor | None
+    mask: torch.Tensor
+    bias_cache: torch.Tensor
+
+    @property
+    def leaves(self) -> tuple[torch.Tensor, ...]:
+        return ()
 
 
 @dataclass(frozen=True)
@@ -98,8 +186,51 @@ class TokenInputs:
     input_ids: torch.Tensor
 
 
-def make_inputs(case: Case, device: torch.device | str, seed: int = SEED) -> Inputs | TokenInputs:
+def random_key_mask(batch: int, heads: int, seqlen: int, kept: int, gen: torch.Generator) -> torch.Tensor:
+    """``[batch, heads, 1, seqlen]`` bool: ``kept`` keys of each (batch, head) row, chosen at random."""
+    scores = torch.rand(batch, heads, seqlen, generator=gen, device=gen.device)
+    kept_keys = scores.topk(kept, dim=-1).indices
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, kept_keys, True)[:, :, None, :]
+
+
+def make_cache_inputs(case: Case, device: torch.device | str, seed: int = SEED) -> CacheInputs:
+    """Random KV-cache inputs for ``case``: a full cache, contiguous or (``kv_layout="paged"``) paged."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    batch, length, kv_heads, head_dim = case.batch, case.seqlen_k, case.kv_heads, case.head_dim
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device, dtype=DTYPE)
+
+    query = randn(batch, 1, case.heads, head_dim)
+    k_cache, v_cache = randn(batch, length, kv_heads, head_dim), randn(batch, length, kv_heads, head_dim)
+    bias_cache = randn(batch, length, kv_heads)
+    mask = random_key_mask(batch, kv_heads, length, case.kept_keys, gen)
+    block_table = None
+    if case.kv_layout == "paged":
+        page_size = case.page_size
+        if length % page_size:
+            raise ValueError(f"a paged cache of {length} keys needs whole pages of {page_size}")
+        pages_per_entry = length // page_size
+        order = torch.randperm(batch * pages_per_entry, generator=gen, device=device)
+        block_table = order.view(batch, pages_per_entry).to(torch.int32)
+
+        def paged(t: torch.Tensor) -> torch.Tensor:
+            pool = torch.empty((batch * pages_per_entry, page_size, *t.shape[2:]), dtype=t.dtype, device=t.device)
+            pool[order] = t.reshape(batch * pages_per_entry, page_size, *t.shape[2:])
+            return pool
+
+        k_cache, v_cache, bias_cache = paged(k_cache), paged(v_cache), paged(bias_cache)
+    elif case.kv_layout != "contiguous":
+        raise ValueError(f"kv_layout: expected 'contiguous' or 'paged', got {case.kv_layout!r}")
+    cache_seqlens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    return CacheInputs(query=query, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                       block_table=block_table, mask=mask, bias_cache=bias_cache)
+
+
+def make_inputs(case: Case, device: torch.device | str, seed: int = SEED) -> Inputs | TokenInputs | CacheInputs:
     """Random inputs for ``case`` (drawn on ``device`` from ``seed``); they require grad iff the case has a backward."""
+    if case.uses_kv_cache:
+        return make_cache_inputs(case, device, seed)
     gen = torch.Generator(device=device).manual_seed(seed)
     if case.is_model:
         # From 1: id 0 is the pad token of generation.
@@ -111,8 +242,14 @@ def make_inputs(case: Case, device: torch.device | str, seed: int = SEED) -> Inp
 
     batch, heads, kv_heads, head_dim = case.batch, case.heads, case.kv_heads, case.head_dim
     key_scores = randn(1, kv_heads, 1, case.seqlen_k)
-    mask = block_mask = None
-    if case.mask == "block":
+    mask = block_mask = cu_seqlens = None
+    if case.documents is not None:
+        if case.mask != "block" or batch != 1 or not case.seqlen_q == case.seqlen_k == sum(case.documents):
+            raise ValueError("packed documents take mask='block', batch 1 and Sq = Sk = the documents' total")
+        cu_seqlens = cumulative_lengths(case.documents, device)
+        block_mask = document_topk_block_mask(key_scores, case.documents, case.keep)
+        mask = document_key_mask(block_mask, case.documents)
+    elif case.mask == "block":
         mask = block_topk_mask(key_scores, case.keep)
     elif case.mask == "token":
         mask = create_mask(key_scores, None, batch, case.seqlen_q, case.seqlen_k, window_size=case.window)
@@ -128,4 +265,4 @@ def make_inputs(case: Case, device: torch.device | str, seed: int = SEED) -> Inp
     for t in (query, key, value, bias):
         if t is not None:
             t.requires_grad_(case.needs_grad)
-    return Inputs(query=query, key=key, value=value, mask=mask, bias=bias, block_mask=block_mask)
+    return Inputs(query=query, key=key, value=value, mask=mask, bias=bias, block_mask=block_mask, cu_seqlens=cu_seqlens)

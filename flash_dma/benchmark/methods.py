@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flash_dma import BlockMask, build_block_mask, flash_dma_func
+from flash_dma import BlockMask, build_block_mask, flash_dma_func, flash_dma_varlen_func, flash_dma_with_kvcache
 from flash_dma.benchmark import llama
-from flash_dma.benchmark.inputs import DTYPE, Inputs, TokenInputs
+from flash_dma.benchmark.inputs import DTYPE, CacheInputs, Inputs, TokenInputs, pad_documents
 from flash_dma.benchmark.suites import Case
-from flash_dma.block_mask import FULL
+from flash_dma.block_mask import EMPTY, FULL
 
 # Dynamo keeps one compiled entry per shape (dynamic=False) and per score_mod; a full run needs up
 # to about 20, more than the default limit of 8, past which dynamo would fall back to eager Flex
@@ -168,9 +168,33 @@ def flex_score_mod(bias: torch.Tensor, num_heads: int) -> Callable:
     return score_mod
 
 
+def flex_document_mask_mod(documents: tuple[int, ...], block_mask: BlockMask, num_heads: int) -> Callable:
+    """Flex ``mask_mod`` of packed documents: a key is visible iff it is in the query's document,
+    at or before the query (causal within each document: queries and keys of a document have
+    the same length, so bottom-right and top-left alignment agree), and in one of the blocks its
+    document keeps, read from a table of kept document-local blocks ``[N, Hm, NKB]`` built from
+    the per-document block state ``[N, Hm, 1, NKB]``."""
+    device = block_mask.device
+    lengths = torch.tensor(documents, device=device)
+    document_id = torch.repeat_interleave(torch.arange(len(documents), device=device), lengths)  # [total]
+    starts = (lengths.cumsum(0) - lengths).to(torch.int32)  # [N]
+    kept = block_mask.state[:, :, 0, :] != EMPTY  # [N, Hm, NKB]
+    group = num_heads // kept.shape[1]
+    block_k = block_mask.block_size[1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        document = document_id[kv_idx]
+        local_block = (kv_idx - starts[document]) // block_k
+        return (document_id[q_idx] == document) & (q_idx >= kv_idx) & kept[document, h // group, local_block]
+
+    return mask_mod
+
+
 def flex_mods(case: Case, inputs: Inputs) -> tuple[Callable, Callable | None]:
     """``(mask_mod, score_mod)`` giving Flex the case's selection and bias (``score_mod`` None without bias)."""
-    if inputs.block_mask is not None:
+    if case.documents is not None:
+        mask_mod = flex_document_mask_mod(case.documents, inputs.block_mask, case.heads)
+    elif inputs.block_mask is not None:
         mask_mod = flex_block_mask_mod(inputs.block_mask, case.heads, case.seqlen_q, case.seqlen_k)
     elif inputs.mask is not None:
         mask_mod = flex_mask_mod(inputs.mask, case.heads, case.seqlen_q)
@@ -199,7 +223,9 @@ class Flex(Method):
     name = "flex"
     description = (
         "FlexAttention, `torch.compile`d: block mask from `create_block_mask` (built outside the timed "
-        "region), mask and bias through `mask_mod`/`score_mod`, `enable_gqa=True`"
+        "region), mask and bias through `mask_mod`/`score_mod`, `enable_gqa=True`; packed documents "
+        "(varlen suite) as one sequence with a document mask (same document, causal, and the document's "
+        "kept key blocks)"
     )
 
     def skip_reason(self, case: Case, mode: str, options: MethodOptions) -> str | None:
@@ -221,6 +247,86 @@ class Flex(Method):
             return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
 
         return Prepared(forward, inputs.leaves)
+
+
+class FlashDmaVarlen(Method):
+    name = "flash-dma-varlen"
+    description = (
+        "packed documents: `flash_dma_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, "
+        "attn_bias=bias, is_causal=True, block_mask=bm)`, q/k/v `[total, heads, D]`, the bias packed "
+        "`[Hkv, total]`; `bm`, each document's block top-k (`topk_block_mask(..., cu_seqlens_k=...)`), is "
+        "built once outside the timed region"
+    )
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        longest = max(case.documents)
+
+        def forward() -> torch.Tensor:
+            bias = None if inputs.bias is None else inputs.bias[0, :, 0]  # [Hkv, total]
+            out = flash_dma_varlen_func(
+                inputs.query[0], inputs.key[0], inputs.value[0], inputs.cu_seqlens, inputs.cu_seqlens, longest,
+                longest, attn_bias=bias, is_causal=True, block_mask=inputs.block_mask,
+            )
+            return out[None]
+
+        return Prepared(forward, inputs.leaves)
+
+
+def padded_document_inputs(case: Case, inputs: Inputs) -> Inputs:
+    """The packed documents as a batch padded to the longest: q/k/v ``[N, max, heads, D]``, mask
+    and bias ``[N, Hkv, 1, max]`` (padding keys masked, bias 0 there), copied from the packed
+    tensors into new leaves; ``block_mask`` the summary of the padded mask."""
+    documents = case.documents
+
+    def per_key(t: torch.Tensor, fill) -> torch.Tensor:  # [1, Hm, 1, total] -> [N, Hm, 1, max]
+        return pad_documents(t[0, :, 0].t(), documents, fill).permute(0, 2, 1).unsqueeze(2).contiguous()
+
+    query, key, value = (pad_documents(t.detach()[0], documents).requires_grad_(t.requires_grad)
+                         for t in (inputs.query, inputs.key, inputs.value))
+    bias = None if inputs.bias is None else per_key(inputs.bias.detach(), 0).requires_grad_(inputs.bias.requires_grad)
+    mask = per_key(inputs.mask, False)
+    return Inputs(query=query, key=key, value=value, mask=mask, bias=bias, block_mask=build_block_mask(mask))
+
+
+class FlashDmaPadded(Method):
+    name = "flash-dma-padded"
+    description = (
+        "packed documents padded to the longest: `flash_dma_func` on a batch of N documents of max_len "
+        "(q/k/v `[N, max_len, heads, D]`), padding keys masked out, the same per-document block top-k as "
+        "`attn_mask` `[N, Hkv, 1, max_len]` with its `build_block_mask` summary built once outside the "
+        "timed region; the padded tensors are made (and are the leaves) outside the timed region too, "
+        "so the row is attention on padded inputs, without the pad/unpad copies"
+    )
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        padded = padded_document_inputs(case, inputs)
+
+        def forward() -> torch.Tensor:
+            return flash_dma_func(
+                padded.query, padded.key, padded.value, attn_mask=padded.mask, attn_bias=padded.bias,
+                is_causal=True, block_mask=padded.block_mask,
+            )
+
+        return Prepared(forward, padded.leaves)
+
+
+class FlashDmaKvcache(Method):
+    name = "flash-dma-kvcache"
+    description = (
+        "decode over a KV cache: `flash_dma_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., "
+        "block_table=..., attn_mask=mask, bias_cache=..., is_causal=True)`, q `[B, 1, H, D]`, the cache "
+        "full (no new key appended: the call is attention alone), contiguous or paged (pages of 256 in "
+        "a shuffled block table), mask `[B, Hkv, 1, S]` of random kept keys, bias `[B|pages, S|256, Hkv]`"
+    )
+
+    def prepare(self, case: Case, inputs: CacheInputs) -> Prepared:
+        def forward() -> torch.Tensor:
+            return flash_dma_with_kvcache(
+                inputs.query, inputs.k_cache, inputs.v_cache, cache_seqlens=inputs.cache_seqlens,
+                block_table=inputs.block_table, attn_mask=inputs.mask, bias_cache=inputs.bias_cache, is_causal=True,
+            )
+
+        return Prepared(forward, ())
 
 
 def _repeat_heads(t: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -401,5 +507,8 @@ METHODS: dict[str, Method] = {
         SdpaDense("sdpa-cudnn", "CUDNN_ATTENTION", "CUDNN_ATTENTION (cuDNN, FlashAttention-3 class on H100)"),
         Llama("flash_dma"),
         Llama("sdpa"),
+        FlashDmaVarlen(),
+        FlashDmaPadded(),
+        FlashDmaKvcache(),
     )
 }

@@ -37,6 +37,26 @@ def active_pairs(seqlen_q: int, seqlen_k: int, batch: int, num_heads: int, mask:
     return pairs_per_mask_row * (batch // mask.shape[0]) * (num_heads // mask.shape[1])
 
 
+def document_active_pairs(documents: tuple[int, ...], num_heads: int, mask: torch.Tensor | None = None) -> int:
+    """Visible (query, key) pairs of packed documents, summed over the documents and query heads.
+
+    Each document attends causally to itself only: its local key j is visible to ``n - j`` of its
+    ``n`` queries, if the mask keeps it.
+
+    Args:
+        mask: per-key packed ``[1, 1|Hkv|H, 1, total]`` bool, or None (every key).
+    """
+    rows_per_key = torch.cat([n - torch.arange(n, dtype=torch.int64) for n in documents])
+    if mask is None:
+        return num_heads * int(rows_per_key.sum())
+    if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[2] != 1 or mask.shape[3] != rows_per_key.numel():
+        raise ValueError(
+            f"mask: expected a packed per-key mask [1, Hm, 1, {rows_per_key.numel()}], got {tuple(mask.shape)}"
+        )
+    pairs_per_mask_row = int((mask[0, :, 0, :].cpu().to(torch.int64) * rows_per_key).sum())
+    return pairs_per_mask_row * (num_heads // mask.shape[1])
+
+
 def block_active_pairs(block_mask: BlockMask, seqlen_q: int, seqlen_k: int, batch: int, num_heads: int) -> int:
     """Visible (query, key) pairs under a block mask with no partial blocks (a per-query-block
     top-k), summed over the batch and the query heads.
@@ -62,6 +82,23 @@ def kv_bytes(
     else:
         kept_keys = int(mask.sum()) * (batch // mask.shape[0]) * (kv_heads // mask.shape[1])
     return kept_keys * head_dim * 2 * itemsize
+
+
+def kvcache_bytes(mask: torch.Tensor, kv_heads: int, head_dim: int, itemsize: int, bias_heads: int,
+                  bias_itemsize: int) -> int:
+    """Bytes a decode over a KV cache must read: K and V of the kept keys only, plus the bias of
+    every key and the mask (one byte a key per mask head). The query and the output are left out.
+
+    Args:
+        mask: ``[B, 1|Hkv, 1, S]`` bool over the cached keys of each entry.
+        bias_heads: heads of the cached bias (a value per key and head).
+    """
+    batch, mask_heads, _, capacity = mask.shape
+    if kv_heads % mask_heads:
+        raise ValueError(f"mask: expected 1 or {kv_heads} heads, got {mask_heads}")
+    kept_keys = int(mask.sum()) * (kv_heads // mask_heads)
+    return (kept_keys * head_dim * 2 * itemsize + batch * capacity * bias_heads * bias_itemsize
+            + mask.numel() * mask.element_size())
 
 
 def attention_flops(pairs: int, head_dim: int, mode: str) -> float:

@@ -27,7 +27,11 @@ COUNTING = (
     f"query block's diagonal block too); token masks keep the keys of largest bias. Host rows: the "
     f"mean wall time per call (and CPU time per call) of many calls issued back to back, the GPU "
     f"synchronised only at the end. First-call rows: the first call in a new process, 'setup s' "
-    f"being the time the process took before it (imports, inputs, the model)."
+    f"being the time the process took before it (imports, inputs, the model). Packed documents "
+    f"(varlen): visible pairs are each document's own causal pairs under its kept blocks, for every "
+    f"method (the padded one gets no credit for its padding). KV-cache rows (kvcache): GB/s counts "
+    f"the bytes of K and V of the kept keys only, plus the cached bias of every key and the mask "
+    f"(1 byte a key); decode and KV-cache rows are timed as CUDA graph replays."
 )
 
 
@@ -137,10 +141,13 @@ def render_markdown(environment: dict, results: list[Result], checks: list[Check
                 rows = select(results, mode=mode, ok_only=False, suite=suite, kind=kind)
                 if not rows:
                     continue
-                first = rows[0].case
                 title = f"{suite} · {KIND_TITLES.get(kind, kind)} · {MODE_TITLES[mode]}"
-                parts += ["", f"## {title}", "", f"{first.shape_text()}, bf16, causal.", "",
-                          _rows_table(rows, ceiling_tflops)]
+                parts += ["", f"## {title}"]
+                # One table per shape (the kvcache suite has two), in the order the shapes came.
+                shapes = {r.case.shape_text(): None for r in rows}
+                for shape in shapes:
+                    shape_rows = [r for r in rows if r.case.shape_text() == shape]
+                    parts += ["", f"{shape}, bf16, causal.", "", _rows_table(shape_rows, ceiling_tflops)]
     return "\n".join(parts) + "\n"
 
 

@@ -17,10 +17,19 @@ import torch
 from tqdm import tqdm
 
 from flash_dma.benchmark.first_call import measure_first_call
-from flash_dma.benchmark.inputs import DTYPE, Inputs, TokenInputs, make_inputs
+from flash_dma.benchmark.inputs import DTYPE, CacheInputs, Inputs, TokenInputs, make_inputs
 from flash_dma.benchmark.measure import Measurement, TimingOptions, measure, measure_host
 from flash_dma.benchmark.methods import METHODS, Method, MethodOptions, Prepared
-from flash_dma.benchmark.metrics import active_pairs, attention_flops, block_active_pairs, gbps, kv_bytes, tflops
+from flash_dma.benchmark.metrics import (
+    active_pairs,
+    attention_flops,
+    block_active_pairs,
+    document_active_pairs,
+    gbps,
+    kv_bytes,
+    kvcache_bytes,
+    tflops,
+)
 from flash_dma.benchmark.results import Result
 from flash_dma.benchmark.suites import Case
 
@@ -66,13 +75,25 @@ def format_row(result: Result) -> str:
     return f"{head}: {', '.join(numbers)}"
 
 
-def count_work(method: Method, case: Case, inputs: Inputs | TokenInputs | None) -> tuple[int | None, int | None]:
+def count_work(
+    method: Method, case: Case, inputs: Inputs | TokenInputs | CacheInputs | None
+) -> tuple[int | None, int | None]:
     """``(visible (q, k) pairs, K/V bytes read)`` behind a row's TFLOP/s and GB/s (decode rows).
 
     None where the row's time is not attention kernels' (host time, a model, a first call).
+    Packed documents count each document's own causal pairs under its selection (a padded
+    method gets no credit for its padding). KV-cache rows count the bytes of K and V of the
+    kept keys, the bias of every key and the mask (:func:`kvcache_bytes`).
     """
     if not case.counts_work:
         return None, None
+    if case.documents is not None:
+        return document_active_pairs(case.documents, case.heads, inputs.mask if method.applies_mask else None), None
+    if case.uses_kv_cache:
+        pairs = active_pairs(case.seqlen_q, case.seqlen_k, case.batch, case.heads, inputs.mask)
+        bias = inputs.bias_cache
+        return pairs, kvcache_bytes(inputs.mask, case.kv_heads, case.head_dim, DTYPE.itemsize, bias.shape[-1],
+                                    bias.element_size())
     if method.applies_mask and inputs.block_mask is not None:
         pairs = block_active_pairs(inputs.block_mask, case.seqlen_q, case.seqlen_k, case.batch, case.heads)
     else:

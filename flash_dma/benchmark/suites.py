@@ -18,6 +18,11 @@ short has them first):
 - ``llama``: the train step of a 4-layer transformers Llama, attention by flash-dma or SDPA.
 - ``firstcall``: the first call in a new process, with warm and with cold compiler caches, and
   a new process's first Llama generate and train step.
+- ``varlen``: the llm shape over 8 documents of 512 to 8K tokens packed into 32K
+  (``flash_dma_varlen_func``), each document keeping 1/8 of its own key blocks; against Flex with
+  a document mask and against flash-dma on the same documents padded to the longest.
+- ``kvcache``: decode (one query row) through ``flash_dma_with_kvcache`` over a full cache,
+  contiguous and paged, with a random per-key token mask and a cached per-key bias.
 
 Block masks (``mask="block"``) are per key (``[1, Hkv, 1, Sk]``) and keep whole blocks of
 :data:`MASK_BLOCK` keys, so a case's sparsity is the fraction ``keep`` of its key blocks. Dense
@@ -27,6 +32,7 @@ most blocks kept).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -35,7 +41,7 @@ from flash_dma.block_mask import cdiv
 
 MASK_BLOCK = 128  # keys per block of the top-k masks: the default block of flash-dma and Flex
 # Run order: the llm suite holds most targets, so a run cut short has them first.
-SUITES = ("llm", "topkq", "token", "seed", "host", "llama", "firstcall")
+SUITES = ("llm", "topkq", "token", "seed", "host", "llama", "firstcall", "varlen", "kvcache")
 MODES = ("fwd", "fwdbwd")
 # Attention calls timed on the GPU; then host time per call; then a model's train step and generate.
 ATTENTION_KINDS = ("prefill", "decode", "window")
@@ -82,12 +88,32 @@ LLAMA_PROMPT_LENGTH = 128
 FIRST_CALL_LENGTH = 4096
 FIRST_CALL_KEEP = 1 / 8
 
+# varlen: documents of VARLEN_MIN..VARLEN_MAX tokens, drawn with a fixed seed, packed into VARLEN_TOTAL.
+VARLEN_DOCUMENTS = 8
+VARLEN_MIN, VARLEN_MAX = 512, 8192
+VARLEN_TOTAL = 32768
+VARLEN_SEED = 0
+VARLEN_KEEP = 1 / 8  # of each document's own MASK_BLOCK-key blocks, block 0 of each document included
+VARLEN_METHODS = ("flash-dma-varlen", "flex", "flash-dma-padded")
+
+# kvcache: one new query row over a full cache (no new key appended: the call times attention only).
+KVCACHE_SHAPE = {"batch": 8, "heads": 32, "kv_heads": 8, "head_dim": 128}
+KVCACHE_LENGTH = 32768
+KVCACHE_KEEPS = (1.0, 1 / 8)  # of the cached keys, per (entry, K/V head), chosen at random
+KVCACHE_LAYOUTS = ("contiguous", "paged")
+KVCACHE_PAGE_SIZE = 256
+KVCACHE_LONG_SHAPE = SEED_SHAPE
+KVCACHE_LONG_LENGTH = 524288
+KVCACHE_LONG_KEEP = 1 / 8
+KVCACHE_METHODS = ("flash-dma-kvcache",)
+
 # --quick: a few rows per suite, with about one Flex compilation per suite.
 QUICK_SEED_PREFILL_LENGTHS = (4096,)
 QUICK_SEED_DECODE_LENGTHS = (524288,)
 QUICK_LLM_LENGTHS = (4096,)
 QUICK_LLM_KEEPS = (1.0, 1 / 8)
 QUICK_LLAMA_LENGTHS = (4096,)
+QUICK_KVCACHE_KEEPS = (1 / 8,)
 
 CACHE_LABELS = {"warm": ", new process, warm cache", "cold": ", new process, cold caches"}
 
@@ -95,6 +121,21 @@ CACHE_LABELS = {"warm": ", new process, warm cache", "cold": ", new process, col
 def kept_block_count(keep: float, num_blocks: int) -> int:
     """Blocks a mask keeping the fraction ``keep`` of ``num_blocks`` holds: at least one."""
     return max(1, min(num_blocks, round(keep * num_blocks)))
+
+
+def document_lengths(
+    count: int = VARLEN_DOCUMENTS, low: int = VARLEN_MIN, high: int = VARLEN_MAX, total: int = VARLEN_TOTAL,
+    seed: int = VARLEN_SEED,
+) -> tuple[int, ...]:
+    """``count`` document lengths summing to ``total``: the first ``count - 1`` drawn uniformly from
+    ``[low, high]``, the last making up the total; drawn again (from the same generator) until the
+    last is in ``[low, high]`` too. Deterministic: the same seed gives the same documents."""
+    rng = random.Random(seed)
+    while True:
+        first = [rng.randint(low, high) for _ in range(count - 1)]
+        last = total - sum(first)
+        if low <= last <= high:
+            return (*first, last)
 
 
 def format_fraction(x: float) -> str:
@@ -111,6 +152,13 @@ class Case:
     bias ``[1, Hkv, 1, Sk]`` (``bias="key"``), ``[1, H, Sq, Sk]`` (``"full"``) bf16, or none.
     Attention is causal, aligned bottom-right when Sq != Sk. Model kinds ("train", "generate")
     take token ids ``[B, S]`` instead; their shape fields are the model's attention's.
+
+    Packed documents (``documents``, varlen suite): q/k/v hold ``len(documents)`` documents end to
+    end (``batch`` 1, ``seqlen_q == seqlen_k`` their total), each attending causally to itself
+    only, and ``keep`` is the fraction of each document's own key blocks kept.
+    KV-cache decode (``kv_layout``, kvcache suite): one query row per entry over a full cache of
+    ``seqlen_k`` keys, contiguous or paged, with ``mask="random"`` (the fraction ``keep`` of the
+    keys of each (entry, K/V head), chosen at random) and a per-key bias stored with the cache.
     """
 
     suite: str  # one of SUITES
@@ -126,8 +174,11 @@ class Case:
     modes: tuple[str, ...]
     bias: str = "key"  # "key" | "full" | "none"
     window: int | None = None  # keys per row (seed suite) or per head ("token") that ``keep`` comes from
-    mask: str = "block"  # block top-k per key | "query-block": block top-k per query block | "token" | "none"
+    # "block": block top-k per key | "query-block": per query block | "token" | "random" | "none"
+    mask: str = "block"
     cache: str | None = None  # "warm" | "cold" compiler caches: the first call in a new process; None: here
+    documents: tuple[int, ...] | None = None  # lengths of the packed documents (varlen suite); None: unpacked
+    kv_layout: str | None = None  # "contiguous" | "paged" KV cache (kvcache suite); None: no KV cache
 
     @property
     def is_decode(self) -> bool:
@@ -154,16 +205,34 @@ class Case:
         return "fwdbwd" in self.modes
 
     @property
+    def uses_kv_cache(self) -> bool:
+        """KV-cache rows call ``flash_dma_with_kvcache`` (decode, timed under CUDA graphs)."""
+        return self.kv_layout is not None
+
+    @property
+    def page_size(self) -> int | None:
+        """Keys per page of a paged KV cache; None otherwise."""
+        return KVCACHE_PAGE_SIZE if self.kv_layout == "paged" else None
+
+    @property
     def key_blocks(self) -> int:
+        """Key blocks (of each document, summed, for packed documents)."""
+        if self.documents is not None:
+            return sum(cdiv(n, MASK_BLOCK) for n in self.documents)
         return cdiv(self.seqlen_k, MASK_BLOCK)
 
     @property
     def kept_blocks(self) -> int:
+        """Blocks kept (each document's own ``keep`` of its blocks, summed, for packed documents)."""
+        if self.documents is not None:
+            return sum(kept_block_count(self.keep, cdiv(n, MASK_BLOCK)) for n in self.documents)
         return kept_block_count(self.keep, self.key_blocks)
 
     @property
     def kept_keys(self) -> int:
-        """Keys a token-level mask keeps per head."""
+        """Keys a token-level mask keeps per head (a random one: per entry and K/V head)."""
+        if self.mask == "random":
+            return max(1, min(self.seqlen_k, round(self.keep * self.seqlen_k)))
         return min(self.window, self.seqlen_k)
 
     @property
@@ -171,8 +240,10 @@ class Case:
         """What the mask keeps, for the tables: ``"4/32"`` blocks, ``"16/128 per q-block"``, ``"2048/16384 keys"``."""
         if self.mask == "none":
             return "all"
-        if self.mask == "token":
+        if self.mask in ("token", "random"):
             return f"{self.kept_keys}/{self.seqlen_k} keys"
+        if self.documents is not None:
+            return f"{self.kept_blocks}/{self.key_blocks} per doc"
         per_query_block = " per q-block" if self.mask == "query-block" else ""
         return f"{self.kept_blocks}/{self.key_blocks}{per_query_block}"
 
@@ -186,7 +257,11 @@ class Case:
         else:
             length = f"Sk={self.seqlen_k}" if self.seqlen_q != self.seqlen_k else f"S={self.seqlen_k}"
             bias = f" bias[1,{self.heads},Sq,Sk]" if self.bias == "full" else ""
-            text = f"{length} {self._mask_text()}{bias}"
+            docs = f" {len(self.documents)} docs" if self.documents is not None else ""
+            layout = ""
+            if self.uses_kv_cache:
+                layout = f" {self.kv_layout}" + (f" {self.page_size}" if self.page_size else "")
+            text = f"{length}{docs} {self._mask_text()}{bias}{layout}"
         return text + CACHE_LABELS.get(self.cache, "")
 
     def _mask_text(self) -> str:
@@ -196,13 +271,18 @@ class Case:
             return f"top-{self.kept_keys} keys"
         if self.mask == "none":
             return "bias only" if self.bias != "none" else "no mask, no bias"
+        if self.mask == "random":
+            return f"keep={format_fraction(self.keep)}" + (" random" if self.keep < 1 else "")
         per_query_block = " per q-block" if self.mask == "query-block" else ""
         return f"keep={format_fraction(self.keep)}{per_query_block}"
 
     def shape_text(self) -> str:
         if self.is_model:
             return f"{describe_llama()}, B={self.batch}"
-        return f"B={self.batch} H={self.heads} Hkv={self.kv_heads} D={self.head_dim}"
+        heads = f"H={self.heads} Hkv={self.kv_heads} D={self.head_dim}"
+        if self.documents is not None:
+            return f"{len(self.documents)} documents packed (lengths {', '.join(map(str, self.documents))}), {heads}"
+        return f"B={self.batch} {heads}"
 
 
 def _window_keep(window: int, seqlen: int) -> float:
@@ -317,6 +397,34 @@ def first_call_cases(quick: bool = False) -> list[Case]:
     return cases
 
 
+def varlen_cases(quick: bool = False) -> list[Case]:
+    """One case, already a sanity-sized run (one Flex compilation), so ``quick`` keeps it whole."""
+    documents = document_lengths()
+    return [
+        Case("varlen", "prefill", **{**LLM_SHAPE, "batch": 1}, seqlen_q=sum(documents), seqlen_k=sum(documents),
+             keep=VARLEN_KEEP, methods=VARLEN_METHODS, modes=MODES, documents=documents)
+    ]
+
+
+def kvcache_cases(quick: bool = False) -> list[Case]:
+    """B=8 over a 32K cache, keep 1 and 1/8, contiguous and paged; then B=1 over 512K, keep 1/8.
+
+    ``quick``: keep 1/8 only (both layouts, for the paged/contiguous ratio) and the 512K row.
+    """
+    keeps = QUICK_KVCACHE_KEEPS if quick else KVCACHE_KEEPS
+    decode = dict(seqlen_q=1, methods=KVCACHE_METHODS, modes=("fwd",), mask="random")
+    cases = [
+        Case("kvcache", "decode", **KVCACHE_SHAPE, seqlen_k=KVCACHE_LENGTH, keep=keep, kv_layout=layout, **decode)
+        for keep in keeps
+        for layout in KVCACHE_LAYOUTS
+    ]
+    cases.append(
+        Case("kvcache", "decode", **KVCACHE_LONG_SHAPE, seqlen_k=KVCACHE_LONG_LENGTH, keep=KVCACHE_LONG_KEEP,
+             kv_layout="contiguous", **decode)
+    )
+    return cases
+
+
 BUILDERS = {
     "llm": llm_cases,
     "topkq": topkq_cases,
@@ -325,6 +433,8 @@ BUILDERS = {
     "host": host_cases,
     "llama": llama_cases,
     "firstcall": first_call_cases,
+    "varlen": varlen_cases,
+    "kvcache": kvcache_cases,
 }
 
 

@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from flash_dma.benchmark.metrics import HBM_COPY_GBPS
 from flash_dma.benchmark.results import Result, select
 from flash_dma.benchmark.suites import (
+    KVCACHE_KEEPS,
+    KVCACHE_LAYOUTS,
+    KVCACHE_LENGTH,
+    KVCACHE_LONG_KEEP,
+    KVCACHE_LONG_LENGTH,
     LLAMA_LENGTHS,
     LLM_LENGTHS,
     LLM_LONG_LENGTH,
@@ -132,6 +137,40 @@ def _decode_sparse_speedup(results):
     return sparse.ms / dense.ms, f"keep 1/8 {sparse.ms * 1e3:.1f} us, keep 1 {dense.ms * 1e3:.1f} us"
 
 
+KVCACHE_TBPS = 2.8  # TB/s over the bytes a KV-cache decode reads (kept K/V, every key's bias, the mask)
+KVCACHE_LONG_US = 12.0
+
+
+def _kvcache(keep: float, layout: str) -> Pick:
+    """A B=8, 32K-cache kvcache row."""
+    return _pick("flash-dma-kvcache", "fwd", suite="kvcache", seqlen_k=KVCACHE_LENGTH, keep=keep, kv_layout=layout)
+
+
+def _tbps(pick: Pick) -> Measure:
+    def measure(results):
+        row = pick(results)
+        return row.gbps / 1e3, f"{row.ms * 1e3:.3g} µs, {row.gbps / 1e3:.3g} TB/s"
+
+    return measure
+
+
+def _paged_vs_contiguous(keep: float) -> Measure:
+    def measure(results):
+        paged, contiguous = _kvcache(keep, "paged")(results), _kvcache(keep, "contiguous")(results)
+        return paged.ms / contiguous.ms, f"paged {paged.ms * 1e3:.3g} µs, contiguous {contiguous.ms * 1e3:.3g} µs"
+
+    return measure
+
+
+def _device_us(pick: Pick) -> Measure:
+    def measure(results):
+        row = pick(results)
+        detail = f"{row.method} {row.ms * 1e3:.3g} µs" + ("" if row.gbps is None else f", {row.gbps / 1e3:.3g} TB/s")
+        return row.ms * 1e3, detail
+
+    return measure
+
+
 @dataclass(frozen=True)
 class Target:
     """``measure(results) -> (value, detail)`` must satisfy ``value <op> limit``, in ``unit``
@@ -234,6 +273,29 @@ TARGETS = (
     ),
     Target("new process, warm cache: Llama first generate", "<=", 5.0,
            _first_call_s(_pick("llama-flash-dma", "fwd", suite="firstcall", kind="generate")), unit="s"),
+    Target("varlen 8 docs S=32K keep 1/8 fwd+bwd: flash-dma-varlen / flex time", "<=", 0.5,
+           _time_ratio(_pick("flash-dma-varlen", "fwdbwd", suite="varlen"), _pick("flex", "fwdbwd", suite="varlen"))),
+    # "Faster": strictly below 1; the value is the ratio.
+    *(
+        Target(f"varlen 8 docs S=32K keep 1/8 {_MODE_LABELS[mode]}: flash-dma-varlen / flash-dma-padded time", "<",
+               1.0, _time_ratio(_pick("flash-dma-varlen", mode, suite="varlen"),
+                                _pick("flash-dma-padded", mode, suite="varlen")))
+        for mode in ("fwd", "fwdbwd")
+    ),
+    *(
+        Target(f"kvcache B=8 Sk=32K keep {format_fraction(keep)} {layout}: flash-dma-kvcache TB/s over bytes read",
+               ">=", KVCACHE_TBPS, _tbps(_kvcache(keep, layout)), unit="TB/s")
+        for keep in KVCACHE_KEEPS
+        for layout in KVCACHE_LAYOUTS
+    ),
+    *(
+        Target(f"kvcache B=8 Sk=32K keep {format_fraction(keep)}: flash-dma-kvcache time paged / contiguous", "<=",
+               1.1, _paged_vs_contiguous(keep))
+        for keep in KVCACHE_KEEPS
+    ),
+    Target("kvcache B=1 H=2 Sk=512K keep 1/8: flash-dma-kvcache time", "<=", KVCACHE_LONG_US,
+           _device_us(_pick("flash-dma-kvcache", "fwd", suite="kvcache", seqlen_k=KVCACHE_LONG_LENGTH,
+                            keep=KVCACHE_LONG_KEEP)), unit="µs"),
 )
 
 

@@ -16,12 +16,21 @@ Masks, as the attention function receives them:
 
 - None: no mask; causal if the layer is (``is_causal`` argument, else ``module.is_causal``).
 - ``[B, Sk]`` padding mask (True or 1 = real token): the mask function returns this for plain
-  causal masks, so a padded batch costs O(B * Sk) rather than a ``[B, 1, Sq, Sk]`` tensor;
-  causal as above. A shorter mask (the real tokens of a static cache) drops the empty keys.
+  causal masks over keys that end where the queries end (no cache, a DynamicCache), so a padded
+  batch costs O(B * Sk) rather than a ``[B, 1, Sq, Sk]`` tensor; causal as above. A shorter mask
+  (a model handing its own 2-D mask over a static cache) drops the key slots past it.
 - 4-D boolean ``[1|B, 1|H, Sq, Sk]``: HF's own mask (sliding windows, packed sequences, static
-  caches...), taken as complete: no causal rule or window is added.
+  caches, models that ask for a materialised mask), taken as complete: no causal rule or window
+  is added.
 - 4-D additive float (eager masks, Doge's dynamic masks): positions at or below the dtype's
   minimum are masked, and the finite values elsewhere become the attention bias, with gradient.
+
+Caches: ``generate()`` works with a DynamicCache and a StaticCache (``cache_implementation="static"``),
+left padding included. Paged attention (continuous batching: ``generate_batch``,
+``init_continuous_batching``, serving; ``"paged|flash_dma"`` is the same name) is not supported:
+transformers hands "flash..." implementations a ``PagedAttentionCache`` to update and requests
+packed into one row, and the attention function raises ``NotImplementedError`` naming the
+alternatives (``generate_batch`` reports it as each request's ``error``).
 """
 
 from __future__ import annotations
@@ -62,6 +71,27 @@ def _split_additive_mask(mask: torch.Tensor, query_dtype: torch.dtype):
     return visible, bias
 
 
+def _refuse_paged_cache(cache) -> None:
+    """Raise if ``cache`` is transformers' ``PagedAttentionCache`` (continuous batching).
+
+    Continuous batching takes every implementation named "flash..." for a flash-attention kernel: it
+    hands the attention function the paged cache to update and the requests packed into one row
+    (``cu_seq_lens_q``/``cu_seq_lens_k``). flash-dma does neither; run on, it would attend across
+    requests and without their past.
+    """
+    if cache is None:
+        return
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    if isinstance(cache, PagedAttentionCache):
+        raise NotImplementedError(
+            f"cache: flash_dma does not support transformers' paged attention (continuous batching: "
+            f"generate_batch, init_continuous_batching, serving); expected no paged cache, got "
+            f"{type(cache).__name__}. Use generate() with a DynamicCache or StaticCache for flash_dma, or "
+            f'attn_implementation="sdpa", "paged|eager" or a flash_attention_* kernel for continuous batching.'
+        )
+
+
 def flash_dma_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -73,6 +103,7 @@ def flash_dma_attention_forward(
     is_causal: bool | None = None,
     softcap: float | None = None,
     sliding_window: int | None = None,
+    cache=None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function for ``attn_implementation="flash_dma"``.
@@ -88,11 +119,14 @@ def flash_dma_attention_forward(
         softcap: logit soft-capping (Gemma 2), or None.
         sliding_window: without a 4-D mask, keys more than ``sliding_window - 1`` positions before
             the query are not attended (Mistral-style windows); a 4-D mask already holds the window.
+        cache: transformers' ``PagedAttentionCache`` under continuous batching, which is refused
+            (``NotImplementedError``); None otherwise.
         kwargs: other model arguments, not used.
 
     Returns:
         ``(out [B, Sq, H, D], None)``: attention weights are never materialised.
     """
+    _refuse_paged_cache(cache)
     if dropout:
         raise ValueError(
             f"dropout: flash_dma has no attention dropout; set the model's attention dropout to 0, got {dropout}"
@@ -131,29 +165,33 @@ def flash_dma_mask(
     batch_size: int,
     q_length: int,
     kv_length: int,
-    q_offset: int = 0,
+    q_offset: int | torch.Tensor = 0,
     kv_offset: int = 0,
     mask_function=None,
     attention_mask: torch.Tensor | None = None,
+    allow_is_causal_skip: bool = True,
     **kwargs,
 ):
     """The ``AttentionMaskInterface`` function for ``"flash_dma"``.
 
-    A plain causal mask over keys that line up with the queries (no static-cache offset) becomes
-    the 2-D padding mask ``[B, kv_length]`` bool, or None when nothing is padded: the attention
-    function applies causality itself. Any other pattern is built by transformers' ``sdpa_mask``
-    (4-D bool, or None where SDPA could use ``is_causal``).
+    A plain causal mask over keys that line up with the queries becomes the 2-D padding mask
+    ``[B, kv_length]`` bool, or None when nothing is padded: the attention function applies
+    causality itself. Any other pattern gets transformers' ``sdpa_mask``: 4-D bool, or None where
+    the causal rule of flash-dma alone gives the same mask.
+
+    flash-dma's causal rule is bottom-right (the last query sees the last key); SDPA's ``is_causal``
+    is top-left. The two agree only when the keys end where the queries end, which a static cache
+    breaks: its keys run on into empty slots past the queries (and it gives ``q_offset`` as a
+    tensor). There, and wherever the caller asks for a materialised mask
+    (``allow_is_causal_skip=False``, as Doge does to add its dynamic mask onto it), the answer is
+    always the complete 4-D mask.
     """
     from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
     mask_function = causal_mask_function if mask_function is None else mask_function
-    plain_causal = (
-        mask_function is causal_mask_function
-        and kv_offset == 0
-        and isinstance(q_offset, int)
-        and q_offset + q_length == kv_length
-    )
-    if not plain_causal:
+    keys_end_with_queries = isinstance(q_offset, int) and q_offset + q_length == kv_offset + kv_length
+    may_skip = allow_is_causal_skip and keys_end_with_queries
+    if not (may_skip and mask_function is causal_mask_function and kv_offset == 0):
         return sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
@@ -162,6 +200,7 @@ def flash_dma_mask(
             kv_offset=kv_offset,
             mask_function=mask_function,
             attention_mask=attention_mask,
+            allow_is_causal_skip=may_skip,
             **kwargs,
         )
     if attention_mask is None:

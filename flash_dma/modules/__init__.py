@@ -1,6 +1,7 @@
-"""Neural-network layers built on :func:`flash_dma.flash_dma_func`."""
+"""Neural-network layers built on :func:`flash_dma.flash_dma_func`, and their generation caches."""
 
 from flash_dma.modules.attention import DynamicMaskAttention
+from flash_dma.modules.cache import KVCache, PagedKVCache
 from flash_dma.modules.rotary import RotaryEmbedding
 
-__all__ = ["DynamicMaskAttention", "RotaryEmbedding"]
+__all__ = ["DynamicMaskAttention", "KVCache", "PagedKVCache", "RotaryEmbedding"]

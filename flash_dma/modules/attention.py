@@ -6,13 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flash_dma.block_mask import check_block_size
-from flash_dma.interface import flash_dma_func
+from flash_dma.block_mask import check_block_size, effective_mask_rows
+from flash_dma.interface import flash_dma_func, flash_dma_with_kvcache
 from flash_dma.inputs import check_choice, check_int
 from flash_dma.masks import create_mask, topk_block_mask
+from flash_dma.modules.cache import KVCache
 from flash_dma.modules.rotary import RotaryEmbedding
 
 IMPORTANCE_FORMS = ("softplus", "exp")
+# Per-query-block selection over a cache: mask elements per flash_dma_with_kvcache call. The new
+# queries go in groups of rows small enough that their [B, Hkv, rows, capacity] mask stays below it.
+CACHED_MASK_ELEMENTS = 1 << 24
 
 
 class DynamicMaskAttention(nn.Module):
@@ -54,6 +58,26 @@ class DynamicMaskAttention(nn.Module):
     ``dt_proj`` ``[Hkv, Hkv*D]`` and ``A`` ``[Hkv]``. ``A`` starts at 0, as in Doge: the bias starts
     neutral (every key tied, so the first selection keeps the earliest keys) and grows only as far
     as it helps; ``dt_proj`` receives its gradient through ``A``, so from the first update of ``A`` on.
+
+    Generation: ``forward(..., cache=...)`` with a :class:`~flash_dma.modules.KVCache` or
+    :class:`~flash_dma.modules.PagedKVCache` appends the new tokens' keys, values and bias to the
+    cache and attends over everything cached through :func:`~flash_dma.flash_dma_with_kvcache`.
+    A call with a cache holding L tokens and S new ones returns exactly the last S rows of a forward
+    without cache over all L + S tokens: the selection is made over the bias of those L + S keys
+    with the same builders, so prefill, chunked prefill and token-by-token decoding agree. How
+    that compares with one forward over a longer sequence T > L + S depends on the selection:
+
+    - dense (``window_size=None``) and per-query-block selection (``local_blocks > 0``, causal):
+      the same as that forward's rows, whatever follows. A query block chooses among the key blocks
+      it can see; the one it sees only partly (its diagonal block, whose score also covers the keys
+      after the query) is always kept as a local block, so no later key changes the choice.
+    - token selection and per-key block selection (``local_blocks=0``): one choice shared by every
+      query, made over every key, so in a forward over T tokens the keys after query t compete for
+      the window too (and, with blocks, raise the score of the block that holds t): query t may see
+      other keys there than at step t. Decoding cannot know the later keys: at step t it chooses
+      among keys ``0..t``, which is what a forward over ``t + 1`` tokens gives its last query. With
+      token selection that is a superset of what the longer forward shows query t (with fewer
+      competitors, every key kept there stays kept): the full window among the keys so far.
     """
 
     def __init__(
@@ -125,15 +149,19 @@ class DynamicMaskAttention(nn.Module):
             strength = torch.exp(strength)
         return strength.float().transpose(1, 2).unsqueeze(2)
 
-    def select(self, bias: torch.Tensor, attention_mask: torch.Tensor | None) -> dict:
+    def select(self, bias: torch.Tensor, attention_mask: torch.Tensor | None, query_len: int | None = None) -> dict:
         """The keys to attend, as the ``attn_mask``/``block_mask`` arguments of ``flash_dma_func``.
 
         Args:
             bias: ``[B, Hkv, 1, S]``, from :meth:`key_importance`.
             attention_mask: ``[B, S]`` bool (True = real token) or None.
+            query_len: the queries are the tokens of the last ``query_len`` keys (fewer than S over
+                a cache); None for all S. Only the per-query-block layout (``local_blocks > 0``)
+                depends on it.
 
         Returns:
-            ``{"attn_mask": [B, 1|Hkv, 1, S] bool or None, "block_mask": BlockMask or None}``.
+            ``{"attn_mask": [B, 1|Hkv, 1, S] bool or None, "block_mask": BlockMask or None}``; a
+            per-query-block ``block_mask`` has ``mask_shape`` ``(B, Hkv, query_len, S)``.
         """
         batch, _, _, seqlen = bias.shape
         padding = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
@@ -147,7 +175,7 @@ class DynamicMaskAttention(nn.Module):
             self.window_size,
             attention_mask,
             block_size=(self.block_size, self.block_size),
-            query_len=seqlen if per_query_block else None,
+            query_len=(seqlen if query_len is None else query_len) if per_query_block else None,
             is_causal=self.is_causal and per_query_block,
             sink_blocks=self.sink_blocks,
             local_blocks=self.local_blocks,
@@ -161,17 +189,29 @@ class DynamicMaskAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         return_selection: bool = False,
+        cache: KVCache | None = None,
     ):
         """Attend over the selected keys.
 
         Args:
             hidden_states: ``[B, S, E]``.
             attention_mask: ``[B, S]`` padding mask, bool or 0/1 (True = real token), or None.
-            position_ids: ``[1|B, S]`` int positions for the rotary embedding; defaults to ``0..S-1``.
+                Must be None with a cache: cached sequences hold no padding.
+            position_ids: ``[1|B, S]`` int positions for the rotary embedding; defaults to
+                ``L..L+S-1``, L being the tokens already in ``cache`` (0 without one).
             return_selection: also return what :meth:`select` chose.
+            cache: a :class:`~flash_dma.modules.KVCache` or :class:`~flash_dma.modules.PagedKVCache`
+                holding the L tokens before these (L may be 0), for B sequences, with this layer's
+                Hkv, D and dtype; or None. The new tokens' keys, values and bias are appended to it.
+                Forward only (``flash_dma_with_kvcache`` has no backward): call under
+                ``torch.no_grad()`` or ``torch.inference_mode()``. See the class docstring for
+                the selection it makes.
 
         Returns:
-            ``[B, S, E]``; with ``return_selection``, the pair ``(output, selection)``.
+            ``[B, S, E]``; with ``return_selection``, the pair ``(output, selection)``. With a
+            cache, the selection is ``{"attn_mask": [B, Hkv, 1|S, L+S] bool or None, "block_mask":
+            None}``: the keys each new query may attend before the causal limit (one row shared by
+            all queries, or one per query with per-query-block selection; None when dense).
         """
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
@@ -180,6 +220,10 @@ class DynamicMaskAttention(nn.Module):
         batch, seqlen, _ = hidden_states.shape
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, seqlen):
             raise ValueError(f"attention_mask: expected shape {(batch, seqlen)} [B, S], got {tuple(attention_mask.shape)}")
+        past = 0
+        if cache is not None:
+            self._check_cache(cache, hidden_states, attention_mask)
+            past = cache.length
         query = self.q_proj(hidden_states).view(batch, seqlen, self.num_heads, self.head_dim)
         key = self.k_proj(hidden_states).view(batch, seqlen, self.num_kv_heads, self.head_dim)
         value = self.v_proj(hidden_states).view(batch, seqlen, self.num_kv_heads, self.head_dim)
@@ -187,10 +231,85 @@ class DynamicMaskAttention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         if self.rotary is not None:
             if position_ids is None:
-                position_ids = torch.arange(seqlen, device=hidden_states.device)[None, :]
+                position_ids = torch.arange(past, past + seqlen, device=hidden_states.device)[None, :]
             query, key = self.rotary(query, position_ids), self.rotary(key, position_ids)
         bias = self.key_importance(value)
-        selection = self.select(bias, attention_mask)
-        out = flash_dma_func(query, key, value, attn_bias=bias, is_causal=self.is_causal, backend=self.backend, **selection)
+        if cache is None:
+            selection = self.select(bias, attention_mask)
+            out = flash_dma_func(query, key, value, attn_bias=bias, is_causal=self.is_causal, backend=self.backend, **selection)
+        else:
+            out, selection = self._attend_cached(query, key, value, bias, cache, return_selection)
         out = self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
         return (out, selection) if return_selection else out
+
+    def _check_cache(self, cache, hidden_states: torch.Tensor, attention_mask) -> None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache: expected a KVCache, a PagedKVCache or None, got {type(cache).__name__}")
+        if attention_mask is not None:
+            raise ValueError(
+                "attention_mask: padding is not supported with a cache (every cached sequence holds the same "
+                "real tokens); pass None, or run the padded batch without a cache"
+            )
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.requires_grad for p in self.parameters())):
+            raise RuntimeError(
+                "cache: decoding with a cache is forward only (flash_dma_with_kvcache has no backward); call the "
+                "layer under torch.no_grad() or torch.inference_mode(), got gradients enabled"
+            )
+        expected = (hidden_states.shape[0], self.num_kv_heads, self.head_dim, hidden_states.device)
+        actual = (cache.batch_size, cache.num_kv_heads, cache.head_dim, cache.device)
+        if actual != expected:
+            raise ValueError(
+                "cache: expected (batch_size, num_kv_heads, head_dim, device) = "
+                f"{expected} (the batch and device of hidden_states, this layer's heads), got {actual}"
+            )
+
+    def _attend_cached(self, query, key, value, bias, cache, return_selection: bool):
+        """Append the new tokens to ``cache`` and attend over it: ``(out [B, S, H, D], selection or None)``.
+
+        The selection is :meth:`select` over the bias of the L cached keys and the S new ones, as a
+        forward over the L + S tokens would make it; its rows for the new queries become the
+        ``attn_mask`` of ``flash_dma_with_kvcache``, over the cache's key positions.
+        """
+        batch, seqlen = query.shape[:2]
+        if cache.dtype != key.dtype:
+            raise ValueError(f"cache: expected dtype {key.dtype} (that of this layer's keys), got {cache.dtype}")
+        past = cache.length
+        cache.reserve(seqlen)
+        key_len = past + seqlen
+        per_query = self.window_size is not None and self.block_size is not None and self.local_blocks > 0
+        # Query blocks of a forward over the whole sequence start at multiples of block_size: the
+        # selection's queries start with the block that holds the first new token, so they line up.
+        offset = past % self.block_size if per_query else 0
+        selection = self.select(torch.cat([cache.cached_bias(), bias], dim=-1), None, query_len=offset + seqlen)
+
+        def rows(start: int, stop: int) -> torch.Tensor | None:
+            """The keys new queries ``[start, stop)`` may attend: ``[B, Hkv, 1 or stop - start, L + S]``."""
+            first, last = (offset + start, offset + stop) if per_query else (0, 1)
+            return effective_mask_rows(selection["attn_mask"], selection["block_mask"], first, last, key_len)
+
+        # Causal queries attend only to keys up to their own, so groups of them can go one after the
+        # other, each appending its own keys; without causal every query needs every new key.
+        split = per_query and self.is_causal
+        step = max(1, CACHED_MASK_ELEMENTS // (batch * self.num_kv_heads * cache.capacity)) if split else seqlen
+        new_bias = bias[:, :, 0].transpose(1, 2)  # [B, S, Hkv], the layout of the cache's bias
+        outs = []
+        for start in range(0, seqlen, step):
+            stop = min(seqlen, start + step)
+            mask = rows(start, stop)
+            if mask is not None:
+                mask = F.pad(mask, (0, cache.capacity - key_len), value=False)
+            outs.append(
+                flash_dma_with_kvcache(
+                    query[:, start:stop],
+                    k=key[:, start:stop],
+                    v=value[:, start:stop],
+                    bias=new_bias[:, start:stop],
+                    attn_mask=mask,
+                    is_causal=self.is_causal,
+                    backend=self.backend,
+                    **cache.kvcache_arguments(),
+                )
+            )
+            cache.advance(stop - start)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return out, ({"attn_mask": rows(0, seqlen), "block_mask": None} if return_selection else None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from flash_dma.benchmark.results import Result
-from flash_dma.benchmark.suites import LLM_SHAPE, SEED_SHAPE, Case
+from flash_dma.benchmark.suites import LLM_SHAPE, SEED_SHAPE, Case, kvcache_cases, varlen_cases
 
 MODES_OF_KIND = {"decode": ("fwd",), "generate": ("fwd",), "train": ("fwdbwd",)}
 
@@ -81,6 +81,16 @@ def passing_results() -> list[Result]:
     generate = case("firstcall", "generate", 128, methods=("llama-flash-dma",), mask="none", bias="none",
                     cache="warm")
     rows.append(row(generate, "llama-flash-dma", "fwd", ms=3000.0, setup_s=6.0, **no_work))
+    (varlen,) = varlen_cases()
+    for mode, ours, flex, padded in (("fwd", 0.5, 0.8, 0.7), ("fwdbwd", 1.5, 4.0, 2.5)):
+        rows += [row(varlen, "flash-dma-varlen", mode, ms=ours), row(varlen, "flex", mode, ms=flex),
+                 row(varlen, "flash-dma-padded", mode, ms=padded)]
+    for kv in kvcache_cases():
+        if kv.batch == 8:  # 3.0 TB/s contiguous; paged 4% slower
+            ms, tbps = (0.05, 3.0) if kv.kv_layout == "contiguous" else (0.052, 2.9)
+        else:
+            ms, tbps = 0.01, 1.75
+        rows.append(row(kv, "flash-dma-kvcache", "fwd", ms=ms, gbps=tbps * 1e3))
     return rows
 
 

@@ -113,3 +113,12 @@ def test_the_child_prints_its_times_on_the_cpu(mode, capsys):
 def test_a_real_child_process_on_the_cpu():
     times = run_child(child_request(_case(), "flash-dma-percall", "fwd", device="cpu"))
     assert times.before_s > 0 and times.first_s > 0
+
+
+def test_packed_documents_survive_the_trip_to_the_child():
+    from flash_dma.benchmark.first_call import _case_from_dict, child_request
+    from flash_dma.benchmark.suites import varlen_cases
+
+    (case,) = varlen_cases()
+    request = json.loads(child_request(case, "flash-dma-varlen", "fwd"))
+    assert _case_from_dict(request["case"]) == case

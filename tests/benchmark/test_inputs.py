@@ -2,7 +2,15 @@ import pytest
 import torch
 
 from flash_dma import create_mask
-from flash_dma.benchmark.inputs import TokenInputs, block_topk_mask, make_inputs, query_block_topk_mask
+from flash_dma.benchmark.inputs import (
+    CacheInputs,
+    TokenInputs,
+    block_topk_mask,
+    make_inputs,
+    pad_documents,
+    query_block_topk_mask,
+    unpad_documents,
+)
 from flash_dma.benchmark.llama import LLAMA_CONFIG
 from flash_dma.benchmark.suites import Case, kept_block_count
 from flash_dma.block_mask import EMPTY, FULL
@@ -125,3 +133,82 @@ def test_model_cases_get_token_ids():
     assert ids.shape == (2, 64) and ids.dtype == torch.int64
     assert 1 <= int(ids.min()) and int(ids.max()) < LLAMA_CONFIG["vocab_size"]
     assert torch.equal(ids, make_inputs(case, "cpu").input_ids)
+
+
+def _varlen_case(documents=(100, 300, 156, 640), keep=1 / 2) -> Case:
+    total = sum(documents)
+    return Case("varlen", "prefill", 1, 4, 2, 16, total, total, keep, ("flash-dma-varlen",), ("fwd", "fwdbwd"),
+                documents=documents)
+
+
+def test_each_document_keeps_its_own_fraction_of_its_blocks_including_its_first():
+    case = _varlen_case()
+    inputs = make_inputs(case, "cpu")
+    assert inputs.cu_seqlens.tolist() == [0, 100, 400, 556, 1196] and inputs.cu_seqlens.dtype == torch.int32
+    assert inputs.query.shape == (1, 1196, 4, 16) and inputs.bias.shape == inputs.mask.shape == (1, 2, 1, 1196)
+    state = inputs.block_mask.state
+    assert state.shape == (4, 2, 1, 5) and inputs.block_mask.mask_shape == (4, 2, 1, 640)
+    assert not inputs.block_mask.needs_mask  # blocks cut by a document's end are FULL
+    for i, n in enumerate(case.documents):
+        blocks = -(-n // BLOCK)
+        kept = state[i, :, 0]
+        assert ((kept == FULL).sum(-1) == kept_block_count(1 / 2, blocks)).all()
+        assert (kept[:, 0] == FULL).all() and (kept[:, blocks:] == EMPTY).all()
+    assert case.kept_blocks == int((state == FULL).sum()) // 2
+
+
+def test_the_packed_mask_is_the_block_selection_per_key():
+    case = _varlen_case()
+    inputs = make_inputs(case, "cpu")
+    start = 0
+    for i, n in enumerate(case.documents):
+        keys = inputs.mask[0, :, 0, start:start + n]
+        blocks = inputs.block_mask.state[i, :, 0] == FULL
+        assert torch.equal(keys, blocks.repeat_interleave(BLOCK, -1)[:, :n])
+        # The selection is the top of the document's own bias (block 0 aside).
+        bias = inputs.bias[0, :, 0, start:start + n].float()
+        assert (bias[keys].max() >= bias[~keys].max()) if (~keys).any() else True
+        start += n
+
+
+def test_pad_and_unpad_documents():
+    packed = torch.arange(10.0)[:, None].expand(10, 3)
+    padded = pad_documents(packed, (4, 6), fill=-1)
+    assert padded.shape == (2, 6, 3) and padded[0, 4:].eq(-1).all() and padded[1, 0, 0] == 4
+    assert torch.equal(unpad_documents(padded, (4, 6)), packed)
+
+
+def _cache_case(layout, keep=1 / 8, batch=2, length=1024) -> Case:
+    return Case("kvcache", "decode", batch, 4, 2, 16, 1, length, keep, ("flash-dma-kvcache",), ("fwd",),
+                mask="random", kv_layout=layout)
+
+
+def test_kvcache_inputs_hold_the_same_keys_contiguous_or_paged():
+    contiguous, paged = (make_inputs(_cache_case(layout), "cpu") for layout in ("contiguous", "paged"))
+    assert isinstance(paged, CacheInputs) and paged.leaves == ()
+    assert contiguous.k_cache.shape == (2, 1024, 2, 16) and contiguous.block_table is None
+    assert paged.k_cache.shape == (8, 256, 2, 16) and paged.bias_cache.shape == (8, 256, 2)
+    assert paged.block_table.shape == (2, 4) and paged.block_table.dtype == torch.int32
+    assert sorted(paged.block_table.flatten().tolist()) == list(range(8))
+    assert paged.block_table.flatten().tolist() != list(range(8))  # shuffled
+    assert contiguous.cache_seqlens.tolist() == [1024, 1024] and contiguous.cache_seqlens.dtype == torch.int32
+    for name in ("k_cache", "v_cache", "bias_cache"):
+        pages = getattr(paged, name)[paged.block_table.long()]  # [B, pages, 256, ...]
+        assert torch.equal(pages.flatten(1, 2), getattr(contiguous, name)), name
+    assert torch.equal(paged.mask, contiguous.mask) and torch.equal(paged.query, contiguous.query)
+
+
+@pytest.mark.parametrize("keep, kept", [(1.0, 1024), (1 / 8, 128)])
+def test_kvcache_mask_keeps_random_keys_per_entry_and_head(keep, kept):
+    inputs = make_inputs(_cache_case("contiguous", keep=keep), "cpu")
+    assert inputs.mask.shape == (2, 2, 1, 1024) and inputs.mask.dtype == torch.bool
+    assert (inputs.mask.sum(-1) == kept).all()
+    if keep < 1:
+        assert not torch.equal(inputs.mask[0], inputs.mask[1])
+        blocks = inputs.mask[0, 0, 0].view(8, 128).any(-1)
+        assert blocks.all()  # scattered over every block: not a block selection
+
+
+def test_a_paged_cache_needs_whole_pages():
+    with pytest.raises(ValueError, match="whole pages"):
+        make_inputs(_cache_case("paged", length=1000), "cpu")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flash_dma import flash_dma_func
-from flash_dma.benchmark.inputs import Inputs, TokenInputs, make_inputs
+from flash_dma.benchmark.inputs import Inputs, TokenInputs, make_inputs, pad_documents, unpad_documents
 from flash_dma.benchmark import llama
 from flash_dma.benchmark.methods import (
     METHODS,
@@ -22,6 +22,7 @@ from flash_dma.benchmark.methods import (
     flex_mods,
     flex_score_mod,
     float_mask_gib,
+    padded_document_inputs,
 )
 from flash_dma.benchmark.suites import Case
 
@@ -243,3 +244,105 @@ def test_llama_methods_share_weights_and_run_a_step_and_generate(monkeypatch):
     assert prepared.leaves == ()
     tokens = prepared.forward()
     assert tokens.shape == (1, 32 + llama.GENERATE_NEW_TOKENS) and torch.equal(tokens[:, :32], ids.input_ids)
+
+
+# Packed documents at CPU sizes: 100, 300 and 156 keys, ragged 128-key blocks, each keeping half of its own.
+DOCUMENTS = (100, 300, 156)
+
+
+def _varlen_case(**changes) -> Case:
+    total = sum(DOCUMENTS)
+    fields = dict(suite="varlen", kind="prefill", batch=1, heads=4, kv_heads=2, head_dim=16, seqlen_q=total,
+                  seqlen_k=total, keep=1 / 2, methods=("flash-dma-varlen", "flex", "flash-dma-padded"),
+                  modes=("fwd", "fwdbwd"), documents=DOCUMENTS)
+    return Case(**{**fields, **changes})
+
+
+def _per_document_reference(case: Case, inputs: Inputs) -> torch.Tensor:
+    """Each document on its own through ``flash_dma_func``, its own slice of the mask and bias: ``[1, total, H, D]``."""
+    outs, start = [], 0
+    for n in case.documents:
+        keys = slice(start, start + n)
+        outs.append(flash_dma_func(
+            inputs.query[:, keys], inputs.key[:, keys], inputs.value[:, keys], attn_mask=inputs.mask[..., keys],
+            attn_bias=inputs.bias[..., keys], is_causal=True,
+        ))
+        start += n
+    return torch.cat(outs, dim=1)
+
+
+def test_varlen_methods_agree_in_the_forward():
+    case = _varlen_case(modes=("fwd",))
+    inputs = _float32_inputs(case)
+    expected = _per_document_reference(case, inputs)
+    varlen = METHODS["flash-dma-varlen"].prepare(case, inputs).forward()
+    assert varlen.shape == (1, sum(DOCUMENTS), 4, 16)
+    torch.testing.assert_close(varlen, expected, atol=2e-5, rtol=1e-4)
+    padded = METHODS["flash-dma-padded"].prepare(case, inputs).forward()
+    assert padded.shape == (3, 300, 4, 16)
+    torch.testing.assert_close(unpad_documents(padded, DOCUMENTS)[None], expected, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(_eager_flex(case, inputs), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_varlen_and_padded_gradients_match():
+    case = _varlen_case()
+    inputs = _float32_inputs(case)
+    dout = torch.randn(1, sum(DOCUMENTS), 4, 16, generator=torch.Generator().manual_seed(1))
+    METHODS["flash-dma-varlen"].prepare(case, inputs).forward().backward(dout)
+    expected = [t.grad for t in inputs.leaves]
+    assert inputs.bias.grad.shape == (1, 2, 1, sum(DOCUMENTS))
+
+    padded = METHODS["flash-dma-padded"].prepare(case, inputs)
+    assert all(leaf.grad is None for leaf in padded.leaves) and len(padded.leaves) == 4
+    padded.forward().backward(pad_documents(dout[0], DOCUMENTS))
+    query, key, value, bias = padded.leaves
+    actual = [unpad_documents(t.grad, DOCUMENTS)[None] for t in (query, key, value)]
+    actual.append(unpad_documents(bias.grad[:, :, 0].transpose(1, 2), DOCUMENTS).t()[None, :, None])
+    for grad_name, a, e in zip(("dq", "dk", "dv", "dbias"), actual, expected):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-3, msg=lambda m: f"{grad_name}: {m}")
+
+
+def test_padded_inputs_mask_the_padding():
+    case = _varlen_case()
+    padded = padded_document_inputs(case, make_inputs(case, "cpu"))
+    assert padded.mask.shape == padded.bias.shape == (3, 2, 1, 300)
+    assert not padded.mask[0, :, 0, 100:].any() and not padded.mask[2, :, 0, 156:].any()
+    assert (padded.bias[0, :, 0, 100:] == 0).all()
+    assert padded.block_mask.mask_shape == (3, 2, 1, 300)
+    assert all(t.requires_grad and t.is_leaf for t in padded.leaves)
+
+
+def test_varlen_passes_the_packed_layout(monkeypatch):
+    calls = []
+    monkeypatch.setattr("flash_dma.benchmark.methods.flash_dma_varlen_func",
+                        lambda *args, **kwargs: calls.append((args, kwargs)) or args[0])
+    case = _varlen_case()
+    inputs = make_inputs(case, "cpu")
+    METHODS["flash-dma-varlen"].prepare(case, inputs).forward()
+    ((q, k, v, cu_q, cu_k, max_q, max_k), kwargs), = calls
+    assert q.shape == (556, 4, 16) and k.shape == v.shape == (556, 2, 16)
+    assert cu_q is cu_k and cu_q.tolist() == [0, 100, 400, 556] and max_q == max_k == 300
+    assert kwargs["attn_bias"].shape == (2, 556) and "attn_mask" not in kwargs
+    assert kwargs["is_causal"] and kwargs["block_mask"] is inputs.block_mask
+
+
+def _kvcache_case(layout: str, **changes) -> Case:
+    fields = dict(suite="kvcache", kind="decode", batch=2, heads=4, kv_heads=2, head_dim=16, seqlen_q=1,
+                  seqlen_k=768, keep=1 / 8, methods=("flash-dma-kvcache",), modes=("fwd",), mask="random",
+                  kv_layout=layout)
+    return Case(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("keep", [1.0, 1 / 8])
+def test_kvcache_matches_attention_over_the_same_keys(layout, keep):
+    case = _kvcache_case(layout, keep=keep)
+    inputs = make_inputs(case, "cpu")
+    out = METHODS["flash-dma-kvcache"].prepare(case, inputs).forward()
+    contiguous = make_inputs(replace(case, kv_layout="contiguous"), "cpu")  # same keys, values, bias and mask
+    expected = flash_dma_func(
+        contiguous.query.float(), contiguous.k_cache.float(), contiguous.v_cache.float(), attn_mask=contiguous.mask,
+        attn_bias=contiguous.bias_cache.float().permute(0, 2, 1)[:, :, None], is_causal=True,
+    )
+    assert out.shape == (2, 1, 4, 16)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)

@@ -2,7 +2,16 @@ import pytest
 import torch
 
 from flash_dma import topk_block_mask
-from flash_dma.benchmark.metrics import active_pairs, attention_flops, block_active_pairs, gbps, kv_bytes, tflops
+from flash_dma.benchmark.metrics import (
+    active_pairs,
+    attention_flops,
+    block_active_pairs,
+    document_active_pairs,
+    gbps,
+    kv_bytes,
+    kvcache_bytes,
+    tflops,
+)
 from flash_dma.block_mask import FULL
 
 
@@ -77,3 +86,30 @@ def test_block_active_pairs_match_brute_force(seqlen_q, seqlen_k):
     expected = int(visible.sum()) * batch * (num_heads // 2)
     assert block_active_pairs(bm, seqlen_q, seqlen_k, batch, num_heads) == expected
     assert expected < active_pairs(seqlen_q, seqlen_k, batch, num_heads)
+
+
+def test_document_pairs_count_each_document_causally_under_its_mask():
+    documents = (5, 130, 3)
+    gen = torch.Generator().manual_seed(2)
+    mask = torch.rand(1, 2, 1, sum(documents), generator=gen) > 0.5
+    expected, start = 0, 0
+    for n in documents:
+        expected += _brute_force_pairs(n, n, 1, 4, mask[..., start:start + n])
+        start += n
+    assert document_active_pairs(documents, 4, mask) == expected
+    assert document_active_pairs(documents, 4) == 4 * sum(n * (n + 1) // 2 for n in documents)
+    with pytest.raises(ValueError, match="packed per-key mask"):
+        document_active_pairs(documents, 4, mask[..., :-1])
+
+
+def test_kvcache_bytes_count_kept_kv_every_bias_and_the_mask():
+    mask = torch.zeros(2, 2, 1, 1024, dtype=torch.bool)
+    mask[..., :128] = True
+    kept_kv = 2 * 2 * 128 * 16 * 2 * 2  # entries x heads x kept keys x D x (K and V) x bf16
+    bias = 2 * 1024 * 2 * 2  # every key's bias, per head, bf16
+    assert kvcache_bytes(mask, 2, 16, 2, 2, 2) == kept_kv + bias + mask.numel()
+    # One mask head for a group of K/V heads: each of them reads the kept keys.
+    shared = mask[:, :1]
+    assert kvcache_bytes(shared, 2, 16, 2, 1, 4) == kept_kv + 2 * 1024 * 4 + shared.numel()
+    with pytest.raises(ValueError, match="heads"):
+        kvcache_bytes(torch.ones(1, 3, 1, 8, dtype=torch.bool), 2, 16, 2, 1, 2)

@@ -35,7 +35,7 @@ def test_json_holds_environment_targets_and_every_row(tmp_path):
     data = json.loads(path.read_text())
     assert data["environment"] == ENVIRONMENT
     assert len(data["targets"]) == len(TARGETS) and {t["status"] for t in data["targets"]} == {"NO DATA"}
-    assert data["targets"][0]["unit"] == "x" and data["targets"][-1]["unit"] == "s"
+    assert data["targets"][0]["unit"] == "x" and data["targets"][-1]["unit"] == "µs"
     assert len(data["results"]) == len(results)
     first, oom = data["results"][0], data["results"][2]
     assert first["case"]["seqlen_k"] == 4096 and first["case"]["keep"] == 0.25 and first["case"]["heads"] == 16
@@ -70,6 +70,9 @@ def test_markdown_has_header_targets_and_grouped_tables(tmp_path):
         "## llama · train step · forward + backward",
         "## firstcall · prefill · forward + backward",
         "## firstcall · generate · forward",
+        "## varlen · prefill · forward",
+        "## varlen · prefill · forward + backward",
+        "## kvcache · decode · forward",
     ]
     assert "| host S=128 mask+bias fwd: flash-dma host time per call | <= 40 µs | 20 µs | **PASS** |" in text
 
@@ -112,6 +115,21 @@ def test_markdown_tables_show_the_columns_their_rows_have():
     assert "| case | kept | method | first call s | setup s | note |" in first
     assert "| S=4096 keep=1/8, new process, cold caches | 4/32 | flash-dma-percall | 20.0 | 3.0 |  |" in first
     assert "| prompt=128 generate 8, new process, warm cache | all | llama-flash-dma | 3 | 6.0 |  |" in text
+
+
+def test_new_suites_tables():
+    results = passing_results()
+    text = render_markdown(ENVIRONMENT, results, evaluate(results))
+    varlen = _section(text, "varlen · prefill · forward + backward")
+    assert "8 documents packed (lengths " in varlen
+    assert "| time / flash-dma-varlen |" in varlen
+    assert "| S=32768 8 docs keep=1/8 | 34/260 per doc | flash-dma-padded | 2.5 | 100 | 1 | 1.67x |" in varlen
+    # The kvcache suite has two shapes: a table each, under one heading.
+    kvcache = _section(text, "kvcache · decode · forward")
+    b8, b1 = kvcache.split("B=8 H=32 Hkv=8 D=128, bf16, causal.")[1].split("B=1 H=2 Hkv=1 D=64, bf16, causal.")
+    assert "| Sk=32768 keep=1/8 random paged 256 | 4096/32768 keys | flash-dma-kvcache | 0.052 | 100 | 2900 |" in b8
+    assert "| Sk=524288 keep=1/8 random contiguous | 65536/524288 keys | flash-dma-kvcache | 0.01 | 100 | 1750 |" in b1
+    assert "Sk=524288" not in b8
 
 
 def test_plot_is_written_with_data_and_without(tmp_path):

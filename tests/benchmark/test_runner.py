@@ -7,7 +7,16 @@ from flash_dma.benchmark import runner
 from flash_dma.benchmark.inputs import make_inputs
 from flash_dma.benchmark.measure import Measurement, TimingOptions
 from flash_dma.benchmark.methods import Method, Prepared
-from flash_dma.benchmark.metrics import active_pairs, attention_flops, block_active_pairs, gbps, kv_bytes, tflops
+from flash_dma.benchmark.metrics import (
+    active_pairs,
+    attention_flops,
+    block_active_pairs,
+    document_active_pairs,
+    gbps,
+    kv_bytes,
+    kvcache_bytes,
+    tflops,
+)
 from flash_dma.benchmark.suites import Case
 
 
@@ -193,3 +202,23 @@ def test_query_block_masks_count_the_pairs_their_blocks_keep(fake_measure):
     block_mask = make_inputs(case, "cpu").block_mask
     assert good.active_pairs == block_active_pairs(block_mask, 384, 384, 1, 4) < dense.active_pairs
     assert dense.active_pairs == active_pairs(384, 384, 1, 4)
+
+
+def test_varlen_rows_count_each_documents_pairs(fake_measure):
+    documents = (100, 300, 156)
+    case = _case(suite="varlen", seqlen_q=556, seqlen_k=556, documents=documents, methods=("good", "dense"))
+    good, _, dense, _ = runner.run_cases([case], device="cpu", methods=FAKES)
+    mask = make_inputs(case, "cpu").mask
+    assert good.active_pairs == document_active_pairs(documents, 4, mask) < dense.active_pairs
+    assert dense.active_pairs == document_active_pairs(documents, 4)
+    assert good.gbps is None and fake_measure.calls[0] == ("fwd", False)
+
+
+def test_kvcache_rows_use_cuda_graphs_and_count_the_bytes_read(fake_measure):
+    case = _case(suite="kvcache", kind="decode", batch=2, seqlen_q=1, seqlen_k=1024, keep=1 / 8, modes=("fwd",),
+                 methods=("good",), mask="random", kv_layout="paged")
+    (good,) = runner.run_cases([case], device="cpu", methods=FAKES)
+    mask = make_inputs(case, "cpu").mask
+    assert good.gbps == gbps(kvcache_bytes(mask, 2, 16, 2, 2, 2), 2.0)
+    assert good.active_pairs == 2 * 4 * 128
+    assert fake_measure.calls == [("fwd", True)]

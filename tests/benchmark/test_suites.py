@@ -7,12 +7,15 @@ from flash_dma.benchmark.suites import (
     SUITES,
     build_cases,
     first_call_cases,
+    document_lengths,
     host_cases,
+    kvcache_cases,
     llama_cases,
     llm_cases,
     seed_cases,
     token_cases,
     topkq_cases,
+    varlen_cases,
 )
 
 
@@ -130,7 +133,7 @@ def test_quick_is_a_small_subset_of_the_full_run():
     full, quick = build_cases(), build_cases(quick=True)
     assert set(quick) <= set(full)
     assert {c.suite for c in quick} == set(SUITES)
-    assert count_rows(quick) <= 70 < count_rows(full)
+    assert count_rows(quick) <= 80 < count_rows(full)
 
 
 def test_all_runs_every_suite_in_order_and_each_suite_runs_alone():
@@ -160,3 +163,48 @@ def test_labels():
     assert _by_kind(seed, "window")[0].label == "S=32768 W=32"
     assert llm_cases()[-2].label == "S=4096 keep=1/8 bias[1,16,Sq,Sk]"
     assert llm_cases()[-1].label == "S=131072 keep=1/8"
+
+
+def test_document_lengths_are_drawn_once_and_fill_the_total():
+    documents = document_lengths()
+    assert documents == document_lengths()  # fixed seed
+    assert len(documents) == 8 and sum(documents) == 32768
+    assert all(512 <= n <= 8192 for n in documents)
+    assert document_lengths(seed=1) != documents
+    assert sum(document_lengths(count=4, total=8192, low=1000, high=3000, seed=3)) == 8192
+
+
+def test_varlen_suite_packs_eight_documents_into_32k():
+    (c,) = varlen_cases()
+    assert (c.suite, c.kind, c.batch, c.heads, c.kv_heads, c.head_dim) == ("varlen", "prefill", 1, 16, 4, 128)
+    assert c.documents == document_lengths() and c.seqlen_q == c.seqlen_k == 32768
+    assert (c.keep, c.mask, c.bias, c.modes) == (1 / 8, "block", "key", ("fwd", "fwdbwd"))
+    assert c.methods == ("flash-dma-varlen", "flex", "flash-dma-padded")
+    # Each document keeps 1/8 of its own blocks (at least one): summed, not 1/8 of the total's.
+    blocks = [-(-n // 128) for n in c.documents]
+    assert c.key_blocks == sum(blocks)
+    assert c.kept_blocks == sum(max(1, round(b / 8)) for b in blocks)
+    assert c.kept_text == f"{c.kept_blocks}/{c.key_blocks} per doc"
+    assert c.label == "S=32768 8 docs keep=1/8" and c.counts_work and not c.is_decode
+    assert c.shape_text().startswith("8 documents packed (lengths ") and c.shape_text().endswith("H=16 Hkv=4 D=128")
+    assert varlen_cases(quick=True) == [c]  # already one Flex compilation
+
+
+def test_kvcache_suite_decodes_over_full_caches():
+    cases = kvcache_cases()
+    assert [(c.batch, c.seqlen_k, c.keep, c.kv_layout) for c in cases] == [
+        (8, 32768, 1.0, "contiguous"), (8, 32768, 1.0, "paged"), (8, 32768, 1 / 8, "contiguous"),
+        (8, 32768, 1 / 8, "paged"), (1, 524288, 1 / 8, "contiguous"),
+    ]
+    for c in cases:
+        assert c.kind == "decode" and c.is_decode and c.uses_kv_cache and c.counts_work
+        assert (c.seqlen_q, c.mask, c.bias, c.modes) == (1, "random", "key", ("fwd",))
+        assert c.methods == ("flash-dma-kvcache",)
+        assert c.page_size == (256 if c.kv_layout == "paged" else None)
+    assert all((c.heads, c.kv_heads, c.head_dim) == (32, 8, 128) for c in cases[:4])
+    assert (cases[-1].heads, cases[-1].kv_heads, cases[-1].head_dim) == (2, 1, 64)
+    assert [c.label for c in cases[1:4]] == ["Sk=32768 keep=1 paged 256", "Sk=32768 keep=1/8 random contiguous",
+                                             "Sk=32768 keep=1/8 random paged 256"]
+    assert cases[2].kept_text == "4096/32768 keys" and cases[-1].kept_keys == 65536
+    assert kvcache_cases(quick=True) == cases[2:]
+    assert not build_cases("kvcache", modes=("fwdbwd",))

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from flash_dma.benchmark.targets import TARGETS, Target, evaluate, format_amount
@@ -13,9 +15,9 @@ def _by_name(checks):
 
 def test_every_target_passes_on_good_numbers():
     checks = evaluate(passing_results())
-    assert len(checks) == len(TARGETS) == 32
-    assert len({c.name for c in checks}) == 32
-    assert [c.status for c in checks] == ["PASS"] * 32, [c for c in checks if c.status != "PASS"]
+    assert len(checks) == len(TARGETS) == 42
+    assert len({c.name for c in checks}) == 42
+    assert [c.status for c in checks] == ["PASS"] * 42, [c for c in checks if c.status != "PASS"]
     values = _by_name(checks)
     assert values["llm keep 1/8 S=16K fwd: flash-dma / flex time"].value == 0.5
     assert values["llm keep 1/8 S=128K fwd+bwd: flash-dma / flex time"].value == 0.25
@@ -101,3 +103,53 @@ def test_first_call_rows_are_told_apart_by_cache():
             ms=7000.0)
     ]
     assert _by_name(evaluate(slow_generate))["new process, warm cache: Llama first generate"].status == "MISS"
+
+
+VARLEN_FLEX = "varlen 8 docs S=32K keep 1/8 fwd+bwd: flash-dma-varlen / flex time"
+VARLEN_PADDED = "varlen 8 docs S=32K keep 1/8 {}: flash-dma-varlen / flash-dma-padded time"
+KV_TBPS = "kvcache B=8 Sk=32K keep {} {}: flash-dma-kvcache TB/s over bytes read"
+KV_PAGED = "kvcache B=8 Sk=32K keep {}: flash-dma-kvcache time paged / contiguous"
+KV_LONG = "kvcache B=1 H=2 Sk=512K keep 1/8: flash-dma-kvcache time"
+
+
+def test_varlen_targets():
+    checks = _by_name(evaluate(passing_results()))
+    flex = checks[VARLEN_FLEX]
+    assert (flex.target, flex.value, flex.status) == ("<= 0.50x", 1.5 / 4.0, "PASS")
+    padded = checks[VARLEN_PADDED.format("fwd+bwd")]
+    assert (padded.target, padded.value, padded.status) == ("< 1.00x", 1.5 / 2.5, "PASS")
+    assert padded.detail == "flash-dma-varlen 1.5 ms, flash-dma-padded 2.5 ms"
+    assert checks[VARLEN_PADDED.format("fwd")].value == 0.5 / 0.7
+
+    slow = with_ms(passing_results(), "flash-dma-varlen", "fwdbwd", 2.5, suite="varlen")
+    checks = _by_name(evaluate(slow))
+    assert checks[VARLEN_FLEX].status == "MISS" and checks[VARLEN_FLEX].value == 2.5 / 4.0
+    assert checks[VARLEN_PADDED.format("fwd+bwd")].status == "MISS"  # as fast as padded is not faster
+    assert checks[VARLEN_PADDED.format("fwd")].status == "PASS"
+
+    no_flex = [r for r in passing_results() if not (r.case.suite == "varlen" and r.method == "flex")]
+    assert _by_name(evaluate(no_flex))[VARLEN_FLEX].status == "NO DATA"
+
+
+def test_kvcache_targets():
+    checks = _by_name(evaluate(passing_results()))
+    for keep in ("1", "1/8"):
+        contiguous, paged = checks[KV_TBPS.format(keep, "contiguous")], checks[KV_TBPS.format(keep, "paged")]
+        assert (contiguous.target, contiguous.unit, contiguous.value) == (">= 2.8 TB/s", "TB/s", 3.0)
+        assert paged.value == 2.9 and paged.detail == "52 µs, 2.9 TB/s"
+        ratio = checks[KV_PAGED.format(keep)]
+        assert (ratio.target, ratio.value, ratio.status) == ("<= 1.10x", pytest.approx(1.04), "PASS")
+        assert ratio.detail == "paged 52 µs, contiguous 50 µs"
+    long = checks[KV_LONG]
+    assert (long.target, long.unit, long.value, long.status) == ("<= 12 µs", "µs", pytest.approx(10.0), "PASS")
+    assert long.detail == "flash-dma-kvcache 10 µs, 1.75 TB/s"
+
+    results = [replace(r, gbps=2000.0) if r.case.kv_layout == "paged" and r.case.keep == 1 else r
+               for r in passing_results()]
+    results = with_ms(results, "flash-dma-kvcache", "fwd", 0.056, kv_layout="paged", keep=1 / 8)
+    results = with_ms(results, "flash-dma-kvcache", "fwd", 0.0125, seqlen_k=524288)
+    checks = _by_name(evaluate(results))
+    assert checks[KV_TBPS.format("1", "paged")].status == "MISS"
+    assert checks[KV_TBPS.format("1", "contiguous")].status == "PASS"
+    assert checks[KV_PAGED.format("1/8")].status == "MISS" and checks[KV_PAGED.format("1")].status == "PASS"
+    assert checks[KV_LONG].status == "MISS"

@@ -1,9 +1,12 @@
 """attn_implementation="flash_dma" in transformers: tiny random models (no downloads) against SDPA."""
 
+import copy
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, DogeConfig, LlamaConfig, modeling_utils
+from transformers import AutoModelForCausalLM, DogeConfig, GenerationConfig, LlamaConfig, modeling_utils
 from transformers.masking_utils import create_causal_mask, sliding_window_causal_mask_function
 
 from flash_dma.integrations.transformers import (
@@ -18,9 +21,12 @@ def twin_models(config):
     """The same random weights behind attn_implementation="sdpa" and "flash_dma", in eval mode."""
     register()
     torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    ours = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_NAME).eval()
+    # from_config writes the implementation into the config it is given: one copy per model, or both
+    # models would end up running the last one named.
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=ATTENTION_NAME).eval()
     ours.load_state_dict(reference.state_dict())
+    assert (reference.config._attn_implementation, ours.config._attn_implementation) == ("sdpa", ATTENTION_NAME)
     return reference, ours
 
 
@@ -35,11 +41,14 @@ def llama_pair():
     return twin_models(LlamaConfig(**TINY, max_position_embeddings=128))
 
 
-def token_batch(batch: int = 3, seqlen: int = 21, pad: int = 6):
+def token_batch(seqlen: int = 21, pads: tuple[int, ...] = (0, 6, 3)):
+    """Random prompts, one per entry of ``pads``, each left-padded (as for generation) by that many tokens."""
     gen = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, 97, (batch, seqlen), generator=gen)
-    attention_mask = torch.ones(batch, seqlen, dtype=torch.long)
-    attention_mask[1, :pad] = 0  # left padding, as for generation
+    input_ids = torch.randint(1, 97, (len(pads), seqlen), generator=gen)
+    attention_mask = torch.ones(len(pads), seqlen, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        attention_mask[row, :pad] = 0
+        input_ids[row, :pad] = 0  # pad_token_id, as a tokenizer would pad
     return input_ids, attention_mask
 
 
@@ -60,14 +69,44 @@ def test_logits_match_sdpa_with_padding(llama_pair):
     torch.testing.assert_close(actual[real], expected[real], atol=2e-5, rtol=1e-4)
 
 
-def test_generate_matches_sdpa(llama_pair):
+def generate_logits(model, input_ids, attention_mask, cache: str):
+    """Greedy generation: the tokens and the logits of every step, ``[steps, B, vocab]``."""
+    out = model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation=cache,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("pads", [(0, 0, 0), (0, 6, 3)], ids=["no-padding", "left-padding"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"], ids=["DynamicCache", "StaticCache"])
+def test_generate_matches_sdpa_at_every_step(llama_pair, cache, pads):
     reference, ours = llama_pair
-    input_ids, attention_mask = token_batch()
-    kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    expected = reference.generate(input_ids, **kwargs)
-    actual = ours.generate(input_ids, **kwargs)
-    assert actual.shape == (3, 21 + 6)
-    assert torch.equal(actual, expected)
+    input_ids, attention_mask = token_batch(pads=pads)
+    expected_tokens, expected_logits = generate_logits(reference, input_ids, attention_mask, cache)
+    actual_tokens, actual_logits = generate_logits(ours, input_ids, attention_mask, cache)
+    assert actual_logits.shape == (6, 3, 97)
+    torch.testing.assert_close(actual_logits, expected_logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(actual_tokens, expected_tokens)
+
+
+def test_continuous_batching_is_refused_with_the_alternatives(llama_pair):
+    # Continuous batching takes "flash_dma" for a flash kernel and hands it a paged cache; run on, it
+    # gave wrong tokens. generate_batch never raises: each failed request carries the error.
+    _, ours = llama_pair
+    config = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    results = ours.generate_batch(inputs=[[5, 7, 9], [3, 4]], generation_config=config, warmup=False)
+    assert len(results) == 2
+    for result in results.values():
+        assert result.generated_tokens == []
+        assert re.search(r"cache: flash_dma does not support .*paged attention.*got PagedAttentionCache", result.error)
+        assert 'attn_implementation="sdpa"' in result.error
 
 
 def test_gradients_match_sdpa(llama_pair):
@@ -98,6 +137,24 @@ def test_other_patterns_get_the_4d_mask_of_sdpa():
     keys, queries = torch.arange(9)[None, :], torch.arange(9)[:, None]
     expected = (keys <= queries) & (keys > queries - 3) & padding[:, None, None, :]
     assert mask.shape == (2, 1, 9, 9) and torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize(
+    "q_offset, kv_length, allow_is_causal_skip",
+    [(torch.tensor(0), 8, True), (0, 5, False)],
+    ids=["static-cache-prefill", "materialised-mask-requested"],
+)
+def test_mask_is_4d_where_none_would_be_wrong(q_offset, kv_length, allow_is_causal_skip):
+    # A static cache: 5 queries, 8 key slots of which 3 are empty. SDPA may use is_causal (top-left)
+    # there, flash-dma's bottom-right causal would attend the empty slots. Doge asks for the mask
+    # itself (allow_is_causal_skip=False), to add its dynamic mask onto it.
+    padding = torch.ones(2, 5, dtype=torch.bool)
+    mask = flash_dma_mask(
+        2, 5, kv_length, q_offset=q_offset, attention_mask=padding, allow_is_causal_skip=allow_is_causal_skip
+    )
+    keys, queries = torch.arange(kv_length)[None, :], torch.arange(5)[:, None]
+    expected = (keys <= queries).expand(2, 1, 5, kv_length)
+    assert mask is not None and torch.equal(mask, expected)
 
 
 class CausalLayer(torch.nn.Module):

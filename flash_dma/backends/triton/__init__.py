@@ -14,7 +14,7 @@ How the kernels walk a mask's sparsity is chosen here, from shapes alone (no hos
 
 from __future__ import annotations
 
-from flash_dma.backends.triton.ops import attention_op, key_list
+from flash_dma.backends.triton.ops import attention_op, key_list, kvcache_forward
 from flash_dma.block_mask import build_block_mask
 
 SMALL_PROBLEM = 1 << 24  # B x H x Sq x Sk
@@ -28,7 +28,7 @@ def _per_key(mask, num_heads: int, num_kv_heads: int) -> bool:
 def attention(problem):
     """Backend entry point: ``(out, lse)`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
     mask, block_mask = problem.attn_mask, problem.block_mask
-    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, _ = problem.shape
+    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, _ = problem.entries
     kv_lists = q_lists = keys = None
     list_block_q = list_block_k = 0
     if block_mask is None and mask is not None and batch * num_heads * seqlen_q * seqlen_k > SMALL_PROBLEM:
@@ -46,5 +46,25 @@ def attention(problem):
     left, right = problem.window
     return attention_op(
         problem.query, problem.key, problem.value, mask, problem.attn_bias, kv_lists, q_lists, keys,
-        list_block_q, list_block_k, problem.softmax_scale, left, right, problem.softcap, problem.deterministic,
+        problem.cu_seqlens_q, problem.cu_seqlens_k, list_block_q, list_block_k, problem.softmax_scale, left, right,
+        problem.softcap, problem.deterministic, problem.max_seqlen_q, problem.max_seqlen_k,
+    )
+
+
+def attention_with_cache(cached):
+    """Backend entry point of ``flash_dma_with_kvcache``: ``(out, lse)`` for a
+    :class:`~flash_dma.kv_cache.CachedProblem`. A large per-key mask becomes a key list, as above;
+    any other mask is read element-wise (decode masks are per key)."""
+    problem = cached.problem
+    mask = problem.attn_mask
+    batch, seqlen_q, num_heads, _ = problem.query.shape
+    num_kv_heads = problem.key.shape[2]
+    keys = None
+    if mask is not None and batch * num_heads * seqlen_q * cached.capacity > SMALL_PROBLEM and _per_key(mask, num_heads, num_kv_heads):
+        keys, mask = key_list(mask, cached.capacity), None
+    left, right = problem.window
+    return kvcache_forward(
+        problem.query, problem.key, problem.value, mask, problem.attn_bias, keys, cached.seqlens_k, cached.cache_rows,
+        cached.block_table, cached.page_size, cached.capacity, problem.softmax_scale, left, right, problem.softcap,
+        cached.num_splits,
     )

@@ -26,10 +26,12 @@ from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
     SPECIALIZED,
+    Sequences,
     broadcast_strides,
     common_arguments,
     common_layout,
     common_tensors,
+    grid_sizes,
     head_divisor,
     placeholder,
     tensor_layout,
@@ -49,6 +51,7 @@ from flash_dma.backends.triton.tiles import (
     load_tile,
     row_tile_scores,
     scores_log2,
+    sequence_span,
     split_range,
     tile_indices,
     tile_start,
@@ -183,7 +186,7 @@ def _flush_key_gradient(dbias_head, keys, key_real, stride_dbk, values, ATOMIC: 
     "stride_dbc", "stride_dbb", "stride_dbh", "stride_dbq", "stride_dbk", "dbias_head_div",
 ])
 def _dkdv_kernel(
-    Q, K, V, Mask, Bias, Walk,
+    Q, K, V, Mask, Bias, Walk, SeqQ, SeqK,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -200,7 +203,7 @@ def _dkdv_kernel(
     stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk, dbias_head_div,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DBIAS_HEAD_SHARED: tl.constexpr,
+    SEQ: tl.constexpr, DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DBIAS_HEAD_SHARED: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     chunk = tl.program_id(0)
@@ -209,7 +212,14 @@ def _dkdv_kernel(
     b = tl.program_id(2) // num_kv_heads
     kv_head = tl.program_id(2) % num_kv_heads
     group = num_heads // num_kv_heads
+    lse_rows = seqlen_q  # LSE and delta rows per (batch row, head): every query of the token tensors
+    b_tok, q_start, seqlen_q, k_start, seqlen_k = sequence_span(SeqQ, SeqK, b, seqlen_q, seqlen_k, SEQ)
+    if (pid_n * BLOCK_N >= seqlen_k) & (WALK != WALK_KEYS):
+        return  # a key tile past this entry's keys (the grid spans the longest)
     b64 = b.to(tl.int64)
+    b_tokens = b_tok.to(tl.int64)
+    q_offset = q_start.to(tl.int64)
+    k_offset = k_start.to(tl.int64)
     band_lo += seqlen_k - seqlen_q
     band_hi += seqlen_k - seqlen_q
 
@@ -218,8 +228,9 @@ def _dkdv_kernel(
         order = Walk + b64 * stride_wb + ((kv_head * group) // walk_head_div) * stride_wh
         kept = tl.load(order + walk_width + seqlen_k)
         slots = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        key_real = slots < seqlen_k
-        keys = tl.load(order + slots, mask=key_real, other=0)  # [BLOCK_N]
+        listed = slots < walk_width - 1
+        keys = tl.load(order + slots, mask=listed, other=0)  # [BLOCK_N]
+        key_real = listed & (keys < seqlen_k)  # a packed entry's list runs on over padding past its keys
         key_ok = slots < kept
         k_first = tl.min(tl.where(key_ok, keys, seqlen_k), 0)
         k_last = tl.max(tl.where(key_ok, keys, -1), 0)
@@ -253,8 +264,10 @@ def _dkdv_kernel(
     lo, interior_lo, interior_hi, hi = split_range(lo, interior_lo, interior_hi, hi, chunk, num_chunks)
 
     has_work = column_work > 0  # an empty column loads no keys
-    k = load_tile(K + b64 * stride_kb + kv_head * stride_kh, keys, key_ok & has_work, stride_ks, head_dim, True, BLOCK_D)
-    v = load_tile(V + b64 * stride_vb + kv_head * stride_vh, keys, key_ok & has_work, stride_vs, head_dim, True, BLOCK_D)
+    k_base = K + b_tokens * stride_kb + k_offset * stride_ks + kv_head * stride_kh
+    v_base = V + b_tokens * stride_vb + k_offset * stride_vs + kv_head * stride_vh
+    k = load_tile(k_base, keys, key_ok & has_work, stride_ks, head_dim, True, BLOCK_D)
+    v = load_tile(v_base, keys, key_ok & has_work, stride_vs, head_dim, True, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -263,9 +276,9 @@ def _dkdv_kernel(
     query_walk: tl.constexpr = WALK_BLOCKS if WALK == WALK_BLOCKS else WALK_DENSE
     for g in range(0, group):
         head = kv_head * group + g
-        q_base = Q + b64 * stride_qb + head * stride_qh
-        do_base = DO + b64 * stride_dob + head * stride_doh
-        lse_delta_offset = (b * num_heads + head).to(tl.int64) * seqlen_q
+        q_base = Q + b_tokens * stride_qb + q_offset * stride_qs + head * stride_qh
+        do_base = DO + b_tokens * stride_dob + q_offset * stride_dos + head * stride_doh
+        lse_delta_offset = (b_tokens * num_heads + head) * lse_rows + q_offset
         mask_head = Mask + b64 * stride_mb + (head // mask_head_div) * stride_mh
         bias_head = Bias + b64 * stride_bb + (head // bias_head_div) * stride_bh
         dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + (head // dbias_head_div) * stride_dbh
@@ -328,10 +341,10 @@ def _dkdv_kernel(
             _flush_key_gradient(dbias_head, keys, key_real, stride_dbk, dbias_keys, DBIAS_ATOMIC)
 
     offs_d = tl.arange(0, BLOCK_D)
-    rows = keys.to(tl.int64)[:, None]
+    rows = (k_offset + keys)[:, None]
     ok = key_real[:, None] & (offs_d < head_dim)[None, :]
-    dk_offsets = b64 * stride_dkb + kv_head * stride_dkh + rows * stride_dks + offs_d[None, :]
-    dv_offsets = b64 * stride_dvb + kv_head * stride_dvh + rows * stride_dvs + offs_d[None, :]
+    dk_offsets = b_tokens * stride_dkb + kv_head * stride_dkh + rows * stride_dks + offs_d[None, :]
+    dv_offsets = b_tokens * stride_dvb + kv_head * stride_dvh + rows * stride_dvs + offs_d[None, :]
     if num_chunks > 1 and column_work > 0:
         # The chunks of this key tile add their parts in chunk order, each waiting for its turn:
         # deterministic, and no atomics on the gradients themselves. Chunks of a tile are
@@ -370,7 +383,7 @@ def _dq_tiles(
         next_tile = tile_start(tiles, walk_position(j + 1, lo, gap_lo, gap_hi), tiles_per_block, WALK)
         keys, key_ok = tile_indices(tiles, tile, key_limit, BLOCK_N, WALK)  # [BLOCK_N]
         k, scores, s = row_tile_scores(  # [BLOCK_N, BLOCK_D], then [BLOCK_M, BLOCK_N]
-            q, offs_m, k_base, keys, key_ok, stride_ks, head_dim, band_lo, band_hi, bias_rows, stride_bk, mask_rows, stride_mk,
+            q, offs_m, k_base, keys, keys, key_ok, stride_ks, head_dim, band_lo, band_hi, bias_rows, stride_bk, mask_rows, stride_mk,
             scale_log2, softcap_log2, scale_over_cap, STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_D, DOT_PRECISION,
         )
         v = load_tile(v_base, keys, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
@@ -386,7 +399,7 @@ def _dq_tiles(
     "mask_head_div", "bias_head_div", "walk_head_div", "list_block_q", "list_block_k", "band_lo", "band_hi",
 ])
 def _dq_kernel(
-    Q, K, V, Mask, Bias, Walk,
+    Q, K, V, Mask, Bias, Walk, SeqQ, SeqK,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -401,21 +414,29 @@ def _dq_kernel(
     stride_dqb, stride_dqs, stride_dqh,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEQ: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) row tiles first, as in the forward
     b = tl.program_id(1) // num_heads
     head = tl.program_id(1) % num_heads
     kv_head = head // (num_heads // num_kv_heads)
+    lse_rows = seqlen_q
+    b_tok, q_start, seqlen_q, k_start, seqlen_k = sequence_span(SeqQ, SeqK, b, seqlen_q, seqlen_k, SEQ)
+    if pid_m * BLOCK_M >= seqlen_q:
+        return  # a row tile past this entry's queries (the grid spans the longest)
     b64 = b.to(tl.int64)
+    b_tokens = b_tok.to(tl.int64)
+    q_offset = q_start.to(tl.int64)
+    k_offset = k_start.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen_q
     q_row = tl.minimum(offs_m, seqlen_q - 1).to(tl.int64)  # rows past the end read the last row
-    q = load_tile(Q + b64 * stride_qb + head * stride_qh, offs_m, row_ok, stride_qs, head_dim, True, BLOCK_D)
-    do = load_tile(DO + b64 * stride_dob + head * stride_doh, offs_m, row_ok, stride_dos, head_dim, True, BLOCK_D)
-    lse2, delta = _load_lse2(Lse, Delta, (b * num_heads + head).to(tl.int64) * seqlen_q, offs_m, seqlen_q)
-    k_base = K + b64 * stride_kb + kv_head * stride_kh
-    v_base = V + b64 * stride_vb + kv_head * stride_vh
+    q_base = Q + b_tokens * stride_qb + q_offset * stride_qs + head * stride_qh
+    q = load_tile(q_base, offs_m, row_ok, stride_qs, head_dim, True, BLOCK_D)
+    do = load_tile(DO + b_tokens * stride_dob + q_offset * stride_dos + head * stride_doh, offs_m, row_ok, stride_dos, head_dim, True, BLOCK_D)
+    lse2, delta = _load_lse2(Lse, Delta, (b_tokens * num_heads + head) * lse_rows + q_offset, offs_m, seqlen_q)
+    k_base = K + b_tokens * stride_kb + k_offset * stride_ks + kv_head * stride_kh
+    v_base = V + b_tokens * stride_vb + k_offset * stride_vs + kv_head * stride_vh
     mask_rows = Mask + b64 * stride_mb + (head // mask_head_div) * stride_mh
     bias_rows = Bias + b64 * stride_bb + (head // bias_head_div) * stride_bh
     if not MASK_PER_KEY:
@@ -461,7 +482,7 @@ def _dq_kernel(
             STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
     offs_d = tl.arange(0, BLOCK_D)
-    dq_ptrs = DQ + b64 * stride_dqb + head * stride_dqh + offs_m.to(tl.int64)[:, None] * stride_dqs + offs_d[None, :]
+    dq_ptrs = DQ + b_tokens * stride_dqb + head * stride_dqh + (q_offset + offs_m)[:, None] * stride_dqs + offs_d[None, :]
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d < head_dim)[None, :])
 
 
@@ -472,13 +493,16 @@ delta_launcher = Launcher(
 )
 dkdv_launcher = Launcher(
     _dkdv_kernel,
-    tensors=("Q", "K", "V", "Mask", "Bias", "Walk", "DO", "Lse", "Delta", "DK", "DV", "DBias", "ScratchK", "ScratchV", "Turns"),
+    tensors=(
+        "Q", "K", "V", "Mask", "Bias", "Walk", "SeqQ", "SeqK",
+        "DO", "Lse", "Delta", "DK", "DV", "DBias", "ScratchK", "ScratchV", "Turns",
+    ),
     specialized=(*SPECIALIZED, *_GRADIENT_STRIDES, "stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh"),
     reset_to_zero=("DBias", "Turns"),
 )
 dq_launcher = Launcher(
     _dq_kernel,
-    tensors=("Q", "K", "V", "Mask", "Bias", "Walk", "DO", "Lse", "Delta", "DQ"),
+    tensors=("Q", "K", "V", "Mask", "Bias", "Walk", "SeqQ", "SeqK", "DO", "Lse", "Delta", "DQ"),
     specialized=(*SPECIALIZED, *_GRADIENT_STRIDES, "stride_dqb", "stride_dqs", "stride_dqh"),
 )
 
@@ -517,10 +541,12 @@ def query_chunks(seqlen_q: int) -> int:
     return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_CHUNK))
 
 
-def _launch_dkdv(q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks):
+def _launch_dkdv(
+    q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, sequences,
+):
     """The dK/dV launch of ``attention_backward``, with its fp32 scratch for query chunks."""
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
+    num_heads, head_dim, num_kv_heads = q.shape[2], q.shape[3], k.shape[2]
     device = q.device
     block_d = configs.head_dim_block(head_dim)
     list_block_q, list_block_k = settings[:2]
@@ -535,7 +561,7 @@ def _launch_dkdv(q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, de
     own = [dout, lse, delta, dk, dv, no_floats if dbias_acc is None else dbias_acc, scratch_k, scratch_v, turns]
 
     def build():
-        runtime, flags = common_arguments(q, k, v, mask, bias, q_lists, key_list, *settings)
+        runtime, flags = common_arguments(q, k, v, mask, bias, q_lists, key_list, *settings, sequences=sequences)
         dbias_slice = None if dbias_acc is None else dbias_acc[0]
         args = [
             *runtime, *own, *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
@@ -551,11 +577,11 @@ def _launch_dkdv(q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, de
         return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dkdv"), seqlen_q, list_block_q, list_block_k)
 
     layout = (
-        common_layout(q, k, v, mask, bias, walk), key_list is not None, *settings, dout.stride(),
+        common_layout(q, k, v, mask, bias, walk, sequences), key_list is not None, *settings, dout.stride(),
         chunks, *dbias_flags, tensor_layout(dbias_acc),
     )
     dkdv_launcher.launch(
-        layout, [*common_tensors(q, k, v, mask, bias, walk), *own], build, candidates,
+        layout, [*common_tensors(q, k, v, mask, bias, walk, sequences), *own], build, candidates,
         lambda meta: (chunks, cdiv(seqlen_k, meta["BLOCK_N"]), batch * num_kv_heads),
     )
 
@@ -581,27 +607,31 @@ def attention_backward(
     deterministic: bool,
     bias_requires_grad: bool,
     num_query_chunks: int | None = None,
+    sequences: Sequences | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the backward kernels; arguments as for ``attention_forward`` plus the forward's outputs.
 
     ``num_query_chunks`` overrides ``query_chunks`` (for tests).
 
-    Returns ``dq`` ``[B, Sq, H, D]``, ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` in the inputs' dtype, and
-    the bias gradient in the bias's shape and dtype (None when not asked for).
+    Returns ``dq`` ``[B, Sq, H, D]``, ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` in the inputs' dtype and
+    layout, and the bias gradient in the bias's shape and dtype (None when not asked for).
     """
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
+    num_heads, head_dim = q.shape[2], q.shape[3]
     device = q.device
     block_d = configs.head_dim_block(head_dim)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    delta = torch.empty(batch, num_heads, seqlen_q, dtype=torch.float32, device=device)
+    # Delta is per token: packed sequences need no bounds for it.
+    token_rows = q.shape[1]
+    delta = torch.empty(q.shape[0], num_heads, token_rows, dtype=torch.float32, device=device)
     delta_launcher.launch(
         (out.shape, out.stride(), dout.stride(), out.dtype, device), [out, dout, delta],
-        lambda: ([out, dout, delta, *out.stride()[:3], *dout.stride()[:3], seqlen_q, num_heads, head_dim, _DELTA_ROWS, block_d], (out.dtype, block_d)),
-        configs.single_program_config, lambda meta: (cdiv(seqlen_q, _DELTA_ROWS), batch * num_heads),
+        lambda: ([out, dout, delta, *out.stride()[:3], *dout.stride()[:3], token_rows, num_heads, head_dim, _DELTA_ROWS, block_d], (out.dtype, block_d)),
+        configs.single_program_config, lambda meta: (cdiv(token_rows, _DELTA_ROWS), q.shape[0] * num_heads),
     )
-    dk = torch.empty(batch, seqlen_k, num_kv_heads, head_dim, dtype=q.dtype, device=device)
+    dk = torch.empty(k.shape, dtype=q.dtype, device=device)
     dv = torch.empty_like(dk)
+    num_kv_heads = k.shape[2]
     chunks = num_query_chunks or query_chunks(seqlen_q)
     dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = None, DBIAS_NONE, False, False
     if bias is not None and bias_requires_grad:
@@ -611,14 +641,14 @@ def attention_backward(
     settings = (list_block_q, list_block_k, softmax_scale, window_left, window_right, softcap)
     _launch_dkdv(
         q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, delta, dk, dv,
-        dbias_acc, (dbias_kind, dbias_atomic, dbias_head_shared), chunks,
+        dbias_acc, (dbias_kind, dbias_atomic, dbias_head_shared), chunks, sequences,
     )
     # dQ is allocated once the dK/dV scratch is released, so the two never add up in the peak.
-    dq = torch.empty(batch, seqlen_q, num_heads, head_dim, dtype=q.dtype, device=device)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=device)
     dq_walk = key_list if key_list is not None else kv_lists
 
     def build_dq():
-        runtime, flags = common_arguments(q, k, v, mask, bias, kv_lists, key_list, *settings)
+        runtime, flags = common_arguments(q, k, v, mask, bias, kv_lists, key_list, *settings, sequences=sequences)
         args = [*runtime, dout, lse, delta, dq, *dout.stride()[:3], *dq.stride()[:3], *flags, block_d]
         key = (q.dtype, *flags, block_d, configs.length_bucket(seqlen_q), configs.length_bucket(seqlen_k), list_block_q, list_block_k)
         return args, key
@@ -627,8 +657,8 @@ def attention_backward(
         return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dq"), seqlen_q, list_block_q, list_block_k)
 
     dq_launcher.launch(
-        (common_layout(q, k, v, mask, bias, dq_walk), key_list is not None, *settings, dout.stride()),
-        [*common_tensors(q, k, v, mask, bias, dq_walk), dout, lse, delta, dq], build_dq, dq_candidates,
+        (common_layout(q, k, v, mask, bias, dq_walk, sequences), key_list is not None, *settings, dout.stride()),
+        [*common_tensors(q, k, v, mask, bias, dq_walk, sequences), dout, lse, delta, dq], build_dq, dq_candidates,
         lambda meta: (cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_heads),
     )
 

@@ -15,16 +15,30 @@ With SPLIT, the key range is cut into ``num_splits`` parts whose partial results
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import SPECIALIZED, common_arguments, common_layout, common_tensors
+from flash_dma.backends.triton.layout import (
+    SEQ_PACKED,
+    SPECIALIZED,
+    Sequences,
+    common_arguments,
+    common_layout,
+    common_tensors,
+    grid_sizes,
+    placeholder,
+    tensor_layout,
+)
 from flash_dma.backends.triton.tiles import (
     LN2,
     LOG2E,
+    SEQ_CACHE,
+    SEQ_PACKED,
     STAGE_EDGE,
     STAGE_INTERIOR,
     STAGE_PARTIAL,
@@ -32,7 +46,9 @@ from flash_dma.backends.triton.tiles import (
     WALK_DENSE,
     key_walk,
     load_tile,
+    page_rows,
     row_tile_scores,
+    sequence_span,
     tile_indices,
     tile_start,
     walk_position,
@@ -46,11 +62,11 @@ _KEYS_PER_SPLIT = 256  # fewer keys than this per split is not worth a split
 @triton.jit
 def _attn_fwd_tiles(
     acc, l_i, m_i, q, q_idx,
-    k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+    k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk, table_row, page_size, cache_last,
     tiles, tiles_per_block, key_limit, lo, hi, gap_lo, gap_hi,
     band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
     STAGE: tl.constexpr, WALK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr,
+    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, PAGED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over the key tiles at walk positions ``[lo, hi)`` less ``[gap_lo, gap_hi)``."""
@@ -59,8 +75,9 @@ def _attn_fwd_tiles(
     for j in range(0, count):
         next_tile = tile_start(tiles, walk_position(j + 1, lo, gap_lo, gap_hi), tiles_per_block, WALK)
         keys, key_ok = tile_indices(tiles, tile, key_limit, BLOCK_N, WALK)  # [BLOCK_N]
+        kv_rows = page_rows(table_row, keys, key_ok, page_size, cache_last, PAGED)
         _, _, s = row_tile_scores(  # [BLOCK_M, BLOCK_N]
-            q, q_idx, k_base, keys, key_ok, stride_ks, head_dim, band_lo, band_hi, bias_rows, stride_bk, mask_rows, stride_mk,
+            q, q_idx, k_base, keys, kv_rows, key_ok, stride_ks, head_dim, band_lo, band_hi, bias_rows, stride_bk, mask_rows, stride_mk,
             scale_log2, softcap_log2, scale_over_cap, STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_D, DOT_PRECISION,
         )
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
@@ -69,7 +86,7 @@ def _attn_fwd_tiles(
         p = tl.exp2(s - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(v_base, keys, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        v = load_tile(v_base, kv_rows, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
         m_i = m_new
         tile = next_tile
@@ -80,9 +97,10 @@ def _attn_fwd_tiles(
     "stride_wb", "stride_wh", "stride_wr", "walk_width", "num_heads", "num_kv_heads",
     "mask_head_div", "bias_head_div", "walk_head_div", "list_block_q", "list_block_k", "band_lo", "band_hi",
     "stride_lse_split", "stride_lse_b", "stride_lse_h", "stride_lse_q",
+    "stride_table", "page_size", "cache_rows_given", "cache_last",
 ])
 def _attn_fwd_kernel(
-    Q, K, V, Mask, Bias, Walk,
+    Q, K, V, Mask, Bias, Walk, SeqQ, SeqK,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -95,10 +113,10 @@ def _attn_fwd_kernel(
     Out, Lse,
     stride_o_split, stride_ob, stride_os, stride_oh,
     stride_lse_split, stride_lse_b, stride_lse_h, stride_lse_q,
-    rows,
+    rows, CacheRows, BlockTable, stride_table, page_size, cache_rows_given, cache_last,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
+    SEQ: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr, PAGED: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Last row tiles first: under a causal band they hold the most work, so the grid's tail is light.
@@ -106,11 +124,16 @@ def _attn_fwd_kernel(
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
     group = num_heads // num_kv_heads
+    b = pid_bh // (num_kv_heads if PACK_GQA else num_heads)
+    b_tok, q_start, seqlen_q, k_start, seqlen_k = sequence_span(SeqQ, SeqK, b, seqlen_q, seqlen_k, SEQ)
+    if SEQ == SEQ_PACKED:
+        rows = seqlen_q  # packed sequences never pack GQA heads
+    if pid_m * BLOCK_M >= rows:
+        return  # a row tile past this entry's queries (the grid spans the longest)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     if PACK_GQA:
         # Rows are (query, head-in-group) pairs, heads fastest: one program serves a whole group.
-        b = pid_bh // num_kv_heads
         kv_head = pid_bh % num_kv_heads
         q_idx = offs_m // group
         head = kv_head * group + offs_m % group
@@ -118,7 +141,6 @@ def _attn_fwd_kernel(
         q_lo = (pid_m * BLOCK_M) // group
         q_hi = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, rows) - 1) // group
     else:
-        b = pid_bh // num_heads
         head = pid_bh % num_heads
         kv_head = head // group
         q_idx = offs_m
@@ -128,21 +150,32 @@ def _attn_fwd_kernel(
     row_ok = offs_m < rows
     q_row = tl.minimum(q_idx, seqlen_q - 1).to(tl.int64)  # rows past the end read the last row
     b64 = b.to(tl.int64)
+    b_tokens = b_tok.to(tl.int64)
+    # The cache row of a cached entry (a paged cache is one pool of pages: its rows come from the table).
+    b_kv = b_tokens
+    if SEQ == SEQ_CACHE:
+        b_kv = tl.load(CacheRows + b, mask=cache_rows_given != 0, other=b)
+        b_kv = tl.minimum(tl.maximum(b_kv, 0), cache_last).to(tl.int64)  # as for pages (``page_rows``)
+    if PAGED:
+        b_kv = b_kv * 0
+    table_row = BlockTable + b64 * stride_table
 
     q = tl.load(  # [BLOCK_M, BLOCK_D]
-        Q + b64 * stride_qb + (q_row * stride_qs + head * stride_qh)[:, None] + offs_d[None, :],
+        Q + b_tokens * stride_qb + ((q_start + q_row) * stride_qs + head * stride_qh)[:, None] + offs_d[None, :],
         mask=row_ok[:, None] & (offs_d < head_dim)[None, :],
         other=0.0,
     )
-    k_base = K + b64 * stride_kb + kv_head * stride_kh
-    v_base = V + b64 * stride_vb + kv_head * stride_vh
+    kv_offset = k_start.to(tl.int64)
+    k_base = K + b_kv * stride_kb + kv_offset * stride_ks + kv_head * stride_kh
+    v_base = V + b_kv * stride_vb + kv_offset * stride_vs + kv_head * stride_vh
     # Per-key mask/bias: one base pointer shared by every row; otherwise one pointer per row.
+    # A cache's bias is stored with its keys, so it follows their rows.
     mask_rows = Mask + b64 * stride_mb
     if MASK_PER_KEY:
         mask_rows += (first_head // mask_head_div) * stride_mh
     else:
         mask_rows += (head // mask_head_div) * stride_mh + q_row * stride_mq
-    bias_rows = Bias + b64 * stride_bb
+    bias_rows = Bias + (b_kv if SEQ == SEQ_CACHE else b64) * stride_bb
     if BIAS_PER_KEY:
         bias_rows += (first_head // bias_head_div) * stride_bh
     else:
@@ -163,44 +196,48 @@ def _attn_fwd_kernel(
     if WALK == WALK_BLOCKS and HAS_MASK:
         acc, l_i, m_i = _attn_fwd_tiles(
             acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            table_row, page_size, cache_last,
             partial_tiles, tiles_per_block, key_limit, partial_lo, partial_hi, partial_hi, partial_hi,
             band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
     if WALK == WALK_DENSE and HAS_MASK:
         # A mask without a summary (small problems): every tile reads it.
         acc, l_i, m_i = _attn_fwd_tiles(
             acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            table_row, page_size, cache_last,
             tiles, tiles_per_block, key_limit, lo, hi, hi, hi,
             band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
     else:
         acc, l_i, m_i = _attn_fwd_tiles(
             acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            table_row, page_size, cache_last,
             tiles, tiles_per_block, key_limit, interior_lo, interior_hi, interior_hi, interior_hi,
             band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
         acc, l_i, m_i = _attn_fwd_tiles(
             acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            table_row, page_size, cache_last,
             tiles, tiles_per_block, key_limit, lo, hi, interior_lo, interior_hi,
             band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
 
     # Rows with no visible key: out = 0, lse = -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-    q_out = q_idx.to(tl.int64)
+    q_out = q_start + q_idx.to(tl.int64)
     tl.store(
-        Out + split * stride_o_split + b64 * stride_ob + (q_out * stride_os + head * stride_oh)[:, None] + offs_d[None, :],
+        Out + split * stride_o_split + b_tokens * stride_ob + (q_out * stride_os + head * stride_oh)[:, None] + offs_d[None, :],
         out.to(Out.dtype.element_ty),
         mask=row_ok[:, None] & (offs_d < head_dim)[None, :],
     )
     tl.store(
-        Lse + split * stride_lse_split + b64 * stride_lse_b + head * stride_lse_h + q_out * stride_lse_q,
+        Lse + split * stride_lse_split + b_tokens * stride_lse_b + head * stride_lse_h + q_out * stride_lse_q,
         lse,
         mask=row_ok,
     )
@@ -239,10 +276,23 @@ def _combine_splits_kernel(
 
 forward_launcher = Launcher(
     _attn_fwd_kernel,
-    tensors=("Q", "K", "V", "Mask", "Bias", "Walk", "Out", "Lse"),
+    tensors=("Q", "K", "V", "Mask", "Bias", "Walk", "SeqQ", "SeqK", "Out", "Lse", "CacheRows", "BlockTable"),
     specialized=(*SPECIALIZED, "stride_o_split", "stride_ob", "stride_os", "stride_oh", "rows"),
 )
 combine_launcher = Launcher(_combine_splits_kernel, tensors=("OutSplits", "LseSplits", "Out", "Lse"), specialized=("head_dim",))
+
+
+class CachePages(NamedTuple):
+    """How cached entries find their keys (``flash_dma_with_kvcache``).
+
+    ``rows``: ``[B]`` int32 cache row of each entry (``cache_batch_idx``), or None for row b.
+    ``block_table``: ``[B, max_pages]`` int32 page of each entry's ``page_size`` consecutive keys,
+    with K and V then a pool ``[1, pages * page_size, Hkv, D]``; or None for a contiguous cache.
+    """
+
+    rows: torch.Tensor | None
+    block_table: torch.Tensor | None
+    page_size: int
 
 
 def split_count(programs: int, seqlen_k: int, device: torch.device) -> int:
@@ -266,6 +316,8 @@ def attention_forward(
     window_right: int,
     softcap: float,
     num_splits: int | None = None,
+    sequences: Sequences | None = None,
+    cache: CachePages | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel.
 
@@ -276,38 +328,51 @@ def attention_forward(
         key_list: ``[Bm, Hm, 2, Sk + 1]`` int32 kept keys of a per-key mask (``key_list.py``), or None.
         list_block_q, list_block_k: the summary's block sizes, 0 for an axis of one block.
         num_splits: split-KV parts; None picks them from the problem and the GPU.
+        sequences: packed (varlen) or cached entries (``layout.Sequences``). Then B, Sq and Sk
+            above are the entries and their longest lengths; masks, biases and lists are per entry.
+        cache: with cached entries, where their keys are (then the bias, per key, is stored with
+            the keys: ``[B_cache, Hm, 1, S_cache]``, or ``[1, Hm, 1, pages * page_size]`` paged).
 
     Returns:
-        ``out`` ``[B, Sq, H, D]`` in q's dtype and ``lse`` ``[B, H, Sq]`` float32.
+        ``out`` and ``lse`` in the layout of q: ``[B, Sq, H, D]`` in q's dtype and ``[B, H, Sq]`` float32.
     """
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
+    num_heads, head_dim = q.shape[2], q.shape[3]
+    num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     walked = key_list if key_list is not None else kv_lists
     walk_heads = 1 if walked is None else walked.shape[1]
     # Packing a group's heads into one tile needs one walk shared by all of its rows.
-    pack_gqa = group > 1 and seqlen_q * group <= 64 and walk_heads in (1, num_kv_heads) and list_block_q == 0
+    pack_gqa = (
+        group > 1 and seqlen_q * group <= 64 and walk_heads in (1, num_kv_heads) and list_block_q == 0
+        and (sequences is None or sequences.kind != SEQ_PACKED)
+    )
     rows = seqlen_q * group if pack_gqa else seqlen_q
     if num_splits is None:
         programs = batch * (num_kv_heads if pack_gqa else num_heads) * cdiv(rows, 64)
         num_splits = split_count(programs, seqlen_k, q.device)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
 
-    out = torch.empty(batch, seqlen_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, num_heads, seqlen_q, dtype=torch.float32, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[0], num_heads, q.shape[1], dtype=torch.float32, device=q.device)
     if num_splits > 1:
-        out_target = torch.empty(num_splits, batch, seqlen_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
-        lse_target = torch.empty(num_splits, batch, seqlen_q, num_heads, dtype=torch.float32, device=q.device)
+        out_target = torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device)
+        lse_target = torch.empty(num_splits, q.shape[0], q.shape[1], num_heads, dtype=torch.float32, device=q.device)
     else:
         out_target, lse_target = out.unsqueeze(0), lse
     block_d = configs.head_dim_block(head_dim)
     heads = num_kv_heads if pack_gqa else num_heads
     decode = rows <= 64
+    no_ints = placeholder(q.device, torch.int32)
+    cache_rows = no_ints if cache is None or cache.rows is None else cache.rows
+    table = no_ints if cache is None or cache.block_table is None else cache.block_table
+    paged = cache is not None and cache.block_table is not None
+    cache_last = k.shape[1] // cache.page_size - 1 if paged else k.shape[0] - 1  # the last page, or cache row
 
     def build():
         runtime, flags = common_arguments(
             q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k,
-            softmax_scale, window_left, window_right, softcap, pack_gqa,
+            softmax_scale, window_left, window_right, softcap, pack_gqa, sequences,
         )
         if num_splits > 1:
             lse_strides = (lse_target.stride(0), lse_target.stride(1), lse_target.stride(3), lse_target.stride(2))
@@ -315,31 +380,36 @@ def attention_forward(
             lse_strides = (0, *lse.stride())
         args = [
             *runtime, out_target, lse_target, *out_target.stride()[:4], *lse_strides, rows,
-            *flags, pack_gqa, num_splits > 1, block_d,
+            cache_rows, table, table.stride(0) if paged else 0, cache.page_size if paged else 1,
+            int(cache is not None and cache.rows is not None), cache_last,
+            *flags, pack_gqa, num_splits > 1, paged, block_d,
         ]
-        key = (q.dtype, *flags, pack_gqa, num_splits > 1, block_d, decode, configs.length_bucket(seqlen_k), list_block_q, list_block_k)
+        key = (q.dtype, *flags, pack_gqa, num_splits > 1, paged, block_d, decode, configs.length_bucket(seqlen_k),
+               list_block_q, list_block_k)
         return args, key
 
     def candidates():
         return configs.fit_to_problem(configs.forward_candidates(q.device, block_d, decode), rows, list_block_q, list_block_k)
 
     layout = (
-        common_layout(q, k, v, mask, bias, walked), key_list is not None, list_block_q, list_block_k,
-        softmax_scale, window_left, window_right, softcap, num_splits,
+        common_layout(q, k, v, mask, bias, walked, sequences), key_list is not None, list_block_q, list_block_k,
+        softmax_scale, window_left, window_right, softcap, num_splits, tensor_layout(cache_rows), tensor_layout(table),
+        cache.page_size if paged else 0,
     )
     forward_launcher.launch(
-        layout, [*common_tensors(q, k, v, mask, bias, walked), out_target, lse_target], build, candidates,
-        lambda meta: (cdiv(rows, meta["BLOCK_M"]), batch * heads, num_splits),
+        layout, [*common_tensors(q, k, v, mask, bias, walked, sequences), out_target, lse_target, cache_rows, table],
+        build, candidates, lambda meta: (cdiv(rows, meta["BLOCK_M"]), batch * heads, num_splits),
     )
     if num_splits > 1:
         splits_block = configs.next_power_of_2(num_splits)
+        total_q = q.shape[0] * q.shape[1]
         combine_launcher.launch(
             (layout, splits_block), [out_target, lse_target, out, lse],
             lambda: (
-                [out_target, lse_target, out, lse, num_splits, seqlen_q, num_heads, head_dim,
+                [out_target, lse_target, out, lse, num_splits, q.shape[1], num_heads, head_dim,
                  out_target.stride(0), lse_target.stride(0), splits_block, block_d],
                 (splits_block, block_d),
             ),
-            configs.single_program_config, lambda meta: (batch * seqlen_q * num_heads,),
+            configs.single_program_config, lambda meta: (total_q * num_heads,),
         )
     return out, lse

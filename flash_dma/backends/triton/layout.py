@@ -2,9 +2,9 @@
 
 The three attention kernels (forward, dK/dV, dQ) begin with the same parameters, in this order:
 
-- runtime: ``Q, K, V, Mask, Bias, Walk`` and their strides, the sizes, the head divisors of the
+- runtime: ``Q, K, V, Mask, Bias, Walk, SeqQ, SeqK`` and their strides, the sizes, the head divisors of the
   broadcast inputs, the summary's block sizes, the band and the scales;
-- constexpr: ``HAS_MASK, HAS_BIAS, WALK, MASK_PER_KEY, BIAS_PER_KEY, SOFTCAP, DOT_PRECISION``.
+- constexpr: ``HAS_MASK, HAS_BIAS, WALK, MASK_PER_KEY, BIAS_PER_KEY, SOFTCAP, DOT_PRECISION, SEQ``.
 
 Each kernel adds its own parameters after each group (outputs, gradients, split and GQA flags),
 then ``BLOCK_D`` and the tile sizes. :func:`common_arguments` returns both groups, so that the
@@ -14,12 +14,14 @@ passes cannot disagree on how an input is read.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from flash_dma.backends.triton import tiles
 
 WALK_DENSE, WALK_BLOCKS, WALK_KEYS = (w.value for w in (tiles.WALK_DENSE, tiles.WALK_BLOCKS, tiles.WALK_KEYS))
+SEQ_FIXED, SEQ_PACKED, SEQ_CACHE = (s.value for s in (tiles.SEQ_FIXED, tiles.SEQ_PACKED, tiles.SEQ_CACHE))
 # Shared int parameters that Triton may specialise: strides and sizes in the address and bounds
 # arithmetic of row and mask/bias loads (a stride of 1 makes a per-key bias a contiguous load,
 # multiples of 16 let whole rows load as 16-byte vectors). The others never change the kernel.
@@ -75,22 +77,52 @@ def tensor_layout(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.shape, t.stride(), t.dtype)
 
 
-def common_tensors(q, k, v, mask, bias, walked) -> list:
-    """The six pointer arguments the kernels share: q, k, v, mask, bias and the walked lists."""
+class Sequences(NamedTuple):
+    """Where the batch entries lie in the token tensors, when not one per batch row (``tiles.sequence_span``).
+
+    ``SEQ_PACKED``: ``seq_q``/``seq_k`` are ``cu_seqlens_q``/``cu_seqlens_k`` ``[N + 1]`` int32 over
+    ``[1, total, heads, D]`` tensors, and ``batch`` = N entries of at most ``max_seqlen_q`` queries
+    and ``max_seqlen_k`` keys. ``SEQ_CACHE``: ``seq_k`` ``[B]`` int32 holds each entry's number of
+    keys in a cache of ``max_seqlen_k`` slots; ``seq_q`` is None.
+    """
+
+    kind: int
+    seq_q: torch.Tensor | None
+    seq_k: torch.Tensor
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def grid_sizes(q: torch.Tensor, k: torch.Tensor, sequences: Sequences | None) -> tuple[int, int, int]:
+    """``(entries, queries, keys)`` that the grids span: the tensors' own, or at most one entry's."""
+    if sequences is None:
+        return q.shape[0], q.shape[1], k.shape[1]
+    return sequences.batch, sequences.max_seqlen_q, sequences.max_seqlen_k
+
+
+def common_tensors(q, k, v, mask, bias, walked, sequences: Sequences | None = None) -> list:
+    """The eight pointer arguments the kernels share: q, k, v, mask, bias, the walked lists and
+    the two sequence tables."""
     device = q.device
+    none = placeholder(device, torch.int32)
+    seq_q = none if sequences is None or sequences.seq_q is None else sequences.seq_q
     return [
         q, k, v,
         placeholder(device, torch.uint8) if mask is None else kernel_view(mask),
         placeholder(device, torch.float32) if bias is None else bias,
-        placeholder(device, torch.int32) if walked is None else walked,
+        none if walked is None else walked,
+        seq_q,
+        none if sequences is None else sequences.seq_k,
     ]
 
 
-def common_layout(q, k, v, mask, bias, walked) -> tuple:
+def common_layout(q, k, v, mask, bias, walked, sequences: Sequences | None = None) -> tuple:
     """Everything :func:`common_arguments` reads of its tensors besides their addresses."""
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
         tensor_layout(mask), tensor_layout(bias), tensor_layout(walked),
+        None if sequences is None else sequences[3:] + (sequences.kind,),
     )
 
 
@@ -109,6 +141,7 @@ def common_arguments(
     window_right: int,
     softcap: float,
     pack_gqa: bool = False,
+    sequences: Sequences | None = None,
 ) -> tuple[list, list]:
     """``(runtime, constexprs)``: the shared parameters of the attention kernels, in order.
 
@@ -118,9 +151,12 @@ def common_arguments(
         lists: the block summary's lists this kernel walks (``kv_lists`` or ``q_lists``), or None.
         key_list: ``[Bm, Hm, 2, Sk + 1]`` int32 from ``key_list.build_key_list``, or None.
         pack_gqa: the forward packs a GQA group's heads into one tile's rows.
+        sequences: packed (varlen) or cached entries; None when every batch row is one entry.
     """
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    if sequences is not None and sequences.kind == SEQ_CACHE:
+        seqlen_k = sequences.max_seqlen_k  # the cache's slots per entry (a paged K is a pool of pages)
     group = num_heads // num_kv_heads
     walk = walk_kind(lists, key_list)
     walked = key_list if key_list is not None else lists
@@ -129,7 +165,7 @@ def common_arguments(
     # A per-key input is one row shared by a tile's query rows, unless packed rows mix heads it varies over.
     per_key = lambda t: t is not None and t.shape[2] == 1 and (not pack_gqa or t.shape[1] != num_heads or group == 1)  # noqa: E731
     runtime = [
-        *common_tensors(q, k, v, mask, bias, walked),
+        *common_tensors(q, k, v, mask, bias, walked, sequences),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *broadcast_strides(mask), *broadcast_strides(bias),
         *walk_strides[:3], 0 if walked is None else walked.shape[-1],
@@ -141,5 +177,6 @@ def common_arguments(
     constexprs = [
         mask is not None, bias is not None, walk, per_key(mask), per_key(bias), softcap > 0,
         "ieee" if q.dtype == torch.float32 else "tf32",
+        SEQ_FIXED if sequences is None else sequences.kind,
     ]
     return runtime, constexprs

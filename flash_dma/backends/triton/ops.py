@@ -14,8 +14,16 @@ import torch
 
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.block_summary import block_lists, block_state
-from flash_dma.backends.triton.forward import attention_forward
+from flash_dma.backends.triton.forward import CachePages, attention_forward
 from flash_dma.backends.triton.key_list import build_key_list
+from flash_dma.backends.triton.layout import SEQ_CACHE, SEQ_PACKED, Sequences
+
+
+def packed_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> Sequences | None:
+    """The kernels' description of packed (varlen) sequences, or None for a plain batch."""
+    if cu_seqlens_q is None:
+        return None
+    return Sequences(SEQ_PACKED, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k)
 
 
 @torch.library.custom_op("flash_dma::key_list", mutates_args=())
@@ -78,6 +86,8 @@ def _forward(
     kv_lists: torch.Tensor | None,
     q_lists: torch.Tensor | None,
     key_list: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
     list_block_q: int,
     list_block_k: int,
     softmax_scale: float,
@@ -85,10 +95,17 @@ def _forward(
     window_right: int,
     softcap: float,
     deterministic: bool,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)``; ``q_lists`` and ``deterministic`` are carried for the backward."""
+    """``(out, lse)``; ``q_lists`` and ``deterministic`` are carried for the backward.
+
+    With ``cu_seqlens_q``/``cu_seqlens_k`` (varlen), q, k and v are ``[1, total, heads, D]`` and
+    masks, biases and walks hold one row per sequence.
+    """
     return attention_forward(
-        q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softmax_scale, window_left, window_right, softcap
+        q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softmax_scale, window_left, window_right,
+        softcap, sequences=packed_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
     )
 
 
@@ -101,8 +118,7 @@ def _forward_fake(q, *_):
     return q.new_empty(batch, seqlen_q, num_heads, head_dim), q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
 
 
-@torch.library.custom_op("flash_dma::backward", mutates_args=())
-def backward_op(
+def _backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -114,6 +130,8 @@ def backward_op(
     kv_lists: torch.Tensor | None,
     q_lists: torch.Tensor | None,
     key_list: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
     list_block_q: int,
     list_block_k: int,
     softmax_scale: float,
@@ -121,14 +139,20 @@ def backward_op(
     window_right: int,
     softcap: float,
     deterministic: bool,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
     bias_requires_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dbias)``; dbias is empty when not asked for (custom ops return tensors)."""
     dq, dk, dv, dbias = attention_backward(
         dout, q, k, v, out, lse, mask, bias, kv_lists, q_lists, key_list, list_block_q, list_block_k,
         softmax_scale, window_left, window_right, softcap, deterministic, bias_requires_grad,
+        sequences=packed_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
     )
     return dq, dk, dv, q.new_empty(0) if dbias is None else dbias
+
+
+backward_op = torch.library.custom_op("flash_dma::backward", _backward, mutates_args=())
 
 
 @backward_op.register_fake
@@ -143,9 +167,9 @@ _BIAS_INPUT = 4  # position of the bias among the forward's inputs
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, kv_lists, q_lists, key_list, *settings = inputs
+    q, k, v, mask, bias, kv_lists, q_lists, key_list, cu_seqlens_q, cu_seqlens_k, *settings = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, bias, kv_lists, q_lists, key_list)
+    ctx.save_for_backward(q, k, v, out, lse, mask, bias, kv_lists, q_lists, key_list, cu_seqlens_q, cu_seqlens_k)
     ctx.settings = settings
     ctx.mark_non_differentiable(lse)
 
@@ -155,8 +179,8 @@ def _gradients(ctx, dout, backward):
     bias = saved[6]
     bias_requires_grad = bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
     dq, dk, dv, dbias = backward(dout, *saved, *ctx.settings, bias_requires_grad)
-    # One gradient per forward input: q, k, v, mask, bias, the three walks, then the settings.
-    return dq, dk, dv, None, dbias if bias_requires_grad else None, None, None, None, *([None] * len(ctx.settings))
+    # One gradient per forward input: q, k, v, mask, bias, the three walks, the sequences, then the settings.
+    return dq, dk, dv, None, dbias if bias_requires_grad else None, *([None] * (5 + len(ctx.settings)))
 
 
 torch.library.register_autograd(
@@ -164,7 +188,48 @@ torch.library.register_autograd(
 )
 
 
-_TENSOR_INPUTS = 8  # q, k, v, mask, bias and the three walks; the settings follow
+def _kvcache_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    key_list: torch.Tensor | None,
+    seqlens_k: torch.Tensor,
+    cache_rows: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    page_size: int,
+    capacity: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` over cached keys (``flash_dma_with_kvcache``); ``num_splits`` 0 chooses."""
+    return attention_forward(
+        q, k, v, mask, bias, None, key_list, 0, 0, softmax_scale, window_left, window_right, softcap,
+        num_splits=num_splits or None,
+        sequences=Sequences(SEQ_CACHE, None, seqlens_k, q.shape[0], q.shape[1], capacity),
+        cache=CachePages(cache_rows, block_table, page_size),
+    )
+
+
+kvcache_forward_op = torch.library.custom_op("flash_dma::kvcache_forward", _kvcache_forward, mutates_args=())
+
+
+@kvcache_forward_op.register_fake
+def _kvcache_forward_fake(q, *_):
+    batch, seqlen_q, num_heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
+
+
+def kvcache_forward(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_kvcache_forward``, through the custom op when compiling."""
+    return (kvcache_forward_op if torch.compiler.is_compiling() else _kvcache_forward)(*inputs)
+
+
+_TENSOR_INPUTS = 10  # q, k, v, mask, bias, the three walks and the two sequence tables; the settings follow
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -178,7 +243,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        return (*_gradients(ctx, dout, attention_backward)[:_TENSOR_INPUTS], None)
+        return (*_gradients(ctx, dout, _backward)[:_TENSOR_INPUTS], None)
 
 
 def attention_op(*inputs) -> tuple[torch.Tensor, torch.Tensor]:

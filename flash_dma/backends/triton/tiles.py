@@ -17,6 +17,10 @@ once for all kernels:
 
 - *Which elements of a tile need checks?* The constexpr ``STAGE``: ``STAGE_INTERIOR`` none,
   ``STAGE_EDGE`` bounds and band, ``STAGE_PARTIAL`` bounds, band and the element-wise mask.
+- *Where does a batch entry lie?* The constexpr ``SEQ``: ``SEQ_FIXED`` every entry spans the
+  whole tensors; ``SEQ_PACKED`` entries are sequences packed along the token axis of ``[1,
+  total, heads, D]`` tensors (varlen); ``SEQ_CACHE`` each entry holds its own number of keys in
+  a KV cache (decode). Masks, biases and walks are always indexed by the entry.
 - *What is a score?* ``softcap_fn(scale * q.k) + bias``, kept in the log2 domain so that the
   softmax uses ``exp2``.
 """
@@ -31,9 +35,49 @@ WALK_DENSE = tl.constexpr(0)
 WALK_BLOCKS = tl.constexpr(1)
 WALK_KEYS = tl.constexpr(2)
 
+SEQ_FIXED = tl.constexpr(0)
+SEQ_PACKED = tl.constexpr(1)
+SEQ_CACHE = tl.constexpr(2)
+
 STAGE_INTERIOR = tl.constexpr(0)
 STAGE_EDGE = tl.constexpr(1)
 STAGE_PARTIAL = tl.constexpr(2)
+
+
+@triton.jit
+def sequence_span(SeqQ, SeqK, b, seqlen_q, seqlen_k, SEQ: tl.constexpr):
+    """Where batch entry ``b`` lies: ``(b_tokens, q_start, seqlen_q, k_start, seqlen_k)``.
+
+    ``b_tokens`` indexes the batch axis of the query-side token tensors (Q, O, dO, dQ, LSE) and,
+    except in a cache, of K and V; rows of entry ``b`` start at ``q_start`` and ``k_start``. With
+    SEQ_PACKED, ``SeqQ`` and ``SeqK`` are ``cu_seqlens_q`` and ``cu_seqlens_k``; with SEQ_CACHE,
+    ``SeqK[b]`` is entry b's number of keys, at most the cache's ``seqlen_k``.
+    """
+    b_tokens = b
+    q_start = b * 0
+    k_start = b * 0
+    if SEQ == SEQ_PACKED:
+        b_tokens = b * 0
+        q_start = tl.load(SeqQ + b)
+        k_start = tl.load(SeqK + b)
+        seqlen_q = tl.load(SeqQ + b + 1) - q_start
+        seqlen_k = tl.load(SeqK + b + 1) - k_start
+    if SEQ == SEQ_CACHE:
+        seqlen_k = tl.minimum(tl.load(SeqK + b), seqlen_k)  # never past the cache, whatever the input
+    return b_tokens, q_start, seqlen_q, k_start, seqlen_k
+
+
+@triton.jit
+def page_rows(table_row, keys, key_ok, page_size, last_page, PAGED: tl.constexpr):
+    """Rows of a K/V cache that hold ``keys``: themselves, or with PAGED their slots in the pages
+    that ``table_row`` (one row of a block table) lists, in a ``[pages * page_size, ...]`` view.
+    Pages are clamped to ``[0, last_page]``: a bad table (unchecked inside a CUDA graph) reads
+    wrong keys, never outside the cache."""
+    rows = keys
+    if PAGED:
+        page = tl.load(table_row + keys // page_size, mask=key_ok, other=0)
+        rows = tl.minimum(tl.maximum(page, 0), last_page) * page_size + keys % page_size
+    return rows
 
 
 @triton.jit
@@ -272,21 +316,22 @@ def key_walk(
 
 @triton.jit
 def row_tile_scores(
-    q, q_idx, k_base, keys, key_ok, stride_ks, head_dim, band_lo, band_hi,
+    q, q_idx, k_base, keys, kv_rows, key_ok, stride_ks, head_dim, band_lo, band_hi,
     bias_rows, stride_bk, mask_rows, stride_mk, scale_log2, softcap_log2, scale_over_cap,
     STAGE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """The per-tile prologue of the kernels that own query rows (forward, dQ).
 
-    Loads the K tile of ``keys`` and returns it, the log2 scores of ``q`` against it before the
-    bias (for the softcap derivative) and the visible scores with the bias: ``[BLOCK_M, BLOCK_N]``.
+    Loads the K tile of ``keys`` (found at rows ``kv_rows`` of K and of the bias) and returns it,
+    the log2 scores of ``q`` against it before the bias (for the softcap derivative) and the
+    visible scores with the bias: ``[BLOCK_M, BLOCK_N]``.
     """
-    k = load_tile(k_base, keys, key_ok, stride_ks, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+    k = load_tile(k_base, kv_rows, key_ok, stride_ks, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
     scores = scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
     s = visible_scores(
         scores, q_idx[:, None], keys[None, :], key_ok[None, :], band_lo, band_hi,
-        key_pointers(bias_rows, keys, stride_bk, BIAS_PER_KEY, False),
+        key_pointers(bias_rows, kv_rows, stride_bk, BIAS_PER_KEY, False),
         key_pointers(mask_rows, keys, stride_mk, MASK_PER_KEY, False),
         HAS_BIAS, STAGE,
     )

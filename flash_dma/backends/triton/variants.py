@@ -3,7 +3,8 @@
 ``tools/compile_report.py`` compiles each for a GPU target with Triton's bundled ptxas and
 reports registers, spills and shared memory; the CPU test suite compiles them for sm90, which
 catches front-end errors that the interpreter lets through. One variant per code path that
-matters: each walk (dense, block lists, key lists), per-key and full inputs, softcap, decode.
+matters: each walk (dense, block lists, key lists), per-key and full inputs, softcap, decode,
+packed sequences (varlen) and a paged cache.
 
 Each is compiled as a typical launch specialises it: pointers 16-byte aligned, and the ints
 that the kernel's launcher lets Triton specialise divisible by 16 (without that, Triton cannot
@@ -17,14 +18,15 @@ from dataclasses import dataclass, field
 from flash_dma.backends.triton.block_summary import lists_launcher, state_launcher
 from flash_dma.backends.triton.backward import DBIAS_FULL, DBIAS_NONE, DBIAS_PER_KEY, dkdv_launcher, dq_launcher
 from flash_dma.backends.triton.forward import forward_launcher
-from flash_dma.backends.triton.key_list import key_list_launcher
+from flash_dma.backends.triton.key_list import count_launcher, key_list_launcher
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import WALK_BLOCKS, WALK_DENSE, WALK_KEYS
+from flash_dma.backends.triton.layout import SEQ_CACHE, SEQ_FIXED, SEQ_PACKED, WALK_BLOCKS, WALK_DENSE, WALK_KEYS
 
 # Pointer parameters that do not hold the input dtype; every other capitalised parameter does.
 _POINTER_TYPES = {
     "Mask": "*u8", "Walk": "*i32", "Lse": "*fp32", "Delta": "*fp32", "DBias": "*fp32",
     "ScratchK": "*fp32", "ScratchV": "*fp32", "Turns": "*i32", "State": "*i8", "KeyList": "*i32", "Lists": "*i32",
+    "SeqQ": "*i32", "SeqK": "*i32", "CacheRows": "*i32", "BlockTable": "*i32", "Counts": "*i32",
 }
 _FLOAT_SCALARS = ("scale", "scale_log2", "softcap_log2", "scale_over_cap")
 
@@ -66,11 +68,14 @@ class Variant:
         return signature
 
 
-_PER_KEY = dict(HAS_MASK=True, HAS_BIAS=True, WALK=WALK_BLOCKS, MASK_PER_KEY=True, BIAS_PER_KEY=True, SOFTCAP=False, DOT_PRECISION="tf32")
+_PER_KEY = dict(
+    HAS_MASK=True, HAS_BIAS=True, WALK=WALK_BLOCKS, MASK_PER_KEY=True, BIAS_PER_KEY=True, SOFTCAP=False, DOT_PRECISION="tf32",
+    SEQ=SEQ_FIXED,
+)
 _KEYS = dict(_PER_KEY, HAS_MASK=False, WALK=WALK_KEYS, MASK_PER_KEY=False)
 _DENSE = dict(_PER_KEY, HAS_MASK=False, WALK=WALK_DENSE, MASK_PER_KEY=False, BIAS_PER_KEY=False, SOFTCAP=True)
 _FULL_MASK = dict(_PER_KEY, MASK_PER_KEY=False, BIAS_PER_KEY=False)
-_FORWARD = dict(PACK_GQA=False, SPLIT=False, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
+_FORWARD = dict(PACK_GQA=False, SPLIT=False, PAGED=False, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
 _DKDV = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_D=128, DBIAS_HEAD_SHARED=True, DBIAS_ATOMIC=False)
 _DQ = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128)
 
@@ -80,15 +85,23 @@ VARIANTS = [
     Variant("forward-dense-softcap", forward_launcher, 8, 2, {**_DENSE, **_FORWARD}),
     Variant("forward-dense-mask", forward_launcher, 4, 3, {**_FULL_MASK, **_FORWARD, "WALK": WALK_DENSE, "BLOCK_M": 64, "BLOCK_N": 64}),
     Variant("forward-decode", forward_launcher, 4, 3, {**_KEYS, **_FORWARD, "PACK_GQA": True, "SPLIT": True, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_D": 64}),
+    Variant("forward-varlen", forward_launcher, 8, 2, {**_KEYS, **_FORWARD, "SEQ": SEQ_PACKED}),
+    Variant(
+        "forward-paged-decode", forward_launcher, 4, 3,
+        {**_KEYS, **_FORWARD, "SEQ": SEQ_CACHE, "PAGED": True, "PACK_GQA": True, "SPLIT": True, "BLOCK_M": 16, "BLOCK_D": 64},
+    ),
     Variant("forward-d256", forward_launcher, 8, 2, {**_KEYS, **_FORWARD, "BLOCK_N": 32, "BLOCK_D": 256}),
     Variant("dkdv-key-list", dkdv_launcher, 8, 2, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
+    Variant("dkdv-varlen", dkdv_launcher, 8, 2, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY, "SEQ": SEQ_PACKED}),
     Variant("dkdv-full-bias-atomic", dkdv_launcher, 8, 2, {**_FULL_MASK, **_DKDV, "DBIAS": DBIAS_FULL, "DBIAS_ATOMIC": True}),
     Variant("dkdv-dense-softcap", dkdv_launcher, 8, 2, {**_DENSE, **_DKDV, "DBIAS": DBIAS_NONE}),
     Variant("dkdv-dense-mask", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "WALK": WALK_DENSE, "DBIAS": DBIAS_PER_KEY, "BLOCK_M": 32, "BLOCK_N": 64}),
     Variant("dq-key-list", dq_launcher, 8, 2, {**_KEYS, **_DQ}),
+    Variant("dq-varlen", dq_launcher, 8, 2, {**_KEYS, **_DQ, "SEQ": SEQ_PACKED}),
     Variant("dq-full-mask", dq_launcher, 8, 2, {**_FULL_MASK, **_DQ}),
     Variant("dq-dense-mask", dq_launcher, 4, 3, {**_FULL_MASK, **_DQ, "WALK": WALK_DENSE, "BLOCK_M": 64, "BLOCK_N": 64}),
-    Variant("key-list", key_list_launcher, 4, 1, dict(CHUNK=1024)),
+    Variant("kept-count", count_launcher, 4, 1, dict(CHUNK=1024)),
+    Variant("key-list", key_list_launcher, 4, 1, dict(CHUNK=1024, CHUNKS=1024)),
     Variant("block-state", state_launcher, 4, 1, dict(ROWS=16, COLS=128)),
     Variant("block-lists", lists_launcher, 4, 1, dict(CHUNK=1024)),
 ]
