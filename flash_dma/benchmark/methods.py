@@ -316,14 +316,18 @@ class FlashDmaKvcache(Method):
         "decode over a KV cache: `flash_dma_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., "
         "block_table=..., attn_mask=mask, bias_cache=..., is_causal=True)`, q `[B, 1, H, D]`, the cache "
         "full (no new key appended: the call is attention alone), contiguous or paged (pages of 256 in "
-        "a shuffled block table), mask `[B, Hkv, 1, S]` of random kept keys, bias `[B|pages, S|256, Hkv]`"
+        "a shuffled block table), mask `[B, Hkv, 1, S]` of random kept keys (none at keep 1), bias "
+        "`[B|pages, S|256, Hkv]`"
     )
 
     def prepare(self, case: Case, inputs: CacheInputs) -> Prepared:
+        # Keep 1 is a plain decode: a caller that keeps every key passes no mask.
+        mask = None if case.keep == 1 else inputs.mask
+
         def forward() -> torch.Tensor:
             return flash_dma_with_kvcache(
                 inputs.query, inputs.k_cache, inputs.v_cache, cache_seqlens=inputs.cache_seqlens,
-                block_table=inputs.block_table, attn_mask=inputs.mask, bias_cache=inputs.bias_cache, is_causal=True,
+                block_table=inputs.block_table, attn_mask=mask, bias_cache=inputs.bias_cache, is_causal=True,
             )
 
         return Prepared(forward, ())

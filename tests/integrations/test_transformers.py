@@ -101,7 +101,11 @@ def test_continuous_batching_is_refused_with_the_alternatives(llama_pair):
     # gave wrong tokens. generate_batch never raises: each failed request carries the error.
     _, ours = llama_pair
     config = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    results = ours.generate_batch(inputs=[[5, 7, 9], [3, 4]], generation_config=config, warmup=False)
+    try:
+        results = ours.generate_batch(inputs=[[5, 7, 9], [3, 4]], generation_config=config, warmup=False)
+    except ValueError as error:  # some transformers versions refuse "paged|flash_dma" themselves, up front
+        assert 'attn_implementation="paged|flash_dma"` is not supported' in str(error)
+        return
     assert len(results) == 2
     for result in results.values():
         assert result.generated_tokens == []

@@ -101,6 +101,7 @@ def build_key_list(mask: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     batch, heads = mask.shape[:2]
     chunk = max(_CHUNK, configs.next_power_of_2(triton.cdiv(seqlen_k, _MAX_CHUNKS)))
     num_chunks = triton.cdiv(seqlen_k, chunk)
+    chunks_block = configs.next_power_of_2(num_chunks)
     key_list = torch.empty(batch, heads, 2, seqlen_k + 1, dtype=torch.int32, device=mask.device)
     counts = torch.empty(batch * heads, num_chunks, dtype=torch.int32, device=mask.device)
     view = kernel_view(mask)
@@ -109,13 +110,14 @@ def build_key_list(mask: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     layout = (tensor_layout(mask), seqlen_k)
     grid = lambda meta: (batch * heads, num_chunks)  # noqa: E731
     count_launcher.launch(
-        layout, [view, counts], lambda: ([view, counts, *mask_strides, seqlen_k, heads, chunk], ()),
+        layout, [view, counts], lambda: ([view, counts, *mask_strides, seqlen_k, heads, chunk], (chunk,)),
         configs.single_program_config, grid,
     )
     key_list_launcher.launch(
         layout, [view, counts, key_list],
-        lambda: ([view, counts, key_list, *mask_strides, *key_list.stride()[:2], seqlen_k, heads, chunk,
-                  configs.next_power_of_2(num_chunks)], ()),
+        # The constexprs go into the key, which picks the compiled kernel.
+        lambda: ([view, counts, key_list, *mask_strides, *key_list.stride()[:2], seqlen_k, heads, chunk, chunks_block],
+                 (chunk, chunks_block)),
         configs.single_program_config, grid,
     )
     return key_list
