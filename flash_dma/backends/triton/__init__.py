@@ -18,6 +18,10 @@ from flash_dma.backends.triton.ops import attention_op, key_list, kvcache_forwar
 from flash_dma.block_mask import build_block_mask
 
 SMALL_PROBLEM = 1 << 24  # B x H x Sq x Sk
+# A decode reads every key's K and V to serve a few query rows, so below SMALL_PROBLEM scores it
+# may still read far more than a key list costs (two launches, about 10 us on an H100): past this
+# many bytes of K and V, a per-key mask over a cache is gathered through a key list.
+KEY_LIST_CACHE_BYTES = 8 << 20
 
 
 def _per_key(mask, num_heads: int, num_kv_heads: int) -> bool:
@@ -53,14 +57,17 @@ def attention(problem):
 
 def attention_with_cache(cached):
     """Backend entry point of ``flash_dma_with_kvcache``: ``(out, lse)`` for a
-    :class:`~flash_dma.kv_cache.CachedProblem`. A large per-key mask becomes a key list, as above;
-    any other mask is read element-wise (decode masks are per key)."""
+    :class:`~flash_dma.kv_cache.CachedProblem`. A per-key mask becomes a key list when the problem
+    is large or the cache's K and V are (:data:`KEY_LIST_CACHE_BYTES`); any other mask is read
+    element-wise (decode masks are per key)."""
     problem = cached.problem
     mask = problem.attn_mask
     batch, seqlen_q, num_heads, _ = problem.query.shape
     num_kv_heads = problem.key.shape[2]
+    kv_bytes = 2 * batch * num_kv_heads * cached.capacity * problem.key.shape[3] * problem.key.element_size()
+    large = batch * num_heads * seqlen_q * cached.capacity > SMALL_PROBLEM or kv_bytes > KEY_LIST_CACHE_BYTES
     keys = None
-    if mask is not None and batch * num_heads * seqlen_q * cached.capacity > SMALL_PROBLEM and _per_key(mask, num_heads, num_kv_heads):
+    if mask is not None and large and _per_key(mask, num_heads, num_kv_heads):
         keys, mask = key_list(mask, cached.capacity), None
     left, right = problem.window
     return kvcache_forward(
