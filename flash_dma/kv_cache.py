@@ -74,8 +74,11 @@ def _check_bias_cache(bias_cache, k_cache: torch.Tensor, q: torch.Tensor) -> Non
         raise ValueError(f"bias_cache: expected device {q.device} (the device of q), got {bias_cache.device}")
 
 
-def _check_values(seqlens, new: int, capacity: int, cache_rows, rows: int, block_table, page_size: int, pages: int):
-    """The value checks that need the host to read device tensors (skipped inside graphs and traces)."""
+def _check_values(seqlens, new: int, capacity: int, cache_rows, block_table, page_size: int, blocks: int):
+    """The value checks that need the host to read device tensors (skipped inside graphs and traces).
+
+    ``blocks`` is the cache's first dimension: its rows, or with a block table its pages.
+    """
     lengths = seqlens.tolist()
     if min(lengths) < 0:
         raise ValueError(f"cache_seqlens: expected values >= 0, got {lengths}")
@@ -84,16 +87,16 @@ def _check_values(seqlens, new: int, capacity: int, cache_rows, rows: int, block
             f"cache_seqlens: an entry holds {max(lengths)} keys, and {new} new ones do not fit in its "
             f"{capacity} slots (cache_seqlens + new keys must be <= {capacity})"
         )
-    if cache_rows is not None and not all(0 <= r < rows for r in cache_rows.tolist()):
-        raise ValueError(f"cache_batch_idx: expected rows in [0, {rows}), got {cache_rows.tolist()}")
+    if cache_rows is not None and not all(0 <= r < blocks for r in cache_rows.tolist()):
+        raise ValueError(f"cache_batch_idx: expected rows in [0, {blocks}), got {cache_rows.tolist()}")
     if block_table is not None:
         used = [(n + new + page_size - 1) // page_size for n in lengths]
         table = block_table.tolist()
         for b, (row, count) in enumerate(zip(table, used)):
-            bad = [p for p in row[:count] if not 0 <= p < pages]
+            bad = [p for p in row[:count] if not 0 <= p < blocks]
             if bad:
                 raise ValueError(
-                    f"block_table: entry {b} uses pages {row[:count]}, of which {bad} are not in [0, {pages})"
+                    f"block_table: entry {b} uses pages {row[:count]}, of which {bad} are not in [0, {blocks})"
                 )
 
 
@@ -182,7 +185,7 @@ def normalize_kvcache_inputs(
     cache_rows = None if cache_batch_idx is None else cache_batch_idx.to(torch.int32)
     block_table = None if block_table is None else block_table.to(torch.int32)
     if batch > 0 and values_checkable(seqlens):
-        _check_values(seqlens, new, capacity, cache_rows, k_cache.shape[0], block_table, page_size, k_cache.shape[0])
+        _check_values(seqlens, new, capacity, cache_rows, block_table, page_size, k_cache.shape[0])
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 chooses), got {num_splits!r}")
 

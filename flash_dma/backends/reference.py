@@ -148,6 +148,15 @@ def _entry_rows(t: torch.Tensor | None, entry: int, rows: int, keys: int) -> tor
     return t[..., :keys] if t.shape[3] > 1 else t
 
 
+def _joined(problem, outs: list, lses: list, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entry-by-entry results joined along the token (``dim=1``) or batch (``dim=0``) axis of the
+    query; with no entry at all, the empty ``(out, lse)`` of the query's shape."""
+    if not outs:
+        query = problem.query
+        return query.new_zeros(query.shape), query.new_zeros(query.shape[0], query.shape[2], query.shape[1]).float()
+    return torch.cat(outs, dim=dim), torch.cat(lses, dim=2 if dim == 1 else 0)
+
+
 def packed_attention(problem, compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [1, total_q, H, D], lse [1, H, total_q])`` of packed sequences, one sequence at a time:
     each is an attention problem of its own, which is what the contract says."""
@@ -170,9 +179,7 @@ def packed_attention(problem, compute_dtype: torch.dtype = torch.float32) -> tup
         )
         outs.append(out)
         lses.append(lse)
-    if not outs:
-        return problem.query.new_zeros(problem.query.shape), problem.query.new_zeros(1, problem.query.shape[2], 0).float()
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+    return _joined(problem, outs, lses, dim=1)
 
 
 def attention_with_cache(cached) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,9 +203,7 @@ def attention_with_cache(cached) -> tuple[torch.Tensor, torch.Tensor]:
         )
         outs.append(out)
         lses.append(lse)
-    if not outs:
-        return problem.query.new_zeros(problem.query.shape), problem.query.new_zeros(0, problem.query.shape[2], seqlen_q).float()
-    return torch.cat(outs), torch.cat(lses)
+    return _joined(problem, outs, lses, dim=0)
 
 
 def attention(problem) -> tuple[torch.Tensor, torch.Tensor]:

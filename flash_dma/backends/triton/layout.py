@@ -122,7 +122,7 @@ def common_layout(q, k, v, mask, bias, walked, sequences: Sequences | None = Non
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
         tensor_layout(mask), tensor_layout(bias), tensor_layout(walked),
-        None if sequences is None else sequences[3:] + (sequences.kind,),
+        None if sequences is None else (sequences.kind, sequences.batch, sequences.max_seqlen_q, sequences.max_seqlen_k),
     )
 
 
