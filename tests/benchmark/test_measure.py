@@ -52,7 +52,9 @@ def test_host_time_is_per_call_synchronised_only_around_the_loop():
     wall_ms, cpu_ms = host_time_per_call(step, (forward.weight,), calls=50, synchronize=sync)
     assert forward.calls == 50 and sync.count == 2
     assert seen_grads == [None] * 50  # reset before every call, as zero_grad(set_to_none=True) does
-    assert 0.2 <= wall_ms < 5 and 0 < cpu_ms <= wall_ms * 1.5
+    # CPU time counts every thread of the process (other tests' threads under xdist too), so only
+    # its lower side is certain: the fake spins its 0.2 ms on this thread.
+    assert 0.2 <= wall_ms < 5 and cpu_ms >= 0.1
 
 
 def test_waiting_costs_wall_time_but_no_cpu_time():
