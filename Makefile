@@ -1,12 +1,15 @@
 # Two entry points, each self-installing into .venv:
 #   make demo   the main job
 #   make test   the test suite (CPU: kernels run under the Triton interpreter)
+# and one check of the stated version range's top end:
+#   make test-latest   the same suite in .venv-latest, with the newest torch, triton, numpy and
+#                      transformers that pip resolves today (no constraints; re-resolved each run)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test clean
+.PHONY: demo test test-latest clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,5 +22,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2
 
+# PyPI's Linux torch is the CUDA build (it runs on the CPU too, but brings some GB of nvidia-*
+# wheels): the CPU build of a new torch is only on PyTorch's own index (see README).
+LATEST := .venv-latest
+LATEST_BIN := $(LATEST)/bin
+
+$(LATEST)/bin/python:
+	$(PYTHON) -m venv $(LATEST)
+
+test-latest: $(LATEST)/bin/python
+	$(LATEST_BIN)/python -m pip install -qq --upgrade --upgrade-strategy eager -e '.[test,demo,hf]'
+	$(LATEST_BIN)/python -m pip list 2>/dev/null | grep -E -i '^(torch|triton|numpy|transformers) '
+	TRITON_INTERPRET=1 $(LATEST_BIN)/python -m pytest -q -n 2
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LATEST) .pytest_cache .hypothesis

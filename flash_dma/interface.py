@@ -53,7 +53,8 @@ def flash_dma_func(
             across layers and calls; without it the Triton backend builds one per call.
         deterministic: make the gradients bitwise reproducible.
         return_lse: also return the log-sum-exp of the scores.
-        backend: ``"triton"``, ``"reference"`` or None (Triton on CUDA, reference elsewhere).
+        backend: ``"triton"``, ``"flex"`` (PyTorch FlexAttention, CUDA), ``"reference"`` or None (Triton
+            on CUDA, reference elsewhere).
 
     Returns:
         ``out`` ``[B, Sq, H, D]`` in ``query.dtype``; with ``return_lse`` also ``lse`` ``[B, H, Sq]``
@@ -224,9 +225,13 @@ def flash_dma_with_kvcache(
 
 def flash_dma_func_auto(backend: str | None = None):
     """``flash_dma_func`` with ``backend`` fixed; None picks the best backend per call's device."""
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))} or None, got {backend!r}")
+    _check_backend_name(backend, BACKENDS)
     return functools.partial(flash_dma_func, backend=backend)
+
+
+def _check_backend_name(backend, names) -> None:
+    if backend is not None and backend not in names:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, names))} or None, got {backend!r}")
 
 
 def flash_dmattn_func(
@@ -240,11 +245,14 @@ def flash_dmattn_func(
     softcap: float | None = None,
     deterministic: bool | None = None,
     return_attn_probs: bool | None = None,
+    *,
+    backend: str | None = None,
 ):
     """Drop-in for the Flash-DMA / Flash-Sparse-Attention v1 entry point, with its argument order.
 
-    Shapes are those of :func:`flash_dma_func`. Unlike v1, causal masking is bottom-right
-    aligned, fully masked rows return 0, and softcap is the standard ``cap * tanh(x / cap)``.
+    Shapes are those of :func:`flash_dma_func`, and so is ``backend``. Unlike v1, causal masking is
+    bottom-right aligned, fully masked rows return 0, and softcap is the standard
+    ``cap * tanh(x / cap)`` (``docs/migration.md`` lists every difference).
 
     Returns:
         ``out`` ``[B, Sq, H, D]``; with ``return_attn_probs`` the tuple ``(out, lse, None)``:
@@ -261,8 +269,33 @@ def flash_dmattn_func(
         softcap=0.0 if softcap is None else softcap,
         deterministic=bool(deterministic),
         return_lse=True,
+        backend=backend,
     )
     return (out, lse, None) if return_attn_probs else out
 
 
 flash_sparse_attn_func = flash_dmattn_func
+
+# v1's backend names: its CUDA extension's place goes to the fastest GPU backend.
+V1_BACKENDS = {"cuda": "triton", "triton": "triton", "flex": "flex"}
+
+
+def flash_sparse_attn_func_auto(backend: str | None = None):
+    """v1's ``flash_sparse_attn_func_auto`` / ``flash_dmattn_func_auto``: :func:`flash_dmattn_func`
+    on a v1 backend.
+
+    Args:
+        backend: ``"cuda"`` (the Triton kernels, flash-dma's fastest GPU backend), ``"triton"``,
+            ``"flex"`` (PyTorch's FlexAttention), or None: the best backend for each call's device
+            (unlike v1, which raises on a machine without its CUDA extension).
+
+    Returns:
+        A function taking v1's arguments ``(query, key, value, attn_mask=None, attn_bias=None,
+        softmax_scale=None, is_causal=None, softcap=None, deterministic=None,
+        return_attn_probs=None)``, in that order, with the shapes of :func:`flash_dma_func`.
+    """
+    _check_backend_name(backend, tuple(V1_BACKENDS))
+    return functools.partial(flash_dmattn_func, backend=None if backend is None else V1_BACKENDS[backend])
+
+
+flash_dmattn_func_auto = flash_sparse_attn_func_auto

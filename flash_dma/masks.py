@@ -33,7 +33,7 @@ from flash_dma.block_mask import (
 from flash_dma.inputs import UNBOUNDED, check_choice, check_int
 from flash_dma.packed import packed_rows
 
-MASK_TYPES = ("topk", "relu")
+MASK_KINDS = ("topk", "relu")
 BLOCK_REDUCTIONS = ("max", "mean")
 # Mask elements expanded at a time by attended_fraction; bounds its temporary memory.
 _COUNT_CHUNK_ELEMENTS = 1 << 24
@@ -63,12 +63,15 @@ def _check_bias(attention_bias, expected: str) -> None:
         raise ValueError(f"attention_bias: expected a 4-D tensor {expected}, got shape {tuple(attention_bias.shape)}")
 
 
-def _allowed_keys(attention_mask, key_len: int, query_len: int | None, batch_size: int | None) -> torch.Tensor | None:
+def _allowed_keys(
+    attention_mask, key_len: int, query_len: int | None, batch_size: int | None, device: torch.device
+) -> torch.Tensor | None:
     """The caller's mask as a 4-D bool tensor (True = the key may be selected), or None.
 
     A 2-D padding mask ``[B, L]`` is aligned to the key axis: ``L == key_len`` covers every key, and
     ``L == query_len < key_len`` covers the newest keys (the queries' own tokens), the earlier ones
-    (a KV cache) counting as real tokens. A 4-D mask is returned as is (as bool).
+    (a KV cache) counting as real tokens. A 4-D mask is returned as is (as bool). It must be on
+    ``device`` (that of the bias).
     """
     if attention_mask is None:
         return None
@@ -76,6 +79,10 @@ def _allowed_keys(attention_mask, key_len: int, query_len: int | None, batch_siz
         raise TypeError(f"attention_mask: expected a torch.Tensor or None, got {type(attention_mask).__name__}")
     if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
         raise TypeError(f"attention_mask: expected a bool (True = keep) or 0/1 integer tensor, got {attention_mask.dtype}")
+    if attention_mask.device != device:
+        raise ValueError(
+            f"attention_mask: expected device {device} (the device of attention_bias), got {attention_mask.device}"
+        )
     allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
     if allowed.dim() == 4:
         if allowed.shape[-1] != key_len:
@@ -166,11 +173,13 @@ def create_mask(
     window_size: int,
     min_dtype: float | None = None,
     block_size: int | None = None,
-    type: str = "topk",
+    *,
+    kind: str = "topk",
 ) -> torch.Tensor:
     """A token-level dynamic mask: the keys with the largest bias, per row of the bias.
 
-    The arguments are those of the earlier Flash-DMA ``create_mask``. Unlike it, a window at least
+    The arguments are those of the earlier Flash-DMA ``create_mask``, except that its ``type`` is the
+    keyword ``kind`` here (``type`` would hide the builtin). Unlike it, a window at least
     as long as the keys keeps every allowed key, ties are broken deterministically (towards the
     lower key index), masked keys are never selected (also after block smoothing), and the result
     has the broadcast shape of its inputs: a per-key bias gives a per-key mask, never ``[Sq, Sk]``.
@@ -180,41 +189,41 @@ def create_mask(
             It is read under ``torch.no_grad``; no gradient flows through the selection.
         attention_mask: None, a 2-D padding mask ``[B, Sk]`` (or ``[B, Sq]`` covering the newest
             ``Sq`` keys, the earlier ones being a cache of real tokens), or a 4-D mask broadcastable
-            with the bias. Bool (True = may be selected) or 0/1 integer.
+            with the bias. Bool (True = may be selected) or 0/1 integer, on the bias's device.
         batch_size: B.
         query_len: Sq.
         key_len: Sk; the bias's last dimension.
-        window_size: with ``type="topk"``, the number of keys kept per row (all allowed keys when
-            ``window_size >= key_len``). Not used by ``type="relu"``.
+        window_size: with ``kind="topk"``, the number of keys kept per row (all allowed keys when
+            ``window_size >= key_len``). Not used by ``kind="relu"``.
         min_dtype: if given, keys whose bias is ``<= min_dtype`` count as masked (for a bias that
             already carries an additive mask, such as ``torch.finfo(dtype).min``).
         block_size: if given, after selection every run of ``block_size`` keys (the last one may be
             shorter) is kept whole if more than half of it was selected and dropped otherwise, so that
             whole tiles can be skipped; masked keys stay unselected.
-        type: ``"topk"``: the ``window_size`` largest-bias keys per row; ``"relu"``: the keys whose
+        kind: ``"topk"``: the ``window_size`` largest-bias keys per row; ``"relu"``: the keys whose
             bias is > 0.
 
     Returns:
         bool, the broadcast shape of ``attention_bias`` and the (aligned) ``attention_mask``;
         True = attend. Pass it as ``flash_dma_func(attn_mask=...)`` together with the bias.
     """
+    _check_bias(attention_bias, "[1|B, 1|Hkv|H, 1|Sq, Sk]")
     for name, value, minimum in (("batch_size", batch_size, 1), ("query_len", query_len, 1), ("key_len", key_len, 0)):
         check_int(name, value, minimum)
-    check_choice("type", type, MASK_TYPES)
-    _check_bias(attention_bias, "[1|B, 1|Hkv|H, 1|Sq, Sk]")
+    check_choice("kind", kind, MASK_KINDS)
     bias_batch, _, bias_rows, bias_keys = attention_bias.shape
     if bias_batch not in (1, batch_size) or bias_rows not in (1, query_len) or bias_keys != key_len:
         raise ValueError(
             f"attention_bias: expected shape [1|{batch_size}, heads, 1|{query_len}, {key_len}] for "
             f"batch_size={batch_size}, query_len={query_len}, key_len={key_len}, got {tuple(attention_bias.shape)}"
         )
-    if type == "topk":
+    if kind == "topk":
         check_int("window_size", window_size, 0)
     if min_dtype is not None and (isinstance(min_dtype, bool) or not isinstance(min_dtype, (int, float))):
         raise TypeError(f"min_dtype: expected a float or None, got {type(min_dtype).__name__} {min_dtype!r}")
     if block_size is not None:
         check_int("block_size", block_size, 1)
-    allowed = _allowed_keys(attention_mask, key_len, query_len, batch_size)
+    allowed = _allowed_keys(attention_mask, key_len, query_len, batch_size, attention_bias.device)
 
     with torch.no_grad():
         bias = attention_bias.detach()
@@ -223,7 +232,7 @@ def create_mask(
         bias, allowed = _broadcast("attention_mask", bias, allowed)
         if min_dtype is not None:
             allowed = allowed & (bias > min_dtype)
-        if type == "topk":
+        if kind == "topk":
             keep = _keep_largest(bias, allowed, window_size)
         else:
             keep = allowed & (bias > 0)
@@ -353,7 +362,7 @@ def topk_block_mask(
         raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__} {is_causal!r}")
     key_len = attention_bias.shape[-1]
     block_k = block_size[1]
-    allowed = _allowed_keys(attention_mask, key_len, query_len, None)
+    allowed = _allowed_keys(attention_mask, key_len, query_len, None, attention_bias.device)
     if allowed is not None and allowed.shape[2] != 1:
         raise ValueError(
             f"attention_mask: expected a per-key mask [1|B, 1|H, 1, Sk] (query dimension 1), got shape {tuple(allowed.shape)}"

@@ -237,6 +237,14 @@ def assert_close(name: str, actual, oracle, baseline, floor: float = 1e-5) -> No
     assert error <= allowed, f"{name}: max error {error:.3e} > allowed {allowed:.3e}"
 
 
+def assert_gradients_close(inputs: dict, oracle: dict, baseline: dict) -> None:
+    """Each leaf's ``.grad`` has its dtype and shape and passes :func:`assert_close`."""
+    for name, expected in oracle.items():
+        grad = inputs[name].grad
+        assert grad.dtype == inputs[name].dtype and grad.shape == inputs[name].shape, name
+        assert_close(name, grad, expected, baseline[name])
+
+
 # Every broadcast pattern of a mask or bias that the contract allows, for [B, H, Sq, Sk].
 BROADCAST_SHAPES = (
     "B,H,Sq,Sk",

@@ -66,7 +66,7 @@ BAD_INPUTS = [
     ("softcap-nan", dict(softcap=float("nan")), ValueError, r"softcap: expected a finite float >= 0"),
     ("scale-inf", dict(softmax_scale=float("inf")), ValueError, r"softmax_scale: expected a finite float or None, got inf"),
     ("causal-not-bool", dict(is_causal=1), TypeError, r"is_causal: expected a bool, got int 1"),
-    ("backend-unknown", dict(backend="cuda"), ValueError, r"backend: expected one of 'triton', 'reference' or None, got 'cuda'"),
+    ("backend-unknown", dict(backend="cuda"), ValueError, r"backend: expected one of 'triton', 'flex', 'reference' or None, got 'cuda'"),
     ("block-mask-type", dict(block_mask=_mask(B, H, SQ, SK)), TypeError, r"block_mask: expected a flash_dma.BlockMask"),
     ("block-mask-shape", dict(block_mask=build_block_mask(_mask(B, H, SQ, 20))), ValueError,
      r"block_mask: it was built for a mask of shape \(2, 4, 8, 20\), whose key length must be 1 or 12 for this call, got 20"),

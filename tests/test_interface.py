@@ -60,7 +60,7 @@ def test_auto_returns_the_function():
     attend = flash_dma_func_auto("reference")
     assert torch.equal(attend(**inputs), flash_dma_func(**inputs, backend="reference"))
     assert torch.equal(flash_dma_func_auto()(**inputs), flash_dma_func(**inputs))
-    with pytest.raises(ValueError, match=r"backend: expected one of 'triton', 'reference' or None, got 'flash'"):
+    with pytest.raises(ValueError, match=r"backend: expected one of 'triton', 'flex', 'reference' or None, got 'flash'"):
         flash_dma_func_auto("flash")
 
 

@@ -104,7 +104,7 @@ class TestCreateMask:
     def test_relu_keeps_positive_allowed_bias(self):
         bias = torch.tensor([[[[0.5, -1.0, 0.0, 2.0, 3.0]]]], device=DEVICE)
         padding = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool, device=DEVICE)
-        mask = create_mask(bias, padding, 1, 1, 5, 0, type="relu")
+        mask = create_mask(bias, padding, 1, 1, 5, 0, kind="relu")
         assert mask[0, 0, 0].int().tolist() == [1, 0, 0, 1, 0]
 
     def test_block_smoothing_keeps_majority_blocks_and_never_masked_keys(self):
@@ -132,7 +132,7 @@ class TestCreateMask:
     @pytest.mark.parametrize(
         "kwargs, error, message",
         [
-            (dict(type="soft"), ValueError, r"type: expected one of 'topk', 'relu', got 'soft'"),
+            (dict(kind="soft"), ValueError, r"kind: expected one of 'topk', 'relu', got 'soft'"),
             (dict(window_size=-1), ValueError, r"window_size: expected an int >= 0, got -1"),
             (dict(window_size=2.5), TypeError, r"window_size: expected an int, got float 2.5"),
             (dict(key_len=9), ValueError, r"attention_bias: expected shape \[1\|2, heads, 1\|3, 9\]"),
@@ -141,8 +141,17 @@ class TestCreateMask:
             (dict(attention_mask=torch.ones(3, 8, dtype=torch.bool)), ValueError, r"expected batch size 2"),
             (dict(attention_bias=torch.zeros(2, 1, 8)), ValueError, r"attention_bias: expected a 4-D tensor"),
             (dict(block_size=0), ValueError, r"block_size: expected an int >= 1, got 0"),
+            (dict(min_dtype="low"), TypeError, r"min_dtype: expected a float or None, got str 'low'"),
+            (
+                dict(attention_bias=torch.zeros(2, 1, 1, 8, device="meta"), attention_mask=torch.ones(2, 8, dtype=torch.bool)),
+                ValueError,
+                r"attention_mask: expected device meta \(the device of attention_bias\), got cpu",
+            ),
         ],
-        ids=["type", "window", "window-float", "bias-shape", "mask-length", "mask-float", "mask-batch", "bias-3d", "block"],
+        ids=[
+            "kind", "window", "window-float", "bias-shape", "mask-length", "mask-float", "mask-batch", "bias-3d", "block",
+            "min-dtype", "mask-device",
+        ],
     )
     def test_bad_arguments_are_named(self, kwargs, error, message):
         arguments = dict(
@@ -296,8 +305,13 @@ class TestTopkBlockMask:
             (dict(window_size=-3), ValueError, r"window_size: expected an int >= 0, got -3"),
             (dict(attention_mask=torch.ones(1, 1, 3, 64, dtype=torch.bool)), ValueError, r"expected a per-key mask"),
             (dict(attention_mask=torch.ones(2, 64, dtype=torch.bool)), ValueError, r"does not broadcast with attention_bias"),
+            (
+                dict(attention_bias=torch.zeros(3, 1, 1, 64, device="meta"), attention_mask=torch.ones(3, 64, dtype=torch.bool)),
+                ValueError,
+                r"attention_mask: expected device meta \(the device of attention_bias\), got cpu",
+            ),
         ],
-        ids=["bias-rows", "causal", "local", "reduce", "block", "window", "mask-rows", "mask-batch"],
+        ids=["bias-rows", "causal", "local", "reduce", "block", "window", "mask-rows", "mask-batch", "mask-device"],
     )
     def test_bad_arguments_are_named(self, kwargs, error, message):
         arguments = dict(attention_bias=torch.zeros(3, 1, 1, 64), window_size=16, block_size=(16, 16))

@@ -5,6 +5,8 @@ A backend is a module with ``attention(problem) -> (out, lse)`` for a validated
 
 - ``"triton"``: the Triton kernels. Available on CUDA devices, and on the CPU under the
   Triton interpreter (``TRITON_INTERPRET=1``, for tests).
+- ``"flex"``: PyTorch's FlexAttention (``flex.py``), compiled on CUDA, eager on the CPU. It
+  raises where Flex cannot meet the contract (packed sequences, KV caches, determinism).
 - ``"reference"``: exact, chunked PyTorch. Available everywhere; the default off CUDA.
 """
 
@@ -12,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from flash_dma.backends import reference
+from flash_dma.backends import flex, reference
 from flash_dma.backends import triton as triton_backend
 from flash_dma.backends.triton.configs import triton_interpreting
 
 # Modules, not names to import per call: torch.compile traces straight through the lookup.
-_MODULES = {"triton": triton_backend, "reference": reference}
+_MODULES = {"triton": triton_backend, "flex": flex, "reference": reference}
 BACKENDS = tuple(_MODULES)
 
 
@@ -29,6 +31,8 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
         if device.type == "cpu" and triton_interpreting():
             return None
         return f"it needs a CUDA device (got {device.type}; on the CPU it runs only under TRITON_INTERPRET=1)"
+    if name == "flex":
+        return flex.unavailable_reason(device)
     return None
 
 

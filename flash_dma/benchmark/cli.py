@@ -1,7 +1,8 @@
 """``flash-dma bench``: flash-dma against FlexAttention and SDPA, side by side in one process.
 
 Writes ``results.json``, ``results.md`` and ``results.png`` to ``--out`` and prints the target
-checks. Needs a CUDA GPU; on a machine without one it says so and returns 2.
+checks. Needs a CUDA GPU; on a machine without one it says so and returns 2. Its optional
+dependencies are the ``[bench]`` extra, which :mod:`flash_dma.cli` checks before importing this module.
 """
 
 from __future__ import annotations

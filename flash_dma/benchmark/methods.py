@@ -76,9 +76,16 @@ class Method:
 
 
 class FlashDma(Method):
-    def __init__(self, reuse_block_mask: bool):
+    def __init__(self, reuse_block_mask: bool, backend: str | None = None):
         self.reuse_block_mask = reuse_block_mask
-        if reuse_block_mask:
+        self.backend = backend
+        if backend == "flex":
+            self.name = "flash-dma-flex"
+            self.description = (
+                "`flash_dma_func(..., block_mask=bm, backend=\"flex\")`: flash-dma's contract on PyTorch's "
+                "FlexAttention, Flex's block mask made from flash-dma's summary inside every call"
+            )
+        elif reuse_block_mask:
             self.name = "flash-dma"
             self.description = (
                 "`flash_dma_func(q, k, v, attn_mask=mask, attn_bias=bias, is_causal=True, block_mask=bm)`. "
@@ -91,6 +98,9 @@ class FlashDma(Method):
             self.name = "flash-dma-percall"
             self.description = "`flash_dma_func` without `block_mask`: the summary is rebuilt inside every call"
 
+    def skip_reason(self, case: Case, mode: str, options: MethodOptions) -> str | None:
+        return _flex_skip_reason(case, mode, options) if self.backend == "flex" else None
+
     def prepare(self, case: Case, inputs: Inputs) -> Prepared:
         block_mask = inputs.block_mask
         if self.reuse_block_mask and case.mask == "block":
@@ -99,7 +109,7 @@ class FlashDma(Method):
         def forward() -> torch.Tensor:
             return flash_dma_func(
                 inputs.query, inputs.key, inputs.value, attn_mask=inputs.mask, attn_bias=inputs.bias,
-                is_causal=True, block_mask=block_mask,
+                is_causal=True, block_mask=block_mask, backend=self.backend,
             )
 
         return Prepared(forward, inputs.leaves)
@@ -219,6 +229,14 @@ def _compiled_flex() -> tuple[Callable, Callable]:
     return torch.compile(flex_attention, dynamic=False), torch.compile(create_block_mask, dynamic=False)
 
 
+def _flex_skip_reason(case: Case, mode: str, options: MethodOptions) -> str | None:
+    if case.is_decode and not options.flex_decode:
+        return "not run by default (38-300 ms a call at decode shapes); pass --flex-decode"
+    if case.needs_grad and case.bias != "none" and torch.__version__ < (2, 6):
+        return f"a gradient of a bias captured by score_mod needs torch >= 2.6 (this is {torch.__version__})"
+    return None
+
+
 class Flex(Method):
     name = "flex"
     description = (
@@ -229,11 +247,7 @@ class Flex(Method):
     )
 
     def skip_reason(self, case: Case, mode: str, options: MethodOptions) -> str | None:
-        if case.is_decode and not options.flex_decode:
-            return "not run by default (38-300 ms a call at decode shapes); pass --flex-decode"
-        if case.needs_grad and case.bias != "none" and torch.__version__ < (2, 6):
-            return f"a gradient of a bias captured by score_mod needs torch >= 2.6 (this is {torch.__version__})"
-        return None
+        return _flex_skip_reason(case, mode, options)
 
     def prepare(self, case: Case, inputs: Inputs) -> Prepared:
         flex_attention, create_block_mask = _compiled_flex()
@@ -504,6 +518,7 @@ METHODS: dict[str, Method] = {
     for method in (
         FlashDma(reuse_block_mask=True),
         FlashDma(reuse_block_mask=False),
+        FlashDma(reuse_block_mask=True, backend="flex"),
         Flex(),
         SdpaAdditive(),
         Sdpa(),

@@ -17,7 +17,7 @@ from flash_dma.benchmark.results import Result, select
 from flash_dma.benchmark.suites import SEED_SWEEP_LENGTH, format_fraction
 
 PALETTE = ("tab:red", "tab:orange", "tab:blue", "tab:purple", "tab:pink", "tab:gray", "tab:green", "tab:brown",
-           "tab:olive", "tab:cyan", "black", "gold")
+           "tab:olive", "tab:cyan", "black", "gold", "darkred")
 COLORS = dict(zip(METHODS, PALETTE, strict=True))
 LLM_PLOT_KEEP = 1 / 8
 

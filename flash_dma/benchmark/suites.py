@@ -49,8 +49,9 @@ KINDS = (*ATTENTION_KINDS, "host", "train", "generate")
 
 MASKED_METHODS = ("flash-dma", "flex", "sdpa-additive")
 DENSE_METHODS = ("sdpa-flash", "sdpa-cudnn")
-# The per-call summary variant shows what reusing the block mask saves; one suite is enough.
-LLM_MASKED_METHODS = ("flash-dma", "flash-dma-percall", "flex", "sdpa-additive")
+# The per-call summary variant shows what reusing the block mask saves, and the Flex backend what
+# flash-dma's contract costs on Flex; one suite is enough for both.
+LLM_MASKED_METHODS = ("flash-dma", "flash-dma-percall", "flash-dma-flex", "flex", "sdpa-additive")
 # cuDNN, the dense ceiling, is what the "vs cuDNN" column of the report compares each row with.
 CEILING = "sdpa-cudnn"
 

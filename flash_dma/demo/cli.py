@@ -2,7 +2,8 @@
 
 The CPU configuration (the default) is sized to finish within three minutes on two cores using
 the reference backend; ``--device cuda`` runs a 1K-token configuration on the Triton kernels, with
-whole key blocks selected so that the kernels skip the rest.
+whole key blocks selected so that the kernels skip the rest. Its optional dependencies are the
+``[demo]`` extra, which :mod:`flash_dma.cli` checks before importing this module.
 """
 
 from __future__ import annotations

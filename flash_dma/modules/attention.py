@@ -194,7 +194,8 @@ class DynamicMaskAttention(nn.Module):
         """Attend over the selected keys.
 
         Args:
-            hidden_states: ``[B, S, E]``.
+            hidden_states: ``[B, S, E]``, of this layer's parameter dtype (any dtype under autocast).
+                S may be 0.
             attention_mask: ``[B, S]`` padding mask, bool or 0/1 (True = real token), or None.
                 Must be None with a cache: cached sequences hold no padding.
             position_ids: ``[1|B, S]`` int positions for the rotary embedding; defaults to
@@ -211,11 +212,19 @@ class DynamicMaskAttention(nn.Module):
             ``[B, S, E]``; with ``return_selection``, the pair ``(output, selection)``. With a
             cache, the selection is ``{"attn_mask": [B, Hkv, 1|S, L+S] bool or None, "block_mask":
             None}``: the keys each new query may attend before the causal limit (one row shared by
-            all queries, or one per query with per-query-block selection; None when dense).
+            all queries, or one per query with per-query-block selection; None when dense). An empty
+            sequence (S = 0) gives ``[B, 0, E]``, with every parameter in its graph, and the
+            selection ``{"attn_mask": None, "block_mask": None}``; a cache is left as it is.
         """
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"hidden_states: expected [B, S, {self.hidden_size}], got shape {tuple(hidden_states.shape)}"
+            )
+        dtype = self.q_proj.weight.dtype
+        # Under autocast the projections run in its dtype, whatever the input's; otherwise they need the parameters'.
+        if hidden_states.dtype != dtype and not torch.is_autocast_enabled(hidden_states.device.type):
+            raise TypeError(
+                f"hidden_states: expected dtype {dtype} (the dtype of this layer's parameters), got {hidden_states.dtype}"
             )
         batch, seqlen, _ = hidden_states.shape
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, seqlen):
@@ -234,7 +243,12 @@ class DynamicMaskAttention(nn.Module):
                 position_ids = torch.arange(past, past + seqlen, device=hidden_states.device)[None, :]
             query, key = self.rotary(query, position_ids), self.rotary(key, position_ids)
         bias = self.key_importance(value)
-        if cache is None:
+        if seqlen == 0:
+            # No query to select keys for (create_mask needs one), and nothing to append to a cache:
+            # attention over the empty sequence gives the empty output, as nn.MultiheadAttention's does.
+            selection = {"attn_mask": None, "block_mask": None}
+            out = flash_dma_func(query, key, value, attn_bias=bias, backend=self.backend)
+        elif cache is None:
             selection = self.select(bias, attention_mask)
             out = flash_dma_func(query, key, value, attn_bias=bias, is_causal=self.is_causal, backend=self.backend, **selection)
         else:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_dma.block_mask import EMPTY
-from flash_dma.modules import DynamicMaskAttention, RotaryEmbedding
+from flash_dma.modules import DynamicMaskAttention, KVCache, RotaryEmbedding
 from tests.helpers import DEVICE
 from tests.test_masks import brute_force_topk
 
@@ -193,3 +193,47 @@ def test_bad_inputs_are_named():
         layer(torch.zeros(2, 5, 16, device=DEVICE))
     with pytest.raises(ValueError, match=r"attention_mask: expected shape \(2, 5\) \[B, S\], got \(2, 6\)"):
         layer(torch.zeros(2, 5, HIDDEN, device=DEVICE), torch.ones(2, 6, dtype=torch.bool, device=DEVICE))
+    expected = r"hidden_states: expected dtype torch.float32 \(the dtype of this layer's parameters\), got torch.float16"
+    with pytest.raises(TypeError, match=expected):
+        layer(torch.zeros(2, 5, HIDDEN, dtype=torch.float16, device=DEVICE))
+
+
+def test_autocast_takes_inputs_of_its_own_dtype():
+    layer = make_layer(window_size=8)
+    x, _ = make_inputs()
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        out = layer(x.bfloat16())
+    assert out.shape == x.shape and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+EMPTY_SEQUENCE_SELECTIONS = {
+    "token": dict(window_size=8),
+    "dense": dict(window_size=None),
+    "block-local": dict(window_size=16, block_size=16, local_blocks=1),
+}
+
+
+@pytest.mark.parametrize("kwargs", EMPTY_SEQUENCE_SELECTIONS.values(), ids=EMPTY_SEQUENCE_SELECTIONS.keys())
+def test_empty_sequence_gives_an_empty_output_with_gradients(kwargs):
+    layer = make_layer(qk_norm=True, **kwargs)
+    x = torch.zeros(2, 0, HIDDEN, device=DEVICE, requires_grad=True)
+    out, selection = layer(x, torch.ones(2, 0, dtype=torch.bool, device=DEVICE), return_selection=True)
+    assert out.shape == (2, 0, HIDDEN) and selection == {"attn_mask": None, "block_mask": None}
+    out.sum().backward()
+    assert x.grad.shape == x.shape
+    for name, parameter in layer.named_parameters():
+        assert parameter.grad is not None and not parameter.grad.any(), name
+
+
+@pytest.mark.parametrize("kwargs", EMPTY_SEQUENCE_SELECTIONS.values(), ids=EMPTY_SEQUENCE_SELECTIONS.keys())
+def test_empty_sequence_leaves_a_cache_as_it_is(kwargs):
+    layer = make_layer(**kwargs)
+    x, _ = make_inputs(seqlen=6)
+    cache = KVCache(2, 8, KV_HEADS, HIDDEN // HEADS, device=DEVICE)
+    with torch.no_grad():
+        layer(x[:, :5], cache=cache)
+        empty = layer(x[:, :0], cache=cache)
+        after = layer(x[:, 5:], cache=cache)
+        expected = layer(x)[:, 5:]
+    assert empty.shape == (2, 0, HIDDEN) and cache.length == 6
+    torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-4)

@@ -253,7 +253,8 @@ def _dkdv_kernel(
     # mask most columns are empty: they load nothing and take no part in the ordered accumulation.
     column_work = hi - lo
     if WALK == WALK_BLOCKS:
-        tiles_per_block = tl.where(list_block_q > 0, list_block_q // BLOCK_M, tl.cdiv(seqlen_q, BLOCK_M))
+        # At least 1: an empty varlen entry (seqlen 0) has no tiles, yet its walk divides by this.
+        tiles_per_block = tl.where(list_block_q > 0, list_block_q // BLOCK_M, tl.maximum(tl.cdiv(seqlen_q, BLOCK_M), 1))
         summary_row = tl.where(list_block_k > 0, pid_n // tl.maximum(list_block_k // BLOCK_N, 1), 0)
         column_work = 0
         for g in range(0, group):
@@ -263,11 +264,13 @@ def _dkdv_kernel(
     # This program's share of the column's query tiles (see the ordered accumulation at the end).
     lo, interior_lo, interior_hi, hi = split_range(lo, interior_lo, interior_hi, hi, chunk, num_chunks)
 
-    has_work = column_work > 0  # an empty column loads no keys
+    # An empty column loads no keys. A where, not `key_ok & (column_work > 0)`: the Triton 3.9
+    # interpreter broadcasts a scalar comparison into int32 data, which its masked loads refuse.
+    load_ok = tl.where(column_work > 0, key_ok, False)
     k_base = K + b_tokens * stride_kb + k_offset * stride_ks + kv_head * stride_kh
     v_base = V + b_tokens * stride_vb + k_offset * stride_vs + kv_head * stride_vh
-    k = load_tile(k_base, keys, key_ok & has_work, stride_ks, head_dim, True, BLOCK_D)
-    v = load_tile(v_base, keys, key_ok & has_work, stride_vs, head_dim, True, BLOCK_D)
+    k = load_tile(k_base, keys, load_ok, stride_ks, head_dim, True, BLOCK_D)
+    v = load_tile(v_base, keys, load_ok, stride_vs, head_dim, True, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)

@@ -220,7 +220,10 @@ def load_tile(base, rows, row_ok, stride, head_dim, CHECK: tl.constexpr, BLOCK_D
 @triton.jit
 def tanh(x):
     # Odd-symmetric form that neither overflows nor loses precision near 0 as much as 1 - 2/(e^2x + 1).
-    e = tl.exp2(-2.0 * LOG2E * tl.abs(x))
+    # Tensor first: under the Triton >= 3.7 interpreter, `constexpr * tensor` makes a constexpr
+    # holding a tensor, which tl.exp2 refuses ("cannot convert ... to tensor"). The compiler makes
+    # the same PTX either way (sm90, triton 3.6).
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
 
@@ -305,7 +308,8 @@ def key_walk(
     partial_lo = lo
     partial_hi = lo
     if WALK == WALK_BLOCKS:
-        tiles_per_block = tl.where(list_block_k > 0, list_block_k // BLOCK_N, tl.cdiv(seqlen_k, BLOCK_N))
+        # At least 1: an empty varlen entry (seqlen 0) has no tiles, yet its walk divides by this.
+        tiles_per_block = tl.where(list_block_k > 0, list_block_k // BLOCK_N, tl.maximum(tl.cdiv(seqlen_k, BLOCK_N), 1))
         partial_tiles = walk + row_offset
         tiles = partial_tiles + 2 * walk_width
         partial_lo, partial_hi, lo, interior_lo, interior_hi, hi = listed_tiles(

@@ -9,6 +9,7 @@ from tests.helpers import (
     KERNEL_DTYPES,
     Case,
     assert_close,
+    assert_gradients_close,
     broadcast_cases,
     listed_variants,
     make_inputs,
@@ -52,10 +53,7 @@ def test_gradients_match_reference(case, dtype, poison_outputs):
     _, dout = _gradients(case, inputs)
     _, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
     _, _, baseline = reference_outputs(case, inputs, dout, dtype)
-    for name, expected in oracle.items():
-        grad = inputs[name].grad
-        assert grad.dtype == inputs[name].dtype and grad.shape == inputs[name].shape, name
-        assert_close(name, grad, expected, baseline[name])
+    assert_gradients_close(inputs, oracle, baseline)
 
 
 @pytest.mark.parametrize(
@@ -109,8 +107,7 @@ def test_long_sequence_gradients(case, poison_outputs):
     _, dout = _gradients(case, inputs)
     _, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
     _, _, baseline = reference_outputs(case, inputs, dout, dtype)
-    for name, expected in oracle.items():
-        assert_close(name, inputs[name].grad, expected, baseline[name])
+    assert_gradients_close(inputs, oracle, baseline)
 
 
 @pytest.mark.parametrize("chunks", [2, 3], ids=lambda c: f"chunks{c}")

@@ -12,7 +12,7 @@ import flash_dma.backends.triton as triton_backend
 from flash_dma import build_block_mask, flash_dma_varlen_func, topk_block_mask
 from flash_dma.backends.reference import packed_attention
 from flash_dma.packed import normalize_varlen_inputs, sequence_rows
-from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, assert_close, guarded
+from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, assert_close, assert_gradients_close, guarded
 
 
 @dataclass(frozen=True)
@@ -143,10 +143,7 @@ def test_varlen_matches_reference(case, dtype, poison_outputs):
     assert out.shape == inputs["q"].shape and lse.shape == (case.heads, sum(case.lens_q))
     assert_close("out", out, oracle_out, base_out)
     assert_close("lse", lse, oracle_lse, base_lse)
-    for name, expected in oracle.items():
-        grad = inputs[name].grad
-        assert grad.shape == inputs[name].shape and grad.dtype == inputs[name].dtype, name
-        assert_close(name, grad, expected, baseline[name])
+    assert_gradients_close(inputs, oracle, baseline)
 
 
 def test_varlen_deterministic_gradients_are_bitwise_reproducible():

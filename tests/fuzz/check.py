@@ -1,0 +1,310 @@
+"""One fuzz trial: build its inputs, run the Triton backend forward and backward, compare.
+
+The comparison is the suite's own (``tests/helpers.py``): every result against the float64
+reference, with an error of at most twice the reference's own error in the input dtype plus a
+small floor; for gradients the floor is their dtype's rounding unit, as in FlashAttention's
+tests, and the bias gradient is first cleared of the error that the kernels make by design
+(``_output_rounding``). On top of it, what the contract states exactly: rows with no visible key give
+``out = 0``, ``lse = -inf`` and zero dQ; bias positions and keys that no query attends get
+exactly zero gradients; gradients have their input's shape and dtype; with
+``repeat_backward`` a second backward gives bitwise-equal dQ, dK, dV (always free of
+atomics) and, in deterministic mode, dBias; with ``check_inputs`` no input has changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from flash_dma import BlockMask, build_block_mask
+from flash_dma.backends.reference import reference_attention, visible_positions
+from flash_dma.backends.triton import backward as triton_backward
+from flash_dma.block_mask import effective_mask_rows
+from flash_dma.masks import topk_block_mask
+from tests.fuzz.configs import Trial
+from tests.helpers import Case, assert_close, poisoned_empty, reference_outputs, triton_call
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_MASK_DTYPES = {"bool": torch.bool, "uint8": torch.uint8, "int64": torch.int64}
+_GUARD = 4096  # elements before and after each input; a multiple of 16 bytes keeps pointers aligned
+_GRADIENTS = ("query", "key", "value", "attn_bias")
+_TRACEBACK_CHARS = 3000  # of a crash's traceback kept in the report (Triton's compile errors run long)
+
+
+@dataclass
+class Outcome:
+    """What a trial gave: ``status`` is ``"ok"``, ``"mismatch"`` or ``"crash"`` (an exception,
+    raised in ``stage``); ``problems`` says what was wrong, one line each."""
+
+    status: str = "ok"
+    problems: list[str] = field(default_factory=list)
+    stage: str | None = None
+    empty_rows: bool = False  # some query row saw no key (coverage)
+    seconds: float = 0.0
+
+
+def _stored(values: torch.Tensor, padded: bool, fill) -> torch.Tensor:
+    """``values`` as a view into a buffer filled with ``fill``, with guard elements on both sides
+    and, when ``padded``, rows of the last dimension strided by a multiple of 16 past its end.
+    Reads outside the view pick up ``fill`` (NaN for floats, True for masks)."""
+    *lead, last = values.shape
+    width = (last // 16 + 1) * 16 if padded else last
+    rows = values.numel() // last
+    buffer = torch.full((2 * _GUARD + rows * width,), fill, dtype=values.dtype, device=values.device)
+    view = buffer[_GUARD : _GUARD + rows * width].view(*lead, width)[..., :last]
+    view.copy_(values)
+    return view.detach()
+
+
+def _mask(trial: Trial, gen: torch.Generator, device) -> torch.Tensor:
+    shape = trial.dims(trial.mask)
+    density = trial.mask_density
+    rand = lambda *size: torch.rand(size, generator=gen, device=device)  # noqa: E731
+    mask = rand(*shape) < density
+    if trial.mask_pattern == "blocks":
+        # Blocks empty, full or random, at the summary's block size, so that summaries hold all three states.
+        bq, bk = trial.block_size or (16, 16)
+        kind = torch.randint(0, 3, (*shape[:2], -(-shape[2] // bq), -(-shape[3] // bk)), generator=gen, device=device)
+        kind = kind.repeat_interleave(bq, 2).repeat_interleave(bk, 3)[..., : shape[2], : shape[3]]
+        mask = torch.where(kind == 0, False, torch.where(kind == 1, True, mask))
+    elif trial.mask_pattern == "rows":
+        mask &= rand(*shape[:3], 1) >= 0.3  # about 30% of the rows fully masked
+    elif trial.mask_pattern == "keys":
+        mask = (rand(*shape[:2], 1, shape[3]) < density).expand(shape)  # the same keys for every query
+    elif trial.mask_pattern == "none":
+        mask = torch.zeros(shape, dtype=torch.bool, device=device)
+    elif trial.mask_pattern == "all":
+        mask = torch.ones(shape, dtype=torch.bool, device=device)
+    return _stored(mask.to(_MASK_DTYPES[trial.mask_dtype]), trial.padded, 1)
+
+
+def make_inputs(trial: Trial, device) -> tuple[dict, BlockMask | None, torch.Tensor]:
+    """``(inputs, block_mask, dout)``: inputs in ``flash_dma_func``'s argument names, seeded by the trial."""
+    gen = torch.Generator(device=device).manual_seed(trial.data_seed)
+    dtype = TORCH_DTYPES[trial.dtype]
+    randn = lambda *size: torch.randn(size, generator=gen, device=device)  # noqa: E731
+    b, sq, sk, d = trial.batch, trial.seqlen_q, trial.seqlen_k, trial.head_dim
+    q, k, v = (
+        _stored(randn(b, s, h, d).to(dtype), trial.padded, float("nan")).requires_grad_(trial.grad_qkv)
+        for s, h in ((sq, trial.heads), (sk, trial.kv_heads), (sk, trial.kv_heads))
+    )
+    mask = None if trial.mask is None else _mask(trial, gen, device)
+    bias = None
+    if trial.bias is not None:
+        shape = trial.dims(trial.bias)
+        values = randn(*shape) * trial.bias_scale
+        values = values.masked_fill(torch.rand(shape, generator=gen, device=device) < trial.bias_neg_inf, float("-inf"))
+        bias_dtype = torch.float32 if trial.bias_fp32 else dtype
+        bias = _stored(values.to(bias_dtype), trial.padded, float("nan")).requires_grad_()
+    block_mask = None
+    if trial.walk == "summary":
+        block_mask = build_block_mask(mask, block_size=trial.block_size)
+    elif trial.walk == "topk":
+        top = trial.topk
+        # Selection by the per-key bias when there is one (the usual use), else by scores of its own.
+        per_key_bias = bias is not None and bias.shape[2] == 1 and bias.shape[3] == sk
+        scores = bias if per_key_bias else randn(b, trial.kv_heads, 1, sk)
+        block_mask = topk_block_mask(
+            scores, top["keys"], mask, block_size=trial.block_size, reduce=top["reduce"],
+            query_len=sq if top["per_query"] else None, is_causal=top["causal"],
+            sink_blocks=top["sink_blocks"], local_blocks=top["local_blocks"],
+        )
+    inputs = {"query": q, "key": k, "value": v, "attn_mask": mask, "attn_bias": bias}
+    dout = randn(b, sq, trial.heads, d).to(dtype)
+    return inputs, block_mask, dout
+
+
+def _case(trial: Trial) -> Case:
+    """The suite's description of the call's settings (what ``triton_call`` and ``reference_outputs`` read)."""
+    return Case(causal=trial.causal, window=trial.window, softcap=trial.softcap, listed=trial.walk == "listed")
+
+
+@contextlib.contextmanager
+def _forced_query_chunks(chunks: int):
+    """dK/dV programs split each key tile's queries into ``chunks`` parts (from 4096 queries on, by
+    default), added in a fixed order; forcing it runs that path on short sequences."""
+    real = triton_backward.query_chunks
+    if chunks > 1:
+        triton_backward.query_chunks = lambda seqlen_q: chunks
+    try:
+        yield
+    finally:
+        triton_backward.query_chunks = real
+
+
+@contextlib.contextmanager
+def _poisoned_outputs():
+    """New tensors start as NaN (integers at their maximum), so an element a kernel fails to write shows up."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+    torch.empty, torch.empty_like = poisoned_empty(real_empty), poisoned_empty(real_empty_like)
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_empty_like
+
+
+def _attended(trial: Trial, inputs: dict, block_mask) -> torch.Tensor:
+    """``[B, H, Sq, Sk]`` bool: the pairs with a finite score (visible, and no -inf bias)."""
+    window = (trial.window[0], 0) if trial.causal else trial.window
+    device = inputs["query"].device
+    shape = (trial.batch, trial.heads, trial.seqlen_q, trial.seqlen_k)
+    pairs = visible_positions(torch.arange(trial.seqlen_q, device=device), trial.seqlen_q, trial.seqlen_k, window)
+    group = trial.heads // trial.kv_heads
+
+    def per_query_head(t):  # a head dimension of Hkv is shared by the heads of each group
+        return t.repeat_interleave(group, dim=1) if t.shape[1] not in (1, trial.heads) else t
+
+    allowed = effective_mask_rows(inputs["attn_mask"], block_mask, 0, trial.seqlen_q, trial.seqlen_k)
+    if allowed is not None:
+        pairs = pairs & per_query_head(allowed)
+    if inputs["attn_bias"] is not None:
+        pairs = pairs & per_query_head(inputs["attn_bias"].detach() != float("-inf"))
+    return pairs.expand(shape)
+
+
+def _reduce(t: torch.Tensor, trial: Trial, shape: tuple[int, ...], how: str) -> torch.Tensor:
+    """``[B, H, Sq, Sk]`` -> a ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` shape, by ``how`` ("sum" or "any") over
+    each broadcast dimension; a head dimension of Hkv takes the heads of each group."""
+    b, h, sq, sk = t.shape
+    if shape[1] == trial.kv_heads != h:
+        t = getattr(t.reshape(b, trial.kv_heads, h // trial.kv_heads, sq, sk), how)(2)
+    for dim, size in enumerate(shape):
+        if size == 1 and t.shape[dim] > 1:
+            t = getattr(t, how)(dim, keepdim=True)
+    return t
+
+
+def _output_rounding(trial: Trial, inputs: dict, block_mask, dout, out, oracle_out) -> torch.Tensor:
+    """The bias gradient's part of the error that the kernels make by design, in the bias's shape.
+
+    Like FlashAttention, the backward computes ``delta = rowsum(dO * O)`` from the output rounded to
+    the input dtype, so each dS = P * (dP - delta) is off by ``-P * rowsum(dO * (O - O_exact))``. A bias
+    gradient summed over many rows and heads gathers this, and can exceed twice PyTorch's own error
+    in that dtype on small problems. P comes from the float64 reference with one-hot values (q and k
+    padded with zeros when there are more keys than head dims, which leaves the scores as they are).
+    """
+    b, sk, hkv, d = trial.batch, trial.seqlen_k, trial.kv_heads, trial.head_dim
+    width = max(d, sk)
+    q, k = (torch.nn.functional.pad(inputs[name].detach().double(), (0, width - d)) for name in ("query", "key"))
+    one_hot = torch.eye(sk, width, dtype=torch.float64, device=q.device)[None, :, None, :].expand(b, sk, hkv, width)
+    bias = inputs["attn_bias"].detach().double()
+    window = (trial.window[0], 0) if trial.causal else trial.window
+    probs, _ = reference_attention(
+        q, k, one_hot, inputs["attn_mask"], bias, softmax_scale=trial.softmax_scale or d**-0.5, window=window,
+        softcap=trial.softcap, block_mask=block_mask, compute_dtype=torch.float64,
+    )
+    probs = probs[..., :sk]  # [B, Sq, H, Sk]
+    delta_error = (dout.double() * (out.double() - oracle_out)).sum(-1)  # [B, Sq, H]
+    return _reduce(-(probs * delta_error[..., None]).transpose(1, 2), trial, bias.shape, "sum")
+
+
+def _exact_zeros(name: str, t: torch.Tensor, where: torch.Tensor, problems: list[str]) -> None:
+    wrong = int((t[where] != 0).sum())
+    if wrong:
+        problems.append(f"{name}: {wrong} of {int(where.sum())} elements that must be exactly 0 are not")
+
+
+def _compare(trial: Trial, inputs: dict, block_mask, dout, out, lse, grads: dict, outcome: Outcome) -> None:
+    """Every result against the float64 reference (the suite's tolerance rule), then the exact properties."""
+    problems = outcome.problems
+    dtype = TORCH_DTYPES[trial.dtype]
+    case = _case(trial)
+    kwargs = {"softmax_scale": trial.softmax_scale, "block_mask": block_mask}
+    oracle_out, oracle_lse, oracle_grads = reference_outputs(case, inputs, dout, torch.float64, **kwargs)
+    baseline_out, baseline_lse, baseline_grads = reference_outputs(case, inputs, dout, dtype, **kwargs)
+    # Gradients may also be off by their dtype's rounding unit at their magnitude, as FlashAttention's
+    # tests allow (dq_atol = 2 * (dq_ref + 0.3 - 0.3 - dq_ref).abs().max()).
+    grad_floor = max(1e-5, torch.finfo(dtype).eps)
+    results = [("out", out, oracle_out, baseline_out, 1e-5), ("lse", lse, oracle_lse, baseline_lse, 1e-5)]
+    for name, grad in grads.items():
+        # A bias broadcast over the keys gets exact zeros, from no kernel: nothing to clear then.
+        if name == "attn_bias" and grad.shape == inputs[name].shape and grad.shape[3] > 1:
+            grad = grad.double() - _output_rounding(trial, inputs, block_mask, dout, out, oracle_out)
+        results.append((name, grad, oracle_grads[name], baseline_grads[name], grad_floor))
+    for name, actual, oracle, baseline, floor in results:
+        try:
+            assert_close(name, actual, oracle, baseline, floor)
+        except AssertionError as error:
+            problems.append(str(error))
+    if out.dtype != dtype:
+        problems.append(f"out: dtype {out.dtype}, expected {dtype}")
+    for name, grad in grads.items():
+        if grad.dtype != inputs[name].dtype or grad.shape != inputs[name].shape:
+            expected = f"{inputs[name].dtype} {tuple(inputs[name].shape)}"
+            problems.append(f"{name} gradient: {grad.dtype} {tuple(grad.shape)}, expected {expected}")
+    outcome.empty_rows = bool((oracle_lse == float("-inf")).any())
+    shapes = [(out, oracle_out), (lse, oracle_lse), *((g, inputs[n]) for n, g in grads.items())]
+    if all(actual.shape == expected.shape for actual, expected in shapes):
+        _check_exact_zeros(trial, inputs, block_mask, out, lse, oracle_lse, grads, problems)
+
+
+def _check_exact_zeros(trial: Trial, inputs: dict, block_mask, out, lse, oracle_lse, grads: dict, problems: list) -> None:
+    """Rows with no visible key: lse = -inf, out = 0 and dQ = 0; unattended bias positions and keys: zero gradients."""
+    empty = oracle_lse == float("-inf")  # [B, H, Sq]
+    if empty.any():
+        if not bool((lse[empty] == float("-inf")).all()):
+            problems.append("lse: rows with no visible key must be -inf")
+        _exact_zeros("out (rows with no visible key)", out.transpose(1, 2), empty, problems)
+        if "query" in grads:
+            _exact_zeros("query gradient (rows with no visible key)", grads["query"].transpose(1, 2), empty, problems)
+    attended = _attended(trial, inputs, block_mask)
+    if "attn_bias" in grads:
+        unseen = ~_reduce(attended, trial, grads["attn_bias"].shape, "any")
+        _exact_zeros("attn_bias gradient (unattended)", grads["attn_bias"], unseen, problems)
+    if "key" in grads:
+        # [B, Hkv, 1, Sk] -> [B, Sk, Hkv]: keys that no query of the group attends.
+        unseen = ~_reduce(attended, trial, (trial.batch, trial.kv_heads, 1, trial.seqlen_k), "any")[:, :, 0].transpose(1, 2)
+        _exact_zeros("key gradient (unattended keys)", grads["key"], unseen, problems)
+        _exact_zeros("value gradient (unattended keys)", grads["value"], unseen, problems)
+
+
+def _snapshot(inputs: dict, block_mask) -> dict:
+    tensors = {name: t for name, t in inputs.items() if t is not None}
+    if block_mask is not None:
+        tensors.update(state=block_mask.state, kv_lists=block_mask.kv_lists, q_lists=block_mask.q_lists)
+    return {name: t.detach().clone() for name, t in tensors.items()}
+
+
+def run_trial(trial: Trial, device) -> Outcome:
+    """Run ``trial`` on the Triton backend on ``device`` and check it; exceptions become a crash outcome."""
+    outcome = Outcome()
+    start = time.perf_counter()
+    stage = "inputs"
+    try:
+        # Poisoned from here on: block summaries built on the GPU included.
+        with _poisoned_outputs(), _forced_query_chunks(trial.query_chunks):
+            inputs, block_mask, dout = make_inputs(trial, device)
+            before = _snapshot(inputs, block_mask) if trial.check_inputs else None
+            leaves = [name for name in _GRADIENTS if inputs[name] is not None and inputs[name].requires_grad]
+            tensors = [inputs[name] for name in leaves]
+            stage = "forward"
+            out, lse = triton_call(
+                _case(trial), inputs, softmax_scale=trial.softmax_scale, block_mask=block_mask,
+                deterministic=trial.deterministic, return_lse=True,
+            )
+            stage = "backward"
+            grads = dict(zip(leaves, torch.autograd.grad(out, tensors, dout, retain_graph=trial.repeat_backward)))
+            again = torch.autograd.grad(out, tensors, dout) if trial.repeat_backward else ()
+        stage = "compare"
+        for name, grad in zip(leaves, again):
+            # dQ, dK and dV never use atomics; the bias gradient does unless deterministic.
+            if (name != "attn_bias" or trial.deterministic) and not torch.equal(grad, grads[name]):
+                outcome.problems.append(f"{name} gradient: a second backward gave different bits")
+        _compare(trial, inputs, block_mask, dout, out.detach(), lse, grads, outcome)
+        if before is not None:
+            after = _snapshot(inputs, block_mask)
+            changed = [name for name in before if not torch.equal(before[name], after[name])]
+            outcome.problems += [f"{name}: input modified by the call" for name in changed]
+    except Exception as error:  # noqa: BLE001 - a crash of any kind is a finding; the run goes on
+        outcome.status, outcome.stage = "crash", stage
+        message = str(error).strip()
+        outcome.problems.append(f"{type(error).__name__} in {stage}: {message.splitlines()[0] if message else ''}")
+        outcome.problems.append("".join(traceback.format_exception(error)[-3:]).strip()[-_TRACEBACK_CHARS:])
+    else:
+        outcome.status = "mismatch" if outcome.problems else "ok"
+    outcome.seconds = time.perf_counter() - start
+    return outcome
