@@ -143,7 +143,7 @@ def check_mask(mask: torch.Tensor, query: torch.Tensor, shape) -> None:
             raise ValueError("attn_mask: an integer mask must hold only 0 and 1 (use a bool mask, True = attend)")
 
 
-def _check_bias(bias: torch.Tensor, query: torch.Tensor, shape) -> None:
+def check_bias(bias: torch.Tensor, query: torch.Tensor, shape) -> None:
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"attn_bias: expected a torch.Tensor or None, got {type(bias).__name__}")
     if bias.dtype not in (torch.float32, query.dtype):
@@ -243,7 +243,7 @@ def normalize_inputs(
     if attn_mask is not None:
         check_mask(attn_mask, query, shape)
     if attn_bias is not None:
-        _check_bias(attn_bias, query, shape)
+        check_bias(attn_bias, query, shape)
     if block_mask is not None:
         _check_block_mask(block_mask, attn_mask, query, shape)
     return AttentionProblem(

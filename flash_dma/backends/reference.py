@@ -64,9 +64,10 @@ def _attend_chunk(q, k, v, mask, bias, *, row_start, seqlen_q, softmax_scale, wi
     row_max = torch.where(row_max == float("-inf"), 0.0, row_max)
     probs = torch.exp(scores - row_max)
     denom = probs.sum(dim=-1, keepdim=True)
-    out = (probs @ v) / torch.where(denom > 0, denom, 1.0)  # rows with no visible key give 0
-    with torch.no_grad():
-        lse = torch.where(denom > 0, row_max + torch.log(denom), float("-inf")).squeeze(-1)
+    has_keys = denom > 0
+    out = (probs @ v) / torch.where(has_keys, denom, 1.0)  # rows with no visible key give 0
+    # Differentiable (backward() needs d lse / d scores); log of 1, not 0, keeps empty rows' gradients finite.
+    lse = torch.where(has_keys, row_max + torch.log(torch.where(has_keys, denom, 1.0)), float("-inf")).squeeze(-1)
     out = out.permute(0, 3, 1, 2, 4).reshape(batch, rows, num_heads, head_dim)
     return out, lse.reshape(batch, num_heads, rows)
 
@@ -101,7 +102,8 @@ def reference_attention(
 
     Returns:
         ``out`` ``[B, Sq, H, D]`` in ``query.dtype`` and ``lse`` ``[B, H, Sq]`` (natural log,
-        ``-inf`` for rows with no visible key) in float32 or ``compute_dtype`` if wider.
+        ``-inf`` for rows with no visible key) in float32 or ``compute_dtype`` if wider; both
+        differentiable.
     """
     batch, seqlen_q, num_heads, head_dim = query.shape
     seqlen_k = key.shape[1]
@@ -206,18 +208,57 @@ def attention_with_cache(cached) -> tuple[torch.Tensor, torch.Tensor]:
     return _joined(problem, outs, lses, dim=0)
 
 
-def attention(problem) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backend entry point: ``(out, lse)`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
-    if problem.cu_seqlens_q is not None:
-        return packed_attention(problem)
+def _attention(problem, query, key, value, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain (not packed) ``problem`` on these tensors: its own, or leaves of a graph of their own."""
     return reference_attention(
-        problem.query,
-        problem.key,
-        problem.value,
+        query,
+        key,
+        value,
         problem.attn_mask,
-        problem.attn_bias,
+        bias,
         softmax_scale=problem.softmax_scale,
         window=problem.window,
         softcap=problem.softcap,
         block_mask=problem.block_mask,
     )
+
+
+def attention(problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backend entry point: ``(out, lse)`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
+    if problem.cu_seqlens_q is not None:
+        out, lse = packed_attention(problem)
+    else:
+        out, lse = _attention(problem, problem.query, problem.key, problem.value, problem.attn_bias)
+    return out, lse.detach()  # the contract's lse is not differentiable, whatever the backend
+
+
+def forward(problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` without autograd: for callers that drive the backward themselves."""
+    with torch.no_grad():
+        return attention(problem)
+
+
+def backward(problem, dout, out, lse, bias_requires_grad: bool):
+    """``(dq, dk, dv, dbias or None)`` of ``problem`` for a softmax normalised by ``lse``, with the
+    arguments of the Triton backend's ``backward``.
+
+    With ``P = exp(s - lse)`` and ``delta = rowsum(dout * out)``, the gradient of the scores is
+    ``P * (dout @ v^T - delta)``. Autograd finds it from a surrogate whose score gradient is exactly
+    that: ``sum(w * (dout . out_part - delta))``, where ``w = exp(lse_part - lse)`` is the weight of
+    this part's own ``(out_part, lse_part)`` in the whole.
+    """
+    inputs = [problem.query, problem.key, problem.value]
+    if bias_requires_grad:
+        inputs.append(problem.attn_bias)
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        bias = leaves[3] if bias_requires_grad else problem.attn_bias
+        part_out, part_lse = _attention(problem, *leaves[:3], bias)
+        # A row with lse = -inf has part_lse = -inf too: shifting by 0 there gives w = 0 with a finite gradient.
+        lse = torch.where(torch.isinf(lse), 0.0, lse.float())
+        weight = torch.exp(part_lse.float() - lse)  # [B, H, Sq]
+        dout = dout.float()
+        delta = (dout * out.float()).sum(-1).transpose(1, 2)
+        surrogate = (weight * ((dout * part_out.float()).sum(-1).transpose(1, 2) - delta)).sum()
+        grads = torch.autograd.grad(surrogate, leaves)
+    return (*grads[:3], grads[3] if bias_requires_grad else None)

@@ -14,7 +14,7 @@ How the kernels walk a mask's sparsity is chosen here, from shapes alone (no hos
 
 from __future__ import annotations
 
-from flash_dma.backends.triton.ops import attention_op, key_list, kvcache_forward
+from flash_dma.backends.triton.ops import attention_op, key_list, kvcache_forward, launch_backward, launch_forward
 from flash_dma.block_mask import build_block_mask
 
 SMALL_PROBLEM = 1 << 24  # B x H x Sq x Sk
@@ -29,8 +29,8 @@ def _per_key(mask, num_heads: int, num_kv_heads: int) -> bool:
     return mask.shape[2] == 1 and (mask.shape[1] in (1, num_kv_heads) or num_heads == num_kv_heads)
 
 
-def attention(problem):
-    """Backend entry point: ``(out, lse)`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
+def _kernel_inputs(problem) -> tuple:
+    """The inputs of ``forward_op`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
     mask, block_mask = problem.attn_mask, problem.block_mask
     batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, _ = problem.entries
     kv_lists = q_lists = keys = None
@@ -48,11 +48,33 @@ def attention(problem):
         # Without PARTIAL blocks the element-wise mask is never read.
         mask = mask if block_mask.needs_mask else None
     left, right = problem.window
-    return attention_op(
+    return (
         problem.query, problem.key, problem.value, mask, problem.attn_bias, kv_lists, q_lists, keys,
         problem.cu_seqlens_q, problem.cu_seqlens_k, list_block_q, list_block_k, problem.softmax_scale, left, right,
         problem.softcap, problem.deterministic, problem.max_seqlen_q, problem.max_seqlen_k,
     )
+
+
+def attention(problem):
+    """Backend entry point: ``(out, lse)`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
+    return attention_op(*_kernel_inputs(problem))
+
+
+def forward(problem):
+    """``(out, lse)`` without autograd: for callers that drive the backward themselves
+    (context parallelism merges the results of several calls, then differentiates each)."""
+    return launch_forward(*_kernel_inputs(problem))
+
+
+def backward(problem, dout, out, lse, bias_requires_grad: bool):
+    """``(dq, dk, dv, dbias or None)`` of ``problem`` for a softmax normalised by ``lse``.
+
+    ``out`` and ``lse`` ``[B, H, Sq]`` may be those of a larger attention that this problem is part
+    of (its keys a subset of that one's): the gradients are then this part's share of its gradients.
+    """
+    q, k, v, *rest = _kernel_inputs(problem)
+    dq, dk, dv, dbias = launch_backward(dout, q, k, v, out, lse.contiguous(), *rest, bias_requires_grad)
+    return dq, dk, dv, dbias if bias_requires_grad else None
 
 
 def attention_with_cache(cached):

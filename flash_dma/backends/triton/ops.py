@@ -77,7 +77,7 @@ def summary_lists(state: torch.Tensor, transpose: bool) -> torch.Tensor:
     return (block_lists_op if torch.compiler.is_compiling() else block_lists)(state, transpose)
 
 
-def _forward(
+def launch_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -109,7 +109,7 @@ def _forward(
     )
 
 
-forward_op = torch.library.custom_op("flash_dma::forward", _forward, mutates_args=())
+forward_op = torch.library.custom_op("flash_dma::forward", launch_forward, mutates_args=())
 
 
 @forward_op.register_fake
@@ -118,7 +118,7 @@ def _forward_fake(q, *_):
     return q.new_empty(batch, seqlen_q, num_heads, head_dim), q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
 
 
-def _backward(
+def launch_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -152,7 +152,7 @@ def _backward(
     return dq, dk, dv, q.new_empty(0) if dbias is None else dbias
 
 
-backward_op = torch.library.custom_op("flash_dma::backward", _backward, mutates_args=())
+backward_op = torch.library.custom_op("flash_dma::backward", launch_backward, mutates_args=())
 
 
 @backward_op.register_fake
@@ -237,13 +237,13 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *tensors_and_settings):
         inputs = (*tensors_and_settings[:_TENSOR_INPUTS], *tensors_and_settings[_TENSOR_INPUTS])
-        output = _forward(*inputs)
+        output = launch_forward(*inputs)
         _setup_context(ctx, inputs, output)
         return output
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        return (*_gradients(ctx, dout, _backward)[:_TENSOR_INPUTS], None)
+        return (*_gradients(ctx, dout, launch_backward)[:_TENSOR_INPUTS], None)
 
 
 def attention_op(*inputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,190 @@
+"""Context-parallel attention: :func:`flash_dma.flash_dma_func` over a sequence sharded across a group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flash_dma.backends import reference, resolve_backend
+from flash_dma.backends import triton as triton_backend
+from flash_dma.distributed.agreement import agree, require_same
+from flash_dma.distributed.layout import LAYOUTS, layout_chunks, shard_length
+from flash_dma.distributed.plan import Band
+from flash_dma.distributed.ring import KEY_AXIS_GLOBAL, KEY_AXIS_NONE, KEY_AXIS_SHARD, Ring
+from flash_dma.inputs import UNBOUNDED, check_bias, check_mask, normalize_inputs, normalize_settings
+
+# Backends with the forward()/backward() pair that the ring drives.
+RING_BACKENDS = {"triton": triton_backend, "reference": reference}
+
+
+def context_parallel_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+    softmax_scale: float | None = None,
+    is_causal: bool = False,
+    window_size: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
+    softcap: float = 0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """:func:`flash_dma.flash_dma_func` on a sequence sharded along its length across ``group``.
+
+    Every rank calls it with its shard, as ``layout`` cuts the sequence (``docs/distributed.md``;
+    :func:`shard_sequence` makes shards). The result on each rank is the rows of its own queries
+    of attention over the whole sequence, with causal and window limits on global positions, and
+    the backward gives each rank the gradients of its own shard. Every rank must run the backward.
+
+    Args:
+        query: ``[B, S_r, H, D]``, this rank's queries; S_r tokens as the layout gives rank r.
+        key, value: ``[B, S_r, Hkv, D]``, the keys and values of the same tokens.
+        attn_mask, attn_bias: as for :func:`flash_dma.flash_dma_func`, in one of these forms:
+
+            - per key ``[1|B, 1|Hkv|H, 1, S_r]``: this rank's keys; travels with them. A per-key
+              mask decides which key blocks are sent at all (docs/distributed.md);
+            - per query ``[1|B, 1|Hkv|H, S_r, 1]``, or neither ``[., ., 1, 1]``: stays here;
+            - both ``[1|B, 1|Hkv|H, S_r, S]``: this rank's query rows, every key in global order.
+
+            The bias's gradient has its shape: for its own keys, rows or both.
+        group: the process group (default: the whole world). Any size, 1 included.
+        layout: ``"zigzag"`` (balanced under causal masking) or ``"contiguous"``.
+        backend: ``"triton"``, ``"reference"`` or None (Triton on CUDA, reference elsewhere).
+        Other arguments: as for :func:`flash_dma.flash_dma_func` (no ``block_mask``: per-key masks
+        are walked block by block all the same).
+
+    Shapes, dtypes and settings must agree across ranks. A disagreement, or an input error on any
+    rank, raises the same ``ValueError``/``TypeError`` on every rank before any transfer.
+
+    Returns:
+        ``out`` ``[B, S_r, H, D]``; with ``return_lse`` also ``lse`` ``[B, H, S_r]`` float32.
+    """
+    ring = _agreed_ring(
+        query, key, value, attn_mask, attn_bias, group, layout, softmax_scale, is_causal, window_size, softcap,
+        deterministic, backend,
+    )
+    out, lse = _RingAttention.apply(query, key, value, attn_bias, attn_mask, ring)
+    return (out, lse) if return_lse else out
+
+
+def _key_axis(t: torch.Tensor | None) -> str | None:
+    """How ``t`` is sharded (see :mod:`flash_dma.distributed.ring`), before the total is known."""
+    if t is None:
+        return None
+    if t.shape[3] == 1:
+        return KEY_AXIS_NONE
+    return KEY_AXIS_SHARD if t.shape[2] == 1 else KEY_AXIS_GLOBAL
+
+
+def _form(t: torch.Tensor | None) -> tuple | None:
+    """What must match across ranks: the shape less its sequence axes, and the dtype."""
+    return None if t is None else (*t.shape[:2], t.shape[2] > 1, t.shape[3] > 1, str(t.dtype))
+
+
+def _agreed_ring(
+    query, key, value, mask, bias, group, layout, softmax_scale, is_causal, window_size, softcap, deterministic, backend
+) -> Ring:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def check() -> dict:
+        normalize_inputs(query, key, value)
+        settings = normalize_settings(query, softmax_scale, is_causal, window_size, softcap, deterministic)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+        batch, seqlen, num_heads, head_dim = query.shape
+        if key.shape[1] != seqlen:
+            raise ValueError(
+                f"key: expected the shard length of query, {seqlen} (query and keys are the same tokens), got {key.shape[1]}"
+            )
+        name = "triton" if backend is None and query.device.type == "cuda" else backend or "reference"
+        if name not in RING_BACKENDS:
+            raise ValueError(f"backend: expected one of {', '.join(map(repr, RING_BACKENDS))} or None, got {backend!r}")
+        resolve_backend(name, query.device)
+        for t, checker in ((mask, check_mask), (bias, check_bias)):
+            if t is not None:
+                both_axes = isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] > 1 and t.shape[3] > 1
+                shape = (batch, seqlen, t.shape[3] if both_axes else seqlen, num_heads, key.shape[2], head_dim)
+                checker(t, query, shape)
+        kept = None
+        if _key_axis(mask) == KEY_AXIS_SHARD:
+            kept = (mask if mask.dtype == torch.bool else mask != 0).any(dim=(0, 1, 2)).cpu()
+        needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias))
+        return {
+            "length": seqlen,
+            "key_lengths": tuple(t.shape[3] for t in (mask, bias) if t is not None and t.shape[2] > 1 and t.shape[3] > 1),
+            "shape": (batch, num_heads, key.shape[2], head_dim),
+            "dtype": str(query.dtype),
+            "device": query.device.type,
+            "mask": _form(mask),
+            "bias": _form(bias),
+            "gradients": (needs_grad, needs_grad and bias is not None and bias.requires_grad),
+            "settings": (*settings.values(), name, layout),
+            "kept": kept,
+        }
+
+    described = agree(group, check)
+    require_same(
+        described,
+        {
+            "shape": "query/key: (B, H, Hkv, D)",
+            "dtype": "query: dtype",
+            "device": "query: device type",
+            "mask": "attn_mask: shape less its sequence axes, and dtype",
+            "bias": "attn_bias: shape less its sequence axes, and dtype",
+            "gradients": "requires_grad of (any input, attn_bias)",
+            "settings": "(softmax_scale, window, softcap, deterministic, backend, layout)",
+        },
+    )
+    lengths = [d["length"] for d in described]
+    total = sum(lengths)
+    expected = [shard_length(total, world, r, layout) for r in range(world)]
+    if lengths != expected:
+        raise ValueError(
+            f"query: the shards hold {lengths} tokens on ranks 0..{world - 1}, but the {layout!r} layout cuts "
+            f"{total} tokens into {expected} (shard_sequence makes such shards)"
+        )
+    for r, d in enumerate(described):
+        for key_length in d["key_lengths"]:
+            if key_length != total:
+                raise ValueError(
+                    f"rank {r}: attn_mask/attn_bias: a form with both axes [., ., S_r, S] must cover all "
+                    f"S = {total} keys of the sequence, got {key_length}"
+                )
+    mine = described[rank]
+    scale, window, softcap_, deterministic_, name, _ = mine["settings"]
+    return Ring(
+        group=group,
+        rank=rank,
+        world=world,
+        backend=RING_BACKENDS[name],
+        chunks=layout_chunks(total, world, layout),
+        kept=[d["kept"] for d in described],
+        band=Band.of(window),
+        mask_axis=_key_axis(mask),
+        bias_axis=_key_axis(bias),
+        bias_grad=mine["gradients"][1],
+        softmax_scale=scale,
+        softcap=softcap_,
+        deterministic=deterministic_,
+    )
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, bias, mask, ring: Ring):
+        out, lse = ring.forward(query, key, value, mask, bias)
+        ctx.save_for_backward(query, key, value, mask, bias, out, lse)
+        ctx.ring = ring
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        query, key, value, mask, bias, out, lse = ctx.saved_tensors
+        dq, dk, dv, dbias = ctx.ring.backward(dout, query, key, value, mask, bias, out, lse)
+        return dq, dk, dv, dbias, None, None
