@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/flash-dma demo
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 # PyPI's Linux torch is the CUDA build (it runs on the CPU too, but brings some GB of nvidia-*
 # wheels): the CPU build of a new torch is only on PyTorch's own index (see README).
@@ -33,7 +33,7 @@ $(LATEST)/bin/python:
 test-latest: $(LATEST)/bin/python
 	$(LATEST_BIN)/python -m pip install -qq --upgrade --upgrade-strategy eager -e '.[test,demo,hf]'
 	$(LATEST_BIN)/python -m pip list 2>/dev/null | grep -E -i '^(torch|triton|numpy|transformers) '
-	TRITON_INTERPRET=1 $(LATEST_BIN)/python -m pytest -q -n 2
+	TRITON_INTERPRET=1 $(LATEST_BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) $(LATEST) .pytest_cache .hypothesis

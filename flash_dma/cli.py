@@ -1,4 +1,4 @@
-"""The ``flash-dma`` command: ``demo``, ``bench`` and ``selfcheck``, and ``--version``.
+"""The ``flash-dma`` command: ``demo``, ``bench``, ``bench-cp`` and ``selfcheck``, and ``--version``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``;
 modules are imported only when their subcommand runs, after the optional dependencies it declares
@@ -41,6 +41,10 @@ SUBCOMMANDS = {
         "benchmark flash-dma against FlexAttention and SDPA (CUDA)",
         # transformers: the llama and firstcall suites, part of the default --suite all.
         {"matplotlib": "bench", "tqdm": "bench", "transformers": "bench"},
+    ),
+    "bench-cp": Subcommand(
+        "flash_dma.benchmark.context_parallel",
+        "benchmark context-parallel attention on several GPUs against one (CUDA)",
     ),
     "selfcheck": Subcommand("flash_dma.selfcheck", "run attention on an example on every available backend"),
 }

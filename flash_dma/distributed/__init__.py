@@ -3,12 +3,20 @@ across the ranks of a ``torch.distributed`` process group (NCCL on GPUs, gloo on
 
 - :func:`context_parallel_attention`: :func:`flash_dma.flash_dma_func` on shards.
 - :func:`shard_sequence`, :func:`unshard_sequence`, :func:`shard_positions`: the layouts.
-- :func:`select_keys`: the per-key top-k of :func:`flash_dma.masks.create_mask`, over every shard.
+- :class:`ContextParallel`: the group and layout, for :class:`flash_dma.modules.DynamicMaskAttention`,
+  whose key selection then runs over every shard's keys.
 
 ``docs/distributed.md`` explains the layouts with a runnable example.
 """
 
 from flash_dma.distributed.attention import context_parallel_attention
-from flash_dma.distributed.layout import LAYOUTS, shard_positions, shard_sequence, unshard_sequence
+from flash_dma.distributed.layout import LAYOUTS, ContextParallel, shard_positions, shard_sequence, unshard_sequence
 
-__all__ = ["LAYOUTS", "context_parallel_attention", "shard_positions", "shard_sequence", "unshard_sequence"]
+__all__ = [
+    "LAYOUTS",
+    "ContextParallel",
+    "context_parallel_attention",
+    "shard_positions",
+    "shard_sequence",
+    "unshard_sequence",
+]

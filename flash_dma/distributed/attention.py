@@ -163,7 +163,8 @@ def _agreed_ring(
         world=world,
         backend=RING_BACKENDS[name],
         chunks=layout_chunks(total, world, layout),
-        kept=[d["kept"] for d in described],
+        # all_gather_object may unpickle tensors onto this rank's GPU: plans read them on the host.
+        kept=[None if d["kept"] is None else d["kept"].cpu() for d in described],
         band=Band.of(window),
         mask_axis=_key_axis(mask),
         bias_axis=_key_axis(bias),

@@ -20,6 +20,14 @@ import torch.distributed as dist
 LAYOUTS = ("zigzag", "contiguous")
 
 
+class ContextParallel(NamedTuple):
+    """Where a sharded sequence lives: the process group and the layout of its shards (for
+    :class:`~flash_dma.modules.DynamicMaskAttention`'s ``context_parallel`` argument)."""
+
+    group: object = None  # a torch.distributed ProcessGroup; None is the whole world
+    layout: str = "zigzag"
+
+
 class Chunk(NamedTuple):
     """A run of consecutive tokens held by one rank."""
 

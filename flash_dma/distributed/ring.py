@@ -173,6 +173,9 @@ class Ring:
         dbias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if self.bias_grad else None
         pending_keys = None
         pending_grads = None
+        travels = self.bias_grad and self.bias_axis == KEY_AXIS_SHARD  # dbias goes back with dK and dV
+        # A bias without a key axis shifts whole rows, which the softmax ignores: its gradient is 0.
+        key_bias_grad = self.bias_grad and self.bias_axis != KEY_AXIS_NONE
         for t in range(self.world):
             keys = self._keys(t, pending_keys, k, v, mask, bias)
             if t + 1 < self.world:
@@ -183,11 +186,11 @@ class Ring:
             if t > 0 and keys is not None:
                 gk = torch.zeros(keys[0].shape, dtype=torch.float32, device=k.device)
                 gv = torch.zeros_like(gk)
-                gb = None if dbias is None else torch.zeros(keys[3].shape, dtype=torch.float32, device=k.device)
+                gb = torch.zeros(keys[3].shape, dtype=torch.float32, device=k.device) if travels else None
             for call in step.calls:
                 (a, b), (c, d) = call.rows, call.keys
                 cdq, cdk, cdv, cdb = self.backend.backward(
-                    self._problem(call, step, q, keys, mask, bias), dout[:, a:b], out[:, a:b], lse[:, :, a:b], self.bias_grad
+                    self._problem(call, step, q, keys, mask, bias), dout[:, a:b], out[:, a:b], lse[:, :, a:b], key_bias_grad
                 )
                 dq[:, a:b] += cdq
                 gk[:, c:d] += cdk
@@ -197,7 +200,6 @@ class Ring:
             if t > 0:
                 if pending_grads is not None:
                     self._collect(pending_grads, dk, dv, dbias)
-                travels = self.bias_grad and self.bias_axis == KEY_AXIS_SHARD
                 pending_grads = self._post_grads(t, [gk, gv, gb][: 3 if travels else 2], [dk, dv, dbias][: 3 if travels else 2])
         if pending_grads is not None:
             self._collect(pending_grads, dk, dv, dbias)
@@ -210,9 +212,6 @@ class Ring:
             travelled[..., first:last] += part
             return
         rows = dbias[:, :, call.rows[0] : call.rows[1]] if dbias.shape[2] > 1 else dbias
-        if self.bias_axis == KEY_AXIS_NONE:
-            rows += part
-            return
         at = 0
         for start, length in step.key_runs(first, last):
             rows[..., start : start + length] += part[..., at : at + length]

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flash_dma.block_mask import check_block_size, effective_mask_rows
+from flash_dma.distributed import ContextParallel, context_parallel_attention, shard_positions, shard_sequence, unshard_sequence
+from flash_dma.distributed.layout import gather_lengths
 from flash_dma.interface import flash_dma_func, flash_dma_with_kvcache
 from flash_dma.inputs import check_choice, check_int
 from flash_dma.masks import create_mask, topk_block_mask
@@ -190,6 +192,7 @@ class DynamicMaskAttention(nn.Module):
         position_ids: torch.Tensor | None = None,
         return_selection: bool = False,
         cache: KVCache | None = None,
+        context_parallel=None,
     ):
         """Attend over the selected keys.
 
@@ -207,6 +210,14 @@ class DynamicMaskAttention(nn.Module):
                 Forward only (``flash_dma_with_kvcache`` has no backward): call under
                 ``torch.no_grad()`` or ``torch.inference_mode()``. See the class docstring for
                 the selection it makes.
+            context_parallel: a :class:`~flash_dma.distributed.ContextParallel`: ``hidden_states``
+                (and ``attention_mask``, ``position_ids``) are this rank's shard of a sequence laid
+                out as it says, and attention runs over the whole sequence with
+                :func:`~flash_dma.distributed.context_parallel_attention`. Key selection gathers
+                every shard's bias ``[B, Hkv, 1, S]`` (O(S), not O(S²)) and makes the same global
+                choice as a forward over the whole sequence; ``position_ids`` default to the shard's
+                global positions. Not with a cache, nor with per-query-block selection
+                (``local_blocks > 0``). Every rank must call the layer (and its backward).
 
         Returns:
             ``[B, S, E]``; with ``return_selection``, the pair ``(output, selection)``. With a
@@ -231,19 +242,37 @@ class DynamicMaskAttention(nn.Module):
             raise ValueError(f"attention_mask: expected shape {(batch, seqlen)} [B, S], got {tuple(attention_mask.shape)}")
         past = 0
         if cache is not None:
+            if context_parallel is not None:
+                raise ValueError("cache: decoding with a cache runs on one device; pass context_parallel=None")
             self._check_cache(cache, hidden_states, attention_mask)
             past = cache.length
+        if context_parallel is not None and not isinstance(context_parallel, ContextParallel):
+            raise TypeError(
+                f"context_parallel: expected a flash_dma.distributed.ContextParallel or None, got {type(context_parallel).__name__}"
+            )
+        if context_parallel is not None and self.window_size is not None and self.block_size and self.local_blocks:
+            raise ValueError(
+                f"local_blocks: per-query-block selection is not supported with context_parallel, got {self.local_blocks}"
+            )
         query = self.q_proj(hidden_states).view(batch, seqlen, self.num_heads, self.head_dim)
         key = self.k_proj(hidden_states).view(batch, seqlen, self.num_kv_heads, self.head_dim)
         value = self.v_proj(hidden_states).view(batch, seqlen, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         if self.rotary is not None:
-            if position_ids is None:
+            if position_ids is None and context_parallel is not None:
+                position_ids = _shard_positions(seqlen, context_parallel, hidden_states.device)[None, :]
+            elif position_ids is None:
                 position_ids = torch.arange(past, past + seqlen, device=hidden_states.device)[None, :]
             query, key = self.rotary(query, position_ids), self.rotary(key, position_ids)
         bias = self.key_importance(value)
-        if seqlen == 0:
+        if context_parallel is not None:
+            selection = {"attn_mask": self._select_sharded(bias, attention_mask, context_parallel), "block_mask": None}
+            out = context_parallel_attention(
+                query, key, value, selection["attn_mask"], bias, is_causal=self.is_causal, backend=self.backend,
+                group=context_parallel.group, layout=context_parallel.layout,
+            )
+        elif seqlen == 0:
             # No query to select keys for (create_mask needs one), and nothing to append to a cache:
             # attention over the empty sequence gives the empty output, as nn.MultiheadAttention's does.
             selection = {"attn_mask": None, "block_mask": None}
@@ -255,6 +284,17 @@ class DynamicMaskAttention(nn.Module):
             out, selection = self._attend_cached(query, key, value, bias, cache, return_selection)
         out = self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
         return (out, selection) if return_selection else out
+
+    @torch.no_grad()
+    def _select_sharded(self, bias: torch.Tensor, attention_mask, context_parallel) -> torch.Tensor | None:
+        """This shard's keys of :meth:`select` over every shard's bias: ``[B, 1|Hkv, 1, S_r]`` bool or None."""
+        group, layout = context_parallel
+        whole_bias = unshard_sequence(bias, group, dim=3, layout=layout)
+        padding = None if attention_mask is None else unshard_sequence(attention_mask, group, dim=1, layout=layout)
+        selection = self.select(whole_bias, padding)
+        seqlen = whole_bias.shape[3]
+        mask = effective_mask_rows(selection["attn_mask"], selection["block_mask"], 0, 1, seqlen)
+        return None if mask is None else shard_sequence(mask, group, dim=3, layout=layout)
 
     def _check_cache(self, cache, hidden_states: torch.Tensor, attention_mask) -> None:
         if not isinstance(cache, KVCache):
@@ -327,3 +367,9 @@ class DynamicMaskAttention(nn.Module):
             cache.advance(stop - start)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return out, ({"attn_mask": rows(0, seqlen), "block_mask": None} if return_selection else None)
+
+
+def _shard_positions(seqlen: int, context_parallel, device) -> torch.Tensor:
+    """The global positions of this rank's ``seqlen`` tokens (a collective: the total is gathered)."""
+    group, layout = context_parallel
+    return shard_positions(sum(gather_lengths(seqlen, group, device)), group, layout=layout, device=device)

@@ -14,7 +14,10 @@ How the kernels walk a mask's sparsity is chosen here, from shapes alone (no hos
 
 from __future__ import annotations
 
-from flash_dma.backends.triton.ops import attention_op, key_list, kvcache_forward, launch_backward, launch_forward
+import torch
+
+from flash_dma.backends.triton.backward import attention_backward
+from flash_dma.backends.triton.ops import attention_op, key_list, kvcache_forward, launch_forward, packed_sequences
 from flash_dma.block_mask import build_block_mask
 
 SMALL_PROBLEM = 1 << 24  # B x H x Sq x Sk
@@ -67,14 +70,18 @@ def forward(problem):
 
 
 def backward(problem, dout, out, lse, bias_requires_grad: bool):
-    """``(dq, dk, dv, dbias or None)`` of ``problem`` for a softmax normalised by ``lse``.
+    """``(dq, dk, dv, dbias or None)`` of ``problem`` for a softmax normalised by ``lse``; dq, dk
+    and dv in float32.
 
     ``out`` and ``lse`` ``[B, H, Sq]`` may be those of a larger attention that this problem is part
     of (its keys a subset of that one's): the gradients are then this part's share of its gradients.
     """
-    q, k, v, *rest = _kernel_inputs(problem)
-    dq, dk, dv, dbias = launch_backward(dout, q, k, v, out, lse.contiguous(), *rest, bias_requires_grad)
-    return dq, dk, dv, dbias if bias_requires_grad else None
+    q, k, v, mask, bias, kv_lists, q_lists, keys, cu_q, cu_k, *settings, deterministic, max_q, max_k = _kernel_inputs(problem)
+    # float32 gradients: the caller sums several calls' before rounding once.
+    return attention_backward(
+        dout, q, k, v, out, lse.contiguous(), mask, bias, kv_lists, q_lists, keys, *settings, deterministic,
+        bias_requires_grad, sequences=packed_sequences(cu_q, cu_k, max_q, max_k), grad_dtype=torch.float32,
+    )
 
 
 def attention_with_cache(cached):

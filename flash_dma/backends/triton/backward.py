@@ -510,7 +510,7 @@ dq_launcher = Launcher(
 )
 
 
-def bias_gradient_buffer(bias, batch, num_heads, num_kv_heads, deterministic, query_chunks):
+def bias_gradient_buffer(bias, batch, num_heads, num_kv_heads, seqlen_k, deterministic, query_chunks):
     """The fp32 buffer the dK/dV kernel accumulates the bias gradient in, and how to read it.
 
     Returns ``(buffer, kind, atomic, head_shared)``; the buffer is ``[chunks, Bd, Hd, Sqb, Sk]``.
@@ -521,7 +521,10 @@ def bias_gradient_buffer(bias, batch, num_heads, num_kv_heads, deterministic, qu
     afterwards); a full bias needs none, as chunks own disjoint query rows.
     """
     bb, bh, bq, bk = bias.shape
-    if bk == 1:
+    # A bias broadcast over several keys shifts whole rows, which the softmax ignores. Over one
+    # key it is that key's bias: its gradient is 0 in a problem of its own, but not in a part of
+    # a larger softmax (context parallelism's calls), so it is computed.
+    if bk == 1 and seqlen_k > 1:
         return None, DBIAS_NONE, False, False
     shared_batch = bb == 1 and batch > 1
     shared_kv = bh == 1 and num_kv_heads > 1
@@ -581,7 +584,7 @@ def _launch_dkdv(
 
     layout = (
         common_layout(q, k, v, mask, bias, walk, sequences), key_list is not None, *settings, dout.stride(),
-        chunks, *dbias_flags, tensor_layout(dbias_acc),
+        chunks, *dbias_flags, tensor_layout(dbias_acc), dk.dtype,
     )
     dkdv_launcher.launch(
         layout, [*common_tensors(q, k, v, mask, bias, walk, sequences), *own], build, candidates,
@@ -611,13 +614,15 @@ def attention_backward(
     bias_requires_grad: bool,
     num_query_chunks: int | None = None,
     sequences: Sequences | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the backward kernels; arguments as for ``attention_forward`` plus the forward's outputs.
 
     ``num_query_chunks`` overrides ``query_chunks`` (for tests).
 
-    Returns ``dq`` ``[B, Sq, H, D]``, ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` in the inputs' dtype and
-    layout, and the bias gradient in the bias's shape and dtype (None when not asked for).
+    Returns ``dq`` ``[B, Sq, H, D]``, ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` in ``grad_dtype`` (default:
+    the inputs' dtype) and layout, and the bias gradient in the bias's shape and dtype (None when
+    not asked for).
     """
     batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
     num_heads, head_dim = q.shape[2], q.shape[3]
@@ -632,14 +637,15 @@ def attention_backward(
         lambda: ([out, dout, delta, *out.stride()[:3], *dout.stride()[:3], token_rows, num_heads, head_dim, _DELTA_ROWS, block_d], (out.dtype, block_d)),
         configs.single_program_config, lambda meta: (cdiv(token_rows, _DELTA_ROWS), q.shape[0] * num_heads),
     )
-    dk = torch.empty(k.shape, dtype=q.dtype, device=device)
+    grad_dtype = grad_dtype or q.dtype
+    dk = torch.empty(k.shape, dtype=grad_dtype, device=device)
     dv = torch.empty_like(dk)
     num_kv_heads = k.shape[2]
     chunks = num_query_chunks or query_chunks(seqlen_q)
     dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = None, DBIAS_NONE, False, False
     if bias is not None and bias_requires_grad:
         dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = bias_gradient_buffer(
-            bias, batch, num_heads, num_kv_heads, deterministic, chunks
+            bias, batch, num_heads, num_kv_heads, seqlen_k, deterministic, chunks
         )
     settings = (list_block_q, list_block_k, softmax_scale, window_left, window_right, softcap)
     _launch_dkdv(
@@ -647,7 +653,7 @@ def attention_backward(
         dbias_acc, (dbias_kind, dbias_atomic, dbias_head_shared), chunks, sequences,
     )
     # dQ is allocated once the dK/dV scratch is released, so the two never add up in the peak.
-    dq = torch.empty(q.shape, dtype=q.dtype, device=device)
+    dq = torch.empty(q.shape, dtype=grad_dtype, device=device)
     dq_walk = key_list if key_list is not None else kv_lists
 
     def build_dq():
@@ -660,7 +666,7 @@ def attention_backward(
         return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dq"), seqlen_q, list_block_q, list_block_k)
 
     dq_launcher.launch(
-        (common_layout(q, k, v, mask, bias, dq_walk, sequences), key_list is not None, *settings, dout.stride()),
+        (common_layout(q, k, v, mask, bias, dq_walk, sequences), key_list is not None, *settings, dout.stride(), dq.dtype),
         [*common_tensors(q, k, v, mask, bias, dq_walk, sequences), dout, lse, delta, dq], build_dq, dq_candidates,
         lambda meta: (cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_heads),
     )

@@ -1,0 +1,124 @@
+"""What the ranks of a test pool run (module-level functions: they travel to the workers by name)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flash_dma import flash_dma_func
+from flash_dma.distributed import context_parallel_attention, shard_sequence, unshard_sequence
+from tests.helpers import Case, assert_close, call_kwargs, make_inputs, reference_outputs
+
+
+def device() -> torch.device:
+    return torch.device("cuda", dist.get_rank()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sequence_dims(t: torch.Tensor) -> tuple[int | None, str]:
+    """How a test shards a mask or bias: ``(dim, form)``; per-key forms by key, others by query row."""
+    if t.shape[2] == 1:
+        return (3, "keys") if t.shape[3] > 1 else (None, "replicated")
+    return 2, "rows"
+
+
+def _shard(t, layout, dim):
+    return t if t is None or dim is None else shard_sequence(t, dim=dim, layout=layout)
+
+
+def case_inputs(case: Case, dtype: torch.dtype) -> tuple[dict, torch.Tensor]:
+    """The whole sequence's inputs (the same on every rank: seeded by the case) and ``dout``."""
+    inputs = make_inputs(case, dtype, device(), requires_grad=True)
+    for first, last in case.extra.get("empty", ()):
+        inputs["attn_mask"][..., first:last] = False  # whole chunks or key blocks that keep nothing
+    shape = (case.batch, case.seqlen_q, case.heads, case.head_dim)
+    dout = torch.randn(shape, generator=case.generator("dout")).to(device(), dtype)
+    return inputs, dout
+
+
+def matches_single_process(case: Case, layout: str, backend: str, dtype_name: str) -> None:
+    """Context-parallel out and every gradient, unsharded, held to the rule that single-process
+    ``flash_dma_func`` on the whole sequence meets (checked here too): an error against the float64
+    reference of at most twice PyTorch's own in the same dtype, plus a small floor."""
+    dtype = getattr(torch, dtype_name)
+    inputs, dout = case_inputs(case, dtype)
+    oracle_out, _, oracle_grads = reference_outputs(case, inputs, dout, torch.float64)
+    torch_out, _, torch_grads = reference_outputs(case, inputs, dout, dtype)
+    single = flash_dma_func(**inputs, **call_kwargs(case), backend=backend)
+    single.backward(dout)
+    single_grads = {name: inputs[name].grad for name in oracle_grads}
+
+    def check(name, actual, oracle, pytorch, single_result):
+        assert_close(f"{name} (single process)", single_result, oracle, pytorch)
+        assert_close(name, actual, oracle, pytorch)
+
+    mask, bias = inputs["attn_mask"], inputs["attn_bias"]
+    mask_dim = None if mask is None else _sequence_dims(mask)[0]
+    bias_dim, bias_form = (None, None) if bias is None else _sequence_dims(bias)
+    shards = {
+        "query": _shard(inputs["query"].detach(), layout, 1).requires_grad_(),
+        "key": _shard(inputs["key"].detach(), layout, 1).requires_grad_(),
+        "value": _shard(inputs["value"].detach(), layout, 1).requires_grad_(),
+        "attn_mask": _shard(mask, layout, mask_dim),
+        "attn_bias": None if bias is None else _shard(bias.detach(), layout, bias_dim).requires_grad_(),
+    }
+    out = context_parallel_attention(**shards, **call_kwargs(case), layout=layout, backend=backend)
+    out.backward(_shard(dout, layout, 1))
+
+    check("out", unshard_sequence(out.detach(), layout=layout), oracle_out, torch_out, single.detach())
+    for name, expected in oracle_grads.items():
+        grad = shards[name].grad
+        assert grad.dtype == shards[name].dtype and grad.shape == shards[name].shape, name
+        if name == "attn_bias" and bias_form == "replicated":
+            dist.all_reduce(grad)  # each rank holds its queries' share, as for any replicated parameter
+            whole = grad
+        else:
+            whole = unshard_sequence(grad, dim=bias_dim if name == "attn_bias" else 1, layout=layout)
+        check(f"d{name}", whole, expected, torch_grads[name], single_grads[name])
+
+
+def call_with(per_rank: list[dict], layout: str = "zigzag") -> None:
+    """``context_parallel_attention`` with this rank's entry of ``per_rank``: a description of
+    inputs (``length``, ``dtype``, ``bias``, ``causal``), for the bad-input tests."""
+    spec = per_rank[dist.get_rank()]
+    gen = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    length = spec["length"]
+    q = torch.randn(1, length, 2, 8, generator=gen).to(device(), dtype)
+    k = torch.randn(1, length, 1, 8, generator=gen).to(device(), dtype)
+    bias = None if "bias" not in spec else torch.zeros(spec["bias"]).to(device(), dtype)
+    context_parallel_attention(q, k, k, attn_bias=bias, is_causal=spec.get("causal", True), layout=layout)
+
+
+def layer_matches_single_process(layer_kwargs: dict, seqlen: int, backend: str, dtype_name: str) -> None:
+    """``DynamicMaskAttention`` on shards, ``context_parallel`` set, against the same layer on the
+    whole sequence: outputs, the input gradient, and parameter gradients summed over ranks."""
+    import copy
+
+    from flash_dma.distributed import ContextParallel
+    from flash_dma.modules import DynamicMaskAttention
+
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    layer = DynamicMaskAttention(32, 4, 2, backend=backend, **layer_kwargs).to(device(), dtype)
+    with torch.no_grad():
+        layer.A.copy_(torch.randn(2))  # a bias that orders the keys (A = 0 ties them all)
+    sharded = copy.deepcopy(layer)
+    hidden = torch.randn(2, seqlen, 32, generator=torch.Generator().manual_seed(1)).to(device(), dtype)
+    padding = torch.ones(2, seqlen, dtype=torch.bool, device=device())
+    padding[1, :5] = False
+    weights = torch.randn(2, seqlen, 32, generator=torch.Generator().manual_seed(2)).to(device(), dtype)
+
+    whole = hidden.clone().requires_grad_()
+    out = layer(whole, padding)
+    (out * weights).sum().backward()
+
+    shard = shard_sequence(hidden).requires_grad_()
+    out_shard = sharded(shard, shard_sequence(padding), context_parallel=ContextParallel())
+    (out_shard * shard_sequence(weights)).sum().backward()
+
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(unshard_sequence(out_shard.detach()), out.detach(), **tolerance)
+    torch.testing.assert_close(unshard_sequence(shard.grad), whole.grad, **tolerance)
+    for (name, p), q in zip(layer.named_parameters(), sharded.parameters()):
+        dist.all_reduce(q.grad)  # replicated parameters: each rank holds its tokens' share
+        torch.testing.assert_close(q.grad, p.grad, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
