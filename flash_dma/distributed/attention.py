@@ -9,7 +9,7 @@ from flash_dma.backends import reference, resolve_backend
 from flash_dma.backends import triton as triton_backend
 from flash_dma.distributed.agreement import agree, require_same
 from flash_dma.distributed.layout import LAYOUTS, layout_chunks, shard_length
-from flash_dma.distributed.plan import Band
+from flash_dma.distributed.plan import Band, kept_blocks
 from flash_dma.distributed.ring import KEY_AXIS_GLOBAL, KEY_AXIS_NONE, KEY_AXIS_SHARD, Ring
 from flash_dma.inputs import UNBOUNDED, check_bias, check_mask, normalize_inputs, normalize_settings
 
@@ -90,6 +90,12 @@ def _agreed_ring(
     query, key, value, mask, bias, group, layout, softmax_scale, is_causal, window_size, softcap, deterministic, backend
 ) -> Ring:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    # The shard lengths first: with them each rank knows its chunks, and summarises its per-key
+    # mask per chunk block on its own device (plans then read a few bools on the host).
+    lengths = [None] * world
+    dist.all_gather_object(lengths, query.shape[1] if isinstance(query, torch.Tensor) and query.dim() == 4 else None, group=group)
+    total = sum(n for n in lengths if n is not None)
+    laid_out = layout in LAYOUTS and lengths == [shard_length(total, world, r, layout) for r in range(world)]
 
     def check() -> dict:
         normalize_inputs(query, key, value)
@@ -111,11 +117,11 @@ def _agreed_ring(
                 shape = (batch, seqlen, t.shape[3] if both_axes else seqlen, num_heads, key.shape[2], head_dim)
                 checker(t, query, shape)
         kept = None
-        if _key_axis(mask) == KEY_AXIS_SHARD:
-            kept = (mask if mask.dtype == torch.bool else mask != 0).any(dim=(0, 1, 2)).cpu()
+        if _key_axis(mask) == KEY_AXIS_SHARD and laid_out:
+            keys = (mask if mask.dtype == torch.bool else mask != 0).any(dim=(0, 1, 2))
+            kept = [kept_blocks(keys, c) for c in layout_chunks(total, world, layout)[rank]]
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias))
         return {
-            "length": seqlen,
             "key_lengths": tuple(t.shape[3] for t in (mask, bias) if t is not None and t.shape[2] > 1 and t.shape[3] > 1),
             "shape": (batch, num_heads, key.shape[2], head_dim),
             "dtype": str(query.dtype),
@@ -140,10 +146,8 @@ def _agreed_ring(
             "settings": "(softmax_scale, window, softcap, deterministic, backend, layout)",
         },
     )
-    lengths = [d["length"] for d in described]
-    total = sum(lengths)
-    expected = [shard_length(total, world, r, layout) for r in range(world)]
-    if lengths != expected:
+    if not laid_out:
+        expected = [shard_length(total, world, r, layout) for r in range(world)]
         raise ValueError(
             f"query: the shards hold {lengths} tokens on ranks 0..{world - 1}, but the {layout!r} layout cuts "
             f"{total} tokens into {expected} (shard_sequence makes such shards)"
@@ -163,8 +167,7 @@ def _agreed_ring(
         world=world,
         backend=RING_BACKENDS[name],
         chunks=layout_chunks(total, world, layout),
-        # all_gather_object may unpickle tensors onto this rank's GPU: plans read them on the host.
-        kept=[None if d["kept"] is None else d["kept"].cpu() for d in described],
+        kept=[d["kept"] or [None] * len(chunks) for d, chunks in zip(described, layout_chunks(total, world, layout))],
         band=Band.of(window),
         mask_axis=_key_axis(mask),
         bias_axis=_key_axis(bias),

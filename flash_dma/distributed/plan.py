@@ -107,10 +107,10 @@ def _cut(q: Chunk, k: Chunk, band: Band, chunk: int) -> _Pair | None:
     return _Pair(chunk, (qa, qb), (ka, kb), window, full)
 
 
-def _kept_runs(kept: torch.Tensor, chunk: Chunk) -> list[Segment]:
+def _kept_runs(kept: list[bool], chunk: Chunk) -> list[Segment]:
     """The chunk's kept blocks as segments, adjacent blocks joined."""
     segments, run_start = [], None
-    flags = kept.tolist() + [False]
+    flags = kept + [False]
     for block, keep in enumerate(flags):
         if keep and run_start is None:
             run_start = block
@@ -140,20 +140,21 @@ def _merged(calls: list[Call]) -> list[Call]:
     return sorted(calls)
 
 
-def kept_blocks(kept_keys: torch.Tensor | None, chunk: Chunk) -> torch.Tensor | None:
-    """``[ceil(length / BLOCK)]`` bool: whether a block of the chunk holds a kept key (None: all kept)."""
+def kept_blocks(kept_keys: torch.Tensor | None, chunk: Chunk) -> list[bool] | None:
+    """Per block of the chunk, whether it holds a key that ``kept_keys`` ``[S_r]`` (bool, over the
+    rank's shard) keeps; None when there is no per-key mask (every key counts as kept)."""
     if kept_keys is None:
         return None
     padded = kept_keys.new_zeros(-(-chunk.length // BLOCK) * BLOCK)
     padded[: chunk.length] = kept_keys[chunk.offset : chunk.offset + chunk.length]
-    return padded.view(-1, BLOCK).any(dim=1)
+    return padded.view(-1, BLOCK).any(dim=1).tolist()
 
 
 def plan_step(
     queries: list[Chunk],
     keys: list[Chunk],
     band: Band,
-    kept: list[torch.Tensor | None],
+    kept: list[list[bool] | None],
     *,
     same_rank: bool,
     compact: bool,
@@ -171,7 +172,7 @@ def plan_step(
         return Step(tuple(Segment(c.offset, c.length, c.start) for c in keys), calls)
     pairs = []
     for index, k in enumerate(keys):
-        if k.length == 0 or (kept[index] is not None and not bool(kept[index].any())):
+        if k.length == 0 or (kept[index] is not None and not any(kept[index])):
             continue
         pairs += [p for q in queries if q.length for p in [_cut(q, k, band, index)] if p is not None]
     needed = range(len(keys)) if same_rank else sorted({p.chunk for p in pairs})
@@ -181,7 +182,7 @@ def plan_step(
         first = sum(s.length for s in segments)
         own = [p for p in pairs if p.chunk == index]
         whole = all(p.full and p.keys == (k.start, k.stop) for p in own)
-        if compact and not same_rank and whole and kept[index] is not None and not bool(kept[index].all()):
+        if compact and not same_rank and whole and kept[index] is not None and not all(kept[index]):
             segments += _kept_runs(kept[index], k)
             compacted.add(index)
         else:

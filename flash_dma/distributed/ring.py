@@ -19,7 +19,7 @@ import torch
 
 from flash_dma.distributed.exchange import Transfers
 from flash_dma.distributed.layout import Chunk
-from flash_dma.distributed.plan import Band, Call, Step, kept_blocks, plan_step
+from flash_dma.distributed.plan import Band, Call, Step, plan_step
 from flash_dma.inputs import AttentionProblem
 
 # How a mask or bias is sharded (see attention.py): its key axis is 1, this rank's keys (it
@@ -36,7 +36,7 @@ class Ring:
     world: int
     backend: object  # a backend module with forward() and backward()
     chunks: list[list[Chunk]]  # per rank
-    kept: list[torch.Tensor | None]  # per rank: [S_r] bool, the keys its per-key mask keeps; None: no such mask
+    kept: list[list[list[bool] | None]]  # per rank, per chunk: plan.kept_blocks of its per-key mask
     band: Band
     mask_axis: str
     bias_axis: str
@@ -52,9 +52,9 @@ class Ring:
     def step(self, receiver: int, source: int) -> Step:
         """What ``receiver`` attends of ``source``'s keys (every rank plans it alike)."""
         if (receiver, source) not in self._steps:
-            kept = [kept_blocks(self.kept[source], c) for c in self.chunks[source]]
             self._steps[receiver, source] = plan_step(
-                self.chunks[receiver], self.chunks[source], self.band, kept, same_rank=receiver == source, compact=True
+                self.chunks[receiver], self.chunks[source], self.band, self.kept[source],
+                same_rank=receiver == source, compact=True,
             )
         return self._steps[receiver, source]
 

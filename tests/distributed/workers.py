@@ -116,9 +116,16 @@ def layer_matches_single_process(layer_kwargs: dict, seqlen: int, backend: str, 
     out_shard = sharded(shard, shard_sequence(padding), context_parallel=ContextParallel())
     (out_shard * shard_sequence(weights)).sum().backward()
 
-    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    torch.testing.assert_close(unshard_sequence(out_shard.detach()), out.detach(), **tolerance)
-    torch.testing.assert_close(unshard_sequence(shard.grad), whole.grad, **tolerance)
+    # Relative to each tensor's largest element: parameter gradients are sums over every token,
+    # rounded once on one process and once per rank (then summed) here.
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+
+    def close(name, actual, expected):
+        error = (actual.float() - expected.float()).abs().max().item() / max(1.0, expected.float().abs().max().item())
+        assert error <= tolerance, f"{name}: relative error {error:.2e} > {tolerance:.0e}"
+
+    close("out", unshard_sequence(out_shard.detach()), out.detach())
+    close("hidden_states.grad", unshard_sequence(shard.grad), whole.grad)
     for (name, p), q in zip(layer.named_parameters(), sharded.parameters()):
         dist.all_reduce(q.grad)  # replicated parameters: each rank holds its tokens' share
-        torch.testing.assert_close(q.grad, p.grad, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+        close(f"{name}.grad", q.grad, p.grad)
