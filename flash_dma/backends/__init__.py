@@ -1,7 +1,10 @@
 """Backend registry.
 
 A backend is a module with ``attention(problem) -> (out, lse)`` for a validated
-:class:`~flash_dma.inputs.AttentionProblem`; gradients flow through its autograd graph.
+:class:`~flash_dma.inputs.AttentionProblem`; gradients flow through its autograd graph. The
+Triton and reference backends also offer ``partial_forward(problem)`` and
+``partial_backward(problem, dout, out, lse, bias_requires_grad)``, without autograd, for a
+problem that is one part of a larger softmax (context parallelism merges such parts).
 
 - ``"triton"``: the Triton kernels. Available on CUDA devices, and on the CPU under the
   Triton interpreter (``TRITON_INTERPRET=1``, for tests).

@@ -232,15 +232,15 @@ def attention(problem) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse.detach()  # the contract's lse is not differentiable, whatever the backend
 
 
-def forward(problem) -> tuple[torch.Tensor, torch.Tensor]:
+def partial_forward(problem) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` without autograd: for callers that drive the backward themselves."""
     with torch.no_grad():
         return attention(problem)
 
 
-def backward(problem, dout, out, lse, bias_requires_grad: bool):
+def partial_backward(problem, dout, out, lse, bias_requires_grad: bool):
     """``(dq, dk, dv, dbias or None)`` of ``problem`` for a softmax normalised by ``lse``, with the
-    arguments of the Triton backend's ``backward``.
+    arguments of the Triton backend's ``partial_backward``.
 
     With ``P = exp(s - lse)`` and ``delta = rowsum(dout * out)``, the gradient of the scores is
     ``P * (dout @ v^T - delta)``. Autograd finds it from a surrogate whose score gradient is exactly

@@ -13,7 +13,7 @@ from flash_dma.distributed.plan import Band, kept_blocks
 from flash_dma.distributed.ring import KEY_AXIS_GLOBAL, KEY_AXIS_NONE, KEY_AXIS_SHARD, Ring
 from flash_dma.inputs import UNBOUNDED, check_bias, check_mask, normalize_inputs, normalize_settings
 
-# Backends with the forward()/backward() pair that the ring drives.
+# Backends with the partial_forward()/partial_backward() pair that the ring drives.
 RING_BACKENDS = {"triton": triton_backend, "reference": reference}
 
 

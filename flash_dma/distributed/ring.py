@@ -34,7 +34,7 @@ class Ring:
     group: object
     rank: int
     world: int
-    backend: object  # a backend module with forward() and backward()
+    backend: object  # a backend module with partial_forward() and partial_backward()
     chunks: list[list[Chunk]]  # per rank
     kept: list[list[list[bool] | None]]  # per rank, per chunk: plan.kept_blocks of its per-key mask
     band: Band
@@ -161,7 +161,7 @@ class Ring:
                 pending = self._post_keys(t + 1, k, v, mask, bias)
             step = self.step(self.rank, self._source(t))
             for call in step.calls:
-                part_out, part_lse = self.backend.forward(self._problem(call, step, q, keys, mask, bias))
+                part_out, part_lse = self.backend.partial_forward(self._problem(call, step, q, keys, mask, bias))
                 _merge(out, lse, call.rows, part_out, part_lse)
         return out.to(q.dtype), lse
 
@@ -189,7 +189,7 @@ class Ring:
                 gb = torch.zeros(keys[3].shape, dtype=torch.float32, device=k.device) if travels else None
             for call in step.calls:
                 (a, b), (c, d) = call.rows, call.keys
-                cdq, cdk, cdv, cdb = self.backend.backward(
+                cdq, cdk, cdv, cdb = self.backend.partial_backward(
                     self._problem(call, step, q, keys, mask, bias), dout[:, a:b], out[:, a:b], lse[:, :, a:b], key_bias_grad
                 )
                 dq[:, a:b] += cdq

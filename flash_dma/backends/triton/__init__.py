@@ -63,13 +63,13 @@ def attention(problem):
     return attention_op(*_kernel_inputs(problem))
 
 
-def forward(problem):
+def partial_forward(problem):
     """``(out, lse)`` without autograd: for callers that drive the backward themselves
     (context parallelism merges the results of several calls, then differentiates each)."""
     return launch_forward(*_kernel_inputs(problem))
 
 
-def backward(problem, dout, out, lse, bias_requires_grad: bool):
+def partial_backward(problem, dout, out, lse, bias_requires_grad: bool):
     """``(dq, dk, dv, dbias or None)`` of ``problem`` for a softmax normalised by ``lse``; dq, dk
     and dv in float32.
 
