@@ -1,14 +1,13 @@
 """``flash-dma bench-cp``: context-parallel attention on N GPUs against one GPU.
 
 The llm shape (B=1, H=16, Hkv=4, D=128, bf16, causal) with a per-key mask keeping 1/8 of the
-128-key blocks of each K/V head (block 0 always; a global top-k of random block scores), or
-no mask (keep 1, bias only), and a trainable per-key bias ``[1, 4, 1, S]``.
+128-key blocks of each K/V head (the llm suite's ``block_topk_mask`` of random scores over the
+whole sequence, block 0 always), or no mask (keep 1, bias only), and a trainable per-key bias ``[1, 4, 1, S]``.
 
 Weak scaling: S tokens on N GPUs (S/N a GPU, zigzag layout) against S/N tokens on one GPU.
 Attention work grows with the square of the length, so the efficiency compares work per second
-per GPU: ``(flops(S) / (N * t_N)) / (flops(S/N) / t_1)``, flops counted over the (query, key)
-pairs that the mask and the causal rule leave (4·D per pair forward, 3.5 times that for
-forward+backward). Times are the slowest rank's; memory is each GPU's peak in forward+backward.
+per GPU: ``(pairs(S) / (N * t_N)) / (pairs(S/N) / t_1)``, over the (query, key) pairs that the
+mask and the causal rule leave (``metrics.active_pairs``; FLOPs per pair cancel out). Times are the slowest rank's; memory is each GPU's peak in forward+backward.
 
 Writes ``results.json`` and ``results.md`` to ``--out``.
 """
@@ -29,11 +28,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flash_dma import flash_dma_func
+from flash_dma.benchmark.inputs import block_topk_mask
+from flash_dma.benchmark.metrics import active_pairs
 from flash_dma.distributed import context_parallel_attention, shard_sequence
 from flash_dma.distributed.layout import shard_length
 
 SHAPE = {"heads": 16, "kv_heads": 4, "head_dim": 128}
-BLOCK = 128
 NO_CUDA_EXIT_CODE = 2
 
 
@@ -46,24 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def block_mask_keys(total: int, keep: float, seed: int) -> torch.Tensor | None:
-    """``[1, Hkv, 1, total]`` bool: the kept keys of a block top-k (block 0 always), or None for keep 1."""
+    """``[1, Hkv, 1, total]`` bool: the llm suite's block top-k of random per-key scores, or None for keep 1."""
     if keep >= 1:
         return None
-    blocks = -(-total // BLOCK)
-    scores = torch.rand(SHAPE["kv_heads"], blocks, generator=torch.Generator().manual_seed(seed))
-    scores[:, 0] = 2.0
-    top = scores.topk(max(1, round(blocks * keep)), dim=1).indices
-    kept = torch.zeros(SHAPE["kv_heads"], blocks, dtype=torch.bool).scatter_(1, top, True)
-    return kept.repeat_interleave(BLOCK, dim=1)[:, :total][None, :, None, :]
-
-
-def causal_pairs(mask: torch.Tensor | None, total: int) -> int:
-    """(query, key) pairs attended over all query heads, causal, under a per-key mask."""
-    group = SHAPE["heads"] // SHAPE["kv_heads"]
-    if mask is None:
-        return SHAPE["heads"] * total * (total + 1) // 2
-    later = total - torch.arange(total, dtype=torch.float64)  # queries at or after each key
-    return int(group * (mask[0, :, 0].double() * later).sum().item())
+    scores = torch.rand(1, SHAPE["kv_heads"], 1, total, generator=torch.Generator().manual_seed(seed))
+    return block_topk_mask(scores, keep)
 
 
 def _inputs(length: int, mask: torch.Tensor | None, device, seed: int):
@@ -128,7 +115,7 @@ def _run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> Non
                 single = _measure(
                     lambda: flash_dma_func(*leaves[:3], device_mask, leaves[3], is_causal=True), leaves, args.reps, False
                 )
-                row["single"] = {**single, "pairs": causal_pairs(mask, local)}
+                row["single"] = {**single, "pairs": active_pairs(local, local, 1, SHAPE["heads"], mask)}
                 del leaves, device_mask
                 torch.cuda.empty_cache()
             dist.barrier()
@@ -140,7 +127,7 @@ def _run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> Non
             )
             peaks = [None] * world
             dist.all_gather_object(peaks, parallel.pop("peak_gib"))
-            row["parallel"] = {**parallel, "peak_gib_per_gpu": peaks, "pairs": causal_pairs(mask, total)}
+            row["parallel"] = {**parallel, "peak_gib_per_gpu": peaks, "pairs": active_pairs(total, total, 1, SHAPE["heads"], mask)}
             del leaves, device_mask
             torch.cuda.empty_cache()
             if rank == 0:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from flash_dma.backends import reference, resolve_backend
 from flash_dma.backends import triton as triton_backend
 from flash_dma.distributed.agreement import agree, require_same
-from flash_dma.distributed.layout import LAYOUTS, layout_chunks, shard_length
+from flash_dma.distributed.layout import LAYOUTS, gather_lengths, layout_chunks, shard_length
 from flash_dma.distributed.plan import Band, kept_blocks
 from flash_dma.distributed.ring import KEY_AXIS_GLOBAL, KEY_AXIS_NONE, KEY_AXIS_SHARD, Ring
 from flash_dma.inputs import UNBOUNDED, check_bias, check_mask, normalize_inputs, normalize_settings
@@ -92,8 +92,7 @@ def _agreed_ring(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # The shard lengths first: with them each rank knows its chunks, and summarises its per-key
     # mask per chunk block on its own device (plans then read a few bools on the host).
-    lengths = [None] * world
-    dist.all_gather_object(lengths, query.shape[1] if isinstance(query, torch.Tensor) and query.dim() == 4 else None, group=group)
+    lengths = gather_lengths(query.shape[1] if isinstance(query, torch.Tensor) and query.dim() == 4 else None, group)
     total = sum(n for n in lengths if n is not None)
     laid_out = layout in LAYOUTS and lengths == [shard_length(total, world, r, layout) for r in range(world)]
 

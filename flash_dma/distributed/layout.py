@@ -90,13 +90,11 @@ def shard_positions(total: int, group=None, *, layout: str = "zigzag", device=No
     return torch.cat([torch.arange(c.start, c.stop, device=device) for c in chunks])
 
 
-def gather_lengths(length: int, group, device) -> list[int]:
-    """Every rank's ``length``, in rank order (a collective)."""
-    world = dist.get_world_size(group)
-    mine = torch.tensor([length], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    return [int(t) for t in every]
+def gather_lengths(length: int | None, group) -> list[int | None]:
+    """Every rank's ``length`` (None from a rank without one), in rank order (a collective)."""
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, length, group=group)
+    return every
 
 
 def unshard_sequence(x: torch.Tensor, group=None, *, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
@@ -107,7 +105,7 @@ def unshard_sequence(x: torch.Tensor, group=None, *, dim: int = 1, layout: str =
     """
     _check_layout(layout)
     world, _ = _group_info(group)
-    lengths = gather_lengths(x.shape[dim], group, x.device)
+    lengths = gather_lengths(x.shape[dim], group)
     total = sum(lengths)
     expected = [shard_length(total, world, r, layout) for r in range(world)]
     if lengths != expected:

@@ -372,4 +372,4 @@ class DynamicMaskAttention(nn.Module):
 def _shard_positions(seqlen: int, context_parallel, device) -> torch.Tensor:
     """The global positions of this rank's ``seqlen`` tokens (a collective: the total is gathered)."""
     group, layout = context_parallel
-    return shard_positions(sum(gather_lengths(seqlen, group, device)), group, layout=layout, device=device)
+    return shard_positions(sum(gather_lengths(seqlen, group)), group, layout=layout, device=device)

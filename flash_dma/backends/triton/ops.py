@@ -118,7 +118,7 @@ def _forward_fake(q, *_):
     return q.new_empty(batch, seqlen_q, num_heads, head_dim), q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
 
 
-def launch_backward(
+def _backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -152,7 +152,7 @@ def launch_backward(
     return dq, dk, dv, q.new_empty(0) if dbias is None else dbias
 
 
-backward_op = torch.library.custom_op("flash_dma::backward", launch_backward, mutates_args=())
+backward_op = torch.library.custom_op("flash_dma::backward", _backward, mutates_args=())
 
 
 @backward_op.register_fake
@@ -243,7 +243,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        return (*_gradients(ctx, dout, launch_backward)[:_TENSOR_INPUTS], None)
+        return (*_gradients(ctx, dout, _backward)[:_TENSOR_INPUTS], None)
 
 
 def attention_op(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
