@@ -1,6 +1,6 @@
 """Context-parallel attention with a per-key mask and a trainable bias, checked against one process.
 
-    python examples/context_parallel.py               # 2 processes: gloo on the CPU, NCCL on 2 GPUs
+    python examples/context_parallel.py               # 2 processes: NCCL on 2 GPUs, else gloo on the CPU
     python examples/context_parallel.py --world 4     # any number of processes (GPUs, if on CUDA)
     torchrun --nproc-per-node 2 examples/context_parallel.py   # the same, started by torchrun
 
@@ -24,7 +24,7 @@ from flash_dma.masks import create_mask
 
 def main() -> None:
     rank = dist.get_rank()
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     batch, seqlen, heads, kv_heads, head_dim = 1, 1000, 4, 2, 64
 
@@ -60,7 +60,8 @@ def main() -> None:
 
 
 def _run(rank: int, world: int, init_method: str) -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # One GPU a rank; with fewer GPUs than ranks, the CPU (gloo).
+    backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
     if backend == "nccl":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(rank)
