@@ -11,6 +11,7 @@ import argparse
 import datetime
 import shlex
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -35,6 +36,20 @@ def _method_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _fraction_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(Fraction(x.strip())) for x in text.split(",") if x.strip())
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions such as 1/8,1, got {text!r}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", choices=(*SUITES, "all"), default="all",
                         help="which cases to run (default: all, in this order; each suite also runs alone)")
@@ -44,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated subset of: {', '.join(METHODS)} (default: all)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"),
                         help="folder for results.json, results.md and results.png (default: benchmarks/results)")
+    parser.add_argument("--lengths", type=_int_list, default=None,
+                        help="only the cases with these key lengths, comma-separated (e.g. 16384,32768)")
+    parser.add_argument("--keeps", type=_fraction_list, default=None,
+                        help="only the cases keeping these fractions, comma-separated (e.g. 1/8,1)")
     parser.add_argument("--quick", action="store_true",
                         help="a few rows per suite (about one Flex compilation each): a sanity run")
     parser.add_argument("--flex-decode", action="store_true",
@@ -79,7 +98,9 @@ def main(args: argparse.Namespace) -> int:
         return NO_CUDA_EXIT_CODE
 
     modes = MODES if args.mode == "both" else (args.mode,)
-    cases = build_cases(args.suite, quick=args.quick, modes=modes, methods=args.methods)
+    cases = build_cases(
+        args.suite, quick=args.quick, modes=modes, methods=args.methods, lengths=args.lengths, keeps=args.keeps,
+    )
     env = environment()
     args.out.mkdir(parents=True, exist_ok=True)
 

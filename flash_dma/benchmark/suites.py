@@ -439,8 +439,11 @@ BUILDERS = {
 }
 
 
-def build_cases(suite: str = "all", quick: bool = False, modes=MODES, methods=None) -> list[Case]:
-    """The cases of ``suite`` (one of :data:`SUITES`, or "all"), keeping only the given modes and methods.
+def build_cases(
+    suite: str = "all", quick: bool = False, modes=MODES, methods=None, lengths=None, keeps=None,
+) -> list[Case]:
+    """The cases of ``suite`` (one of :data:`SUITES`, or "all"), keeping only the given modes and methods,
+    and, when given, the cases whose key length is in ``lengths`` and whose ``keep`` is in ``keeps``.
 
     A case left with no mode or no method is dropped (``--mode fwdbwd`` drops the decode cases).
     """
@@ -449,6 +452,8 @@ def build_cases(suite: str = "all", quick: bool = False, modes=MODES, methods=No
     cases = [case for name in SUITES if suite in (name, "all") for case in BUILDERS[name](quick)]
     selected = []
     for case in cases:
+        if (lengths is not None and case.seqlen_k not in lengths) or (keeps is not None and case.keep not in keeps):
+            continue
         case_modes = tuple(m for m in case.modes if m in modes)
         case_methods = tuple(m for m in case.methods if methods is None or m in methods)
         if case_modes and case_methods:

@@ -34,6 +34,15 @@ def test_methods_are_validated():
         _parse("--suite", "gpt")
 
 
+def test_lengths_and_keeps_are_parsed():
+    args = _parse("--lengths", "16384,32768", "--keeps", "1/8, 1")
+    assert (args.lengths, args.keeps) == ((16384, 32768), (0.125, 1.0))
+    assert (_parse().lengths, _parse().keeps) == (None, None)
+    for bad in (("--lengths", "16K"), ("--keeps", "1/0"), ("--keeps", "an eighth")):
+        with pytest.raises(SystemExit):
+            _parse(*bad)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given on machines without a GPU")
 def test_bench_without_cuda_exits_2_with_a_clear_message(capsys, tmp_path):
     assert cli.main(["bench", "--quick", "--out", str(tmp_path)]) == 2

@@ -156,6 +156,13 @@ def test_filters_on_modes_and_methods():
         build_cases("gpt")
 
 
+def test_filters_on_lengths_and_keeps():
+    picked = build_cases("llm", lengths=(16384, 32768), keeps=(1 / 8,))
+    assert [(c.seqlen_k, c.keep) for c in picked] == [(16384, 1 / 8), (32768, 1 / 8)]
+    assert {c.seqlen_k for c in build_cases("llm", lengths=(131072,))} == {131072}
+    assert not build_cases("llm", lengths=(12345,))
+
+
 def test_labels():
     seed = seed_cases()
     assert seed[4].label == "S=4096 keep=1/2"

@@ -31,6 +31,7 @@ from flash_dma.backends.triton.layout import (
     common_arguments,
     common_layout,
     common_tensors,
+    copy_engine_reads,
     grid_sizes,
     head_divisor,
     placeholder,
@@ -48,7 +49,9 @@ from flash_dma.backends.triton.tiles import (
     key_pointers,
     key_walk,
     listed_tiles,
+    load_rows,
     load_tile,
+    row_source,
     row_tile_scores,
     scores_log2,
     sequence_span,
@@ -372,11 +375,11 @@ def _dkdv_kernel(
 @triton.jit
 def _dq_tiles(
     dq, q, do, lse2, delta, offs_m,
-    k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+    k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
     tiles, tiles_per_block, key_limit, lo, hi, gap_lo, gap_hi,
     band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
     STAGE: tl.constexpr, WALK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr,
+    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dQ over the key tiles at walk positions ``[lo, hi)`` less ``[gap_lo, gap_hi)``."""
@@ -386,10 +389,11 @@ def _dq_tiles(
         next_tile = tile_start(tiles, walk_position(j + 1, lo, gap_lo, gap_hi), tiles_per_block, WALK)
         keys, key_ok = tile_indices(tiles, tile, key_limit, BLOCK_N, WALK)  # [BLOCK_N]
         k, scores, s = row_tile_scores(  # [BLOCK_N, BLOCK_D], then [BLOCK_M, BLOCK_N]
-            q, offs_m, k_base, keys, keys, key_ok, stride_ks, head_dim, band_lo, band_hi, bias_rows, stride_bk, mask_rows, stride_mk,
-            scale_log2, softcap_log2, scale_over_cap, STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_D, DOT_PRECISION,
+            q, offs_m, k_source, tile * BLOCK_N, keys, keys, key_ok, stride_ks, head_dim, band_lo, band_hi,
+            bias_rows, stride_bk, mask_rows, stride_mk, scale_log2, softcap_log2, scale_over_cap,
+            STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, TMA, BLOCK_D, DOT_PRECISION,
         )
-        v = load_tile(v_base, keys, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        v = load_rows(v_source, tile * BLOCK_N, keys, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, TMA, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         p, ds, dqk = _softmax_grad(s, lse2, delta, dp, 0, scale, softcap_log2, SOFTCAP, scores)
         dq += tl.dot(dqk.to(k.dtype), k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
@@ -417,7 +421,7 @@ def _dq_kernel(
     stride_dqb, stride_dqs, stride_dqh,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SEQ: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEQ: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) row tiles first, as in the forward
     b = tl.program_id(1) // num_heads
@@ -438,8 +442,9 @@ def _dq_kernel(
     q = load_tile(q_base, offs_m, row_ok, stride_qs, head_dim, True, BLOCK_D)
     do = load_tile(DO + b_tokens * stride_dob + q_offset * stride_dos + head * stride_doh, offs_m, row_ok, stride_dos, head_dim, True, BLOCK_D)
     lse2, delta = _load_lse2(Lse, Delta, (b_tokens * num_heads + head) * lse_rows + q_offset, offs_m, seqlen_q)
-    k_base = K + b_tokens * stride_kb + k_offset * stride_ks + kv_head * stride_kh
-    v_base = V + b_tokens * stride_vb + k_offset * stride_vs + kv_head * stride_vh
+    KV_TMA: tl.constexpr = TMA and WALK != WALK_KEYS  # gathered keys are read row by row
+    k_source = row_source(K + b_tokens * stride_kb + k_offset * stride_ks + kv_head * stride_kh, seqlen_k, stride_ks, head_dim, KV_TMA, BLOCK_N, BLOCK_D)
+    v_source = row_source(V + b_tokens * stride_vb + k_offset * stride_vs + kv_head * stride_vh, seqlen_k, stride_vs, head_dim, KV_TMA, BLOCK_N, BLOCK_D)
     mask_rows = Mask + b64 * stride_mb + (head // mask_head_div) * stride_mh
     bias_rows = Bias + b64 * stride_bb + (head // bias_head_div) * stride_bh
     if not MASK_PER_KEY:
@@ -458,31 +463,31 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if WALK == WALK_BLOCKS and HAS_MASK:
         dq = _dq_tiles(
-            dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            dq, q, do, lse2, delta, offs_m, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
             partial_tiles, tiles_per_block, key_limit, partial_lo, partial_hi, partial_hi, partial_hi,
             band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
     if WALK == WALK_DENSE and HAS_MASK:
         # A mask without a summary (small problems): every tile reads it.
         dq = _dq_tiles(
-            dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            dq, q, do, lse2, delta, offs_m, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
             tiles, tiles_per_block, key_limit, lo, hi, hi, hi,
             band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
     else:
         dq = _dq_tiles(
-            dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            dq, q, do, lse2, delta, offs_m, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
             tiles, tiles_per_block, key_limit, interior_lo, interior_hi, interior_hi, interior_hi,
             band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
         dq = _dq_tiles(
-            dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            dq, q, do, lse2, delta, offs_m, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
             tiles, tiles_per_block, key_limit, lo, hi, interior_lo, interior_hi,
             band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
     offs_d = tl.arange(0, BLOCK_D)
     dq_ptrs = DQ + b_tokens * stride_dqb + head * stride_dqh + (q_offset + offs_m)[:, None] * stride_dqs + offs_d[None, :]
@@ -658,8 +663,9 @@ def attention_backward(
 
     def build_dq():
         runtime, flags = common_arguments(q, k, v, mask, bias, kv_lists, key_list, *settings, sequences=sequences)
-        args = [*runtime, dout, lse, delta, dq, *dout.stride()[:3], *dq.stride()[:3], *flags, block_d]
-        key = (q.dtype, *flags, block_d, configs.length_bucket(seqlen_q), configs.length_bucket(seqlen_k), list_block_q, list_block_k)
+        tma = copy_engine_reads(k, v)
+        args = [*runtime, dout, lse, delta, dq, *dout.stride()[:3], *dq.stride()[:3], *flags, tma, block_d]
+        key = (q.dtype, *flags, tma, block_d, configs.length_bucket(seqlen_q), configs.length_bucket(seqlen_k), list_block_q, list_block_k)
         return args, key
 
     def dq_candidates():

@@ -81,6 +81,14 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def tma_enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may load tiles through TMA descriptors: Hopper or later (and
+    the interpreter, so that the CPU tests run that path), unless ``FLASH_DMA_TMA=0``."""
+    if os.environ.get("FLASH_DMA_TMA", "1") == "0" or not hasattr(triton.language, "make_tensor_descriptor"):
+        return False
+    return triton_interpreting() or _generation(device.index or 0) == "sm90"
+
+
 def autotune_enabled() -> bool:
     return os.environ.get("FLASH_DMA_AUTOTUNE", "0") == "1" and not triton_interpreting()
 

@@ -30,6 +30,7 @@ from flash_dma.backends.triton.layout import (
     common_arguments,
     common_layout,
     common_tensors,
+    copy_engine_reads,
     grid_sizes,
     placeholder,
     tensor_layout,
@@ -44,9 +45,11 @@ from flash_dma.backends.triton.tiles import (
     STAGE_PARTIAL,
     WALK_BLOCKS,
     WALK_DENSE,
+    WALK_KEYS,
     key_walk,
-    load_tile,
+    load_rows,
     page_rows,
+    row_source,
     row_tile_scores,
     sequence_span,
     tile_indices,
@@ -62,11 +65,11 @@ _KEYS_PER_SPLIT = 256  # fewer keys than this per split is not worth a split
 @triton.jit
 def _attn_fwd_tiles(
     acc, l_i, m_i, q, q_idx,
-    k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk, table_row, page_size, cache_last,
+    k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk, table_row, page_size, cache_last,
     tiles, tiles_per_block, key_limit, lo, hi, gap_lo, gap_hi,
     band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
     STAGE: tl.constexpr, WALK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, PAGED: tl.constexpr,
+    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over the key tiles at walk positions ``[lo, hi)`` less ``[gap_lo, gap_hi)``."""
@@ -77,8 +80,9 @@ def _attn_fwd_tiles(
         keys, key_ok = tile_indices(tiles, tile, key_limit, BLOCK_N, WALK)  # [BLOCK_N]
         kv_rows = page_rows(table_row, keys, key_ok, page_size, cache_last, PAGED)
         _, _, s = row_tile_scores(  # [BLOCK_M, BLOCK_N]
-            q, q_idx, k_base, keys, kv_rows, key_ok, stride_ks, head_dim, band_lo, band_hi, bias_rows, stride_bk, mask_rows, stride_mk,
-            scale_log2, softcap_log2, scale_over_cap, STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, BLOCK_D, DOT_PRECISION,
+            q, q_idx, k_source, tile * BLOCK_N, keys, kv_rows, key_ok, stride_ks, head_dim, band_lo, band_hi,
+            bias_rows, stride_bk, mask_rows, stride_mk, scale_log2, softcap_log2, scale_over_cap,
+            STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, TMA, BLOCK_D, DOT_PRECISION,
         )
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead, so p = 0, not NaN.
@@ -86,7 +90,7 @@ def _attn_fwd_tiles(
         p = tl.exp2(s - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(v_base, kv_rows, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        v = load_rows(v_source, tile * BLOCK_N, kv_rows, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, TMA, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
         m_i = m_new
         tile = next_tile
@@ -116,7 +120,7 @@ def _attn_fwd_kernel(
     rows, CacheRows, BlockTable, stride_table, page_size, cache_rows_given, cache_last,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SEQ: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr, PAGED: tl.constexpr,
+    SEQ: tl.constexpr, TMA: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr, PAGED: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Last row tiles first: under a causal band they hold the most work, so the grid's tail is light.
@@ -160,14 +164,23 @@ def _attn_fwd_kernel(
         b_kv = b_kv * 0
     table_row = BlockTable + b64 * stride_table
 
-    q = tl.load(  # [BLOCK_M, BLOCK_D]
-        Q + b_tokens * stride_qb + ((q_start + q_row) * stride_qs + head * stride_qh)[:, None] + offs_d[None, :],
-        mask=row_ok[:, None] & (offs_d < head_dim)[None, :],
-        other=0.0,
-    )
+    if TMA and not PACK_GQA:
+        # Through the copy engine the tile stays in shared memory, where the first dot reads it.
+        q = row_source(
+            Q + b_tokens * stride_qb + q_start.to(tl.int64) * stride_qs + head * stride_qh, seqlen_q, stride_qs, head_dim,
+            True, BLOCK_M, BLOCK_D,
+        ).load([pid_m * BLOCK_M, 0])  # [BLOCK_M, BLOCK_D]
+    else:
+        q = tl.load(  # [BLOCK_M, BLOCK_D]
+            Q + b_tokens * stride_qb + ((q_start + q_row) * stride_qs + head * stride_qh)[:, None] + offs_d[None, :],
+            mask=row_ok[:, None] & (offs_d < head_dim)[None, :],
+            other=0.0,
+        )
     kv_offset = k_start.to(tl.int64)
-    k_base = K + b_kv * stride_kb + kv_offset * stride_ks + kv_head * stride_kh
-    v_base = V + b_kv * stride_vb + kv_offset * stride_vs + kv_head * stride_vh
+    # Gathered keys (a key list) and a paged cache's rows are scattered: those are read row by row.
+    KV_TMA: tl.constexpr = TMA and WALK != WALK_KEYS and not PAGED
+    k_source = row_source(K + b_kv * stride_kb + kv_offset * stride_ks + kv_head * stride_kh, seqlen_k, stride_ks, head_dim, KV_TMA, BLOCK_N, BLOCK_D)
+    v_source = row_source(V + b_kv * stride_vb + kv_offset * stride_vs + kv_head * stride_vh, seqlen_k, stride_vs, head_dim, KV_TMA, BLOCK_N, BLOCK_D)
     # Per-key mask/bias: one base pointer shared by every row; otherwise one pointer per row.
     # A cache's bias is stored with its keys, so it follows their rows.
     mask_rows = Mask + b64 * stride_mb
@@ -195,35 +208,35 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if WALK == WALK_BLOCKS and HAS_MASK:
         acc, l_i, m_i = _attn_fwd_tiles(
-            acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            acc, l_i, m_i, q, q_idx, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
             table_row, page_size, cache_last,
             partial_tiles, tiles_per_block, key_limit, partial_lo, partial_hi, partial_hi, partial_hi,
             band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
     if WALK == WALK_DENSE and HAS_MASK:
         # A mask without a summary (small problems): every tile reads it.
         acc, l_i, m_i = _attn_fwd_tiles(
-            acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            acc, l_i, m_i, q, q_idx, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
             table_row, page_size, cache_last,
             tiles, tiles_per_block, key_limit, lo, hi, hi, hi,
             band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
     else:
         acc, l_i, m_i = _attn_fwd_tiles(
-            acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            acc, l_i, m_i, q, q_idx, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
             table_row, page_size, cache_last,
             tiles, tiles_per_block, key_limit, interior_lo, interior_hi, interior_hi, interior_hi,
             band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
         acc, l_i, m_i = _attn_fwd_tiles(
-            acc, l_i, m_i, q, q_idx, k_base, v_base, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
+            acc, l_i, m_i, q, q_idx, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
             table_row, page_size, cache_last,
             tiles, tiles_per_block, key_limit, lo, hi, interior_lo, interior_hi,
             band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
 
     # Rows with no visible key: out = 0, lse = -inf.
@@ -374,6 +387,7 @@ def attention_forward(
             q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k,
             softmax_scale, window_left, window_right, softcap, pack_gqa, sequences,
         )
+        tma = copy_engine_reads(q, k, v)
         if num_splits > 1:
             lse_strides = (lse_target.stride(0), lse_target.stride(1), lse_target.stride(3), lse_target.stride(2))
         else:
@@ -382,9 +396,9 @@ def attention_forward(
             *runtime, out_target, lse_target, *out_target.stride()[:4], *lse_strides, rows,
             cache_rows, table, table.stride(0) if paged else 0, cache.page_size if paged else 1,
             int(cache is not None and cache.rows is not None), cache_last,
-            *flags, pack_gqa, num_splits > 1, paged, block_d,
+            *flags, tma, pack_gqa, num_splits > 1, paged, block_d,
         ]
-        key = (q.dtype, *flags, pack_gqa, num_splits > 1, paged, block_d, decode, configs.length_bucket(seqlen_k),
+        key = (q.dtype, *flags, tma, pack_gqa, num_splits > 1, paged, block_d, decode, configs.length_bucket(seqlen_k),
                list_block_q, list_block_k)
         return args, key
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
+from triton.runtime import _allocation
 
 from flash_dma.backends.triton.configs import autotune_enabled, triton_interpreting
 
@@ -73,10 +74,20 @@ def forget_choices() -> None:
         launcher._stored = None
 
 
+@functools.lru_cache(maxsize=None)
+def _scratch_allocator(device: torch.device):
+    """Triton's allocator for a launch's global scratch on ``device`` (where kernels build TMA descriptors)."""
+
+    def allocate(size: int, alignment: int, stream) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    return allocate
+
+
 class Prepared:
     """A compiled launch whose only changing arguments are its tensors."""
 
-    __slots__ = ("kernel", "compiled", "grid", "template", "slots", "options")
+    __slots__ = ("kernel", "compiled", "grid", "template", "slots", "options", "scratch")
 
     def __init__(self, kernel, compiled, grid: tuple, args: list, slots: list, options: dict):
         # The template keeps no tensor: a memoised launch must not hold the memory of the call it came from.
@@ -86,6 +97,7 @@ class Prepared:
         self.kernel, self.compiled, self.grid, self.template, self.slots, self.options = (
             kernel, compiled, grid, template, slots, options,
         )
+        self.scratch = compiled is not None and getattr(compiled.metadata, "global_scratch_size", 0) > 0
 
     def run(self, tensors: list, addresses: list) -> None:
         """Launch with ``tensors`` (in the kernel's pointer order) at ``addresses`` (their data pointers)."""
@@ -98,7 +110,13 @@ class Prepared:
         for slot, address in zip(self.slots, addresses):
             args[slot] = address
         g, compiled = self.grid, self.compiled
-        stream = _stream_of()(tensors[0].device.index)
+        device = tensors[0].device
+        stream = _stream_of()(device.index)
+        if self.scratch:
+            # Triton keeps its allocator in a context variable (per thread: autograd runs the
+            # backward on a thread of its own), so it is set for this launch only, then restored.
+            previous = _allocation._allocator.get()
+            triton.set_allocator(_scratch_allocator(device))
         enter = triton.knobs.runtime.launch_enter_hook
         # Hooks (profilers) get what Triton's own launch gives them; without any, none is called.
         if enter is None or not getattr(enter, "calls", True):
@@ -106,7 +124,11 @@ class Prepared:
         else:
             leave = triton.knobs.runtime.launch_exit_hook
             metadata = compiled.launch_metadata(g, stream, *args)
-        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *args)
+        try:
+            compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *args)
+        finally:
+            if self.scratch:
+                triton.set_allocator(previous)
 
 
 class Launcher:

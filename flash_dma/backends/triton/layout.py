@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from flash_dma.backends.triton import tiles
+from flash_dma.backends.triton import configs, tiles
 
 WALK_DENSE, WALK_BLOCKS, WALK_KEYS = (w.value for w in (tiles.WALK_DENSE, tiles.WALK_BLOCKS, tiles.WALK_KEYS))
 SEQ_FIXED, SEQ_PACKED, SEQ_CACHE = (s.value for s in (tiles.SEQ_FIXED, tiles.SEQ_PACKED, tiles.SEQ_CACHE))
@@ -65,6 +65,17 @@ def band(window_left: int, window_right: int, seqlen_q: int, seqlen_k: int) -> t
     """Visible offsets ``j - i - (Sk - Sq)`` as a closed range; unbounded sides become out-of-reach values."""
     reach = seqlen_q + seqlen_k + 1
     return (-reach if window_left < 0 else -window_left), (reach if window_right < 0 else window_right)
+
+
+def copy_engine_reads(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels may read row tiles of ``tensors`` through TMA descriptors (``tiles.row_source``).
+
+    Hopper's copy engine needs 16-byte aligned addresses and row strides; ``FLASH_DMA_TMA=0``
+    turns it off. The interpreter runs the descriptor path too, so the CPU tests cover it.
+    """
+    if not configs.tma_enabled(tensors[0].device):
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 
 def walk_kind(walk: torch.Tensor | None, key_list: torch.Tensor | None) -> int:

@@ -218,6 +218,31 @@ def load_tile(base, rows, row_ok, stride, head_dim, CHECK: tl.constexpr, BLOCK_D
 
 
 @triton.jit
+def row_source(base, length, stride, head_dim, TMA: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Where ``load_rows`` reads ``[BLOCK, BLOCK_D]`` tiles of a ``[length, head_dim]`` row slice:
+    with TMA a tensor descriptor (Hopper's copy engine, which zero-fills rows past ``length`` and
+    columns past ``head_dim``), else the base pointer itself."""
+    source = base  # one return: Triton checks that every return has one type, even across constexpr branches
+    if TMA:
+        source = tl.make_tensor_descriptor(base, shape=[length, head_dim], strides=[stride, 1], block_shape=[BLOCK, BLOCK_D])
+    return source
+
+
+@triton.jit
+def load_rows(source, first, rows, row_ok, stride, head_dim, CHECK: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The tile of rows ``rows`` from a ``row_source``; with TMA they must be ``first + arange(BLOCK)``.
+
+    With TMA one thread issues the whole tile's copy: no per-element addresses in registers, and
+    the pipeliner waits on a barrier instead of on every thread's loads.
+    """
+    if TMA:
+        tile = source.load([first, 0])
+    else:
+        tile = load_tile(source, rows, row_ok, stride, head_dim, CHECK, BLOCK_D)
+    return tile
+
+
+@triton.jit
 def tanh(x):
     # Odd-symmetric form that neither overflows nor loses precision near 0 as much as 1 - 2/(e^2x + 1).
     # Tensor first: under the Triton >= 3.7 interpreter, `constexpr * tensor` makes a constexpr
@@ -320,18 +345,19 @@ def key_walk(
 
 @triton.jit
 def row_tile_scores(
-    q, q_idx, k_base, keys, kv_rows, key_ok, stride_ks, head_dim, band_lo, band_hi,
+    q, q_idx, k_source, first_key, keys, kv_rows, key_ok, stride_ks, head_dim, band_lo, band_hi,
     bias_rows, stride_bk, mask_rows, stride_mk, scale_log2, softcap_log2, scale_over_cap,
     STAGE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """The per-tile prologue of the kernels that own query rows (forward, dQ).
 
-    Loads the K tile of ``keys`` (found at rows ``kv_rows`` of K and of the bias) and returns it,
-    the log2 scores of ``q`` against it before the bias (for the softcap derivative) and the
-    visible scores with the bias: ``[BLOCK_M, BLOCK_N]``.
+    Loads the K tile of ``keys`` (found at rows ``kv_rows`` of K and of the bias; with TMA they
+    are ``first_key`` on) and returns it, the log2 scores of ``q`` against it before the bias (for
+    the softcap derivative) and the visible scores with the bias: ``[BLOCK_M, BLOCK_N]``.
     """
-    k = load_tile(k_base, kv_rows, key_ok, stride_ks, head_dim, STAGE != STAGE_INTERIOR, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+    k = load_rows(k_source, first_key, kv_rows, key_ok, stride_ks, head_dim, STAGE != STAGE_INTERIOR, TMA, BLOCK_D)  # [BLOCK_N, BLOCK_D]
     scores = scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale_log2, softcap_log2, scale_over_cap, SOFTCAP)
     s = visible_scores(
         scores, q_idx[:, None], keys[None, :], key_ok[None, :], band_lo, band_hi,

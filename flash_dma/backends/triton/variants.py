@@ -75,12 +75,15 @@ _PER_KEY = dict(
 _KEYS = dict(_PER_KEY, HAS_MASK=False, WALK=WALK_KEYS, MASK_PER_KEY=False)
 _DENSE = dict(_PER_KEY, HAS_MASK=False, WALK=WALK_DENSE, MASK_PER_KEY=False, BIAS_PER_KEY=False, SOFTCAP=True)
 _FULL_MASK = dict(_PER_KEY, MASK_PER_KEY=False, BIAS_PER_KEY=False)
-_FORWARD = dict(PACK_GQA=False, SPLIT=False, PAGED=False, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
+# Hopper with aligned inputs: TMA loads (the kernels keep row-by-row loads where rows are gathered).
+_FORWARD = dict(TMA=True, PACK_GQA=False, SPLIT=False, PAGED=False, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
 _DKDV = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_D=128, DBIAS_HEAD_SHARED=True, DBIAS_ATOMIC=False)
-_DQ = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_D=128)
+_DQ = dict(TMA=True, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128)
 
 VARIANTS = [
     Variant("forward-key-list", forward_launcher, 8, 2, {**_KEYS, **_FORWARD}),
+    Variant("forward-per-key-blocks", forward_launcher, 8, 2, {**_PER_KEY, **_FORWARD}),
+    Variant("forward-per-key-blocks-pointers", forward_launcher, 8, 2, {**_PER_KEY, **_FORWARD, "TMA": False}),
     Variant("forward-full-mask", forward_launcher, 8, 2, {**_FULL_MASK, **_FORWARD}),
     Variant("forward-dense-softcap", forward_launcher, 8, 2, {**_DENSE, **_FORWARD}),
     Variant("forward-dense-mask", forward_launcher, 4, 3, {**_FULL_MASK, **_FORWARD, "WALK": WALK_DENSE, "BLOCK_M": 64, "BLOCK_N": 64}),

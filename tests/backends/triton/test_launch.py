@@ -8,7 +8,8 @@ import torch
 
 from flash_dma import flash_dma_func
 from flash_dma.backends.triton import launch
-from tests.helpers import DEVICE, KERNEL_DTYPES, Case, assert_close, make_inputs, reference_outputs
+from flash_dma import build_block_mask
+from tests.helpers import DEVICE, KERNEL_DTYPES, Case, assert_close, assert_gradients_close, make_inputs, reference_outputs
 
 
 @pytest.fixture
@@ -76,3 +77,38 @@ def test_inputs_of_any_alignment_and_stride(head_dim):
     for query, key in ((misaligned, k), (q, misaligned_key)):
         out = flash_dma_func(**{**inputs, "query": query, "key": key}, is_causal=True, backend="triton")
         assert_close("out", out, oracle, baseline)
+
+
+@pytest.mark.parametrize("tma", ["1", "0"], ids=["tma", "row-loads"])
+def test_tma_and_row_loads_give_the_same_gradients(monkeypatch, tma):
+    """Both ways of loading tiles (TMA descriptors where allowed, ``FLASH_DMA_TMA=0`` never) pass
+    the oracle, for block-listed, dense and per-key-mask walks of the forward and dQ kernels."""
+    monkeypatch.setenv("FLASH_DMA_TMA", tma)
+    launch.forget_choices()
+    dtype = KERNEL_DTYPES[0]
+    case = Case(batch=1, seqlen_q=70, seqlen_k=90, heads=4, kv_heads=2, head_dim=40, mask="1,Hkv,1,Sk", bias="1,Hkv,1,Sk", causal=True)
+    inputs = make_inputs(case, dtype, requires_grad=True)
+    dout = torch.randn(inputs["query"].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    oracle_out, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
+    baseline_out, _, baseline = reference_outputs(case, inputs, dout, dtype)
+    for block_mask in (None, build_block_mask(inputs["attn_mask"], block_size=(32, 32))):
+        out = flash_dma_func(**inputs, is_causal=True, block_mask=block_mask, backend="triton")
+        assert_close("out", out, oracle_out, baseline_out)
+        for leaf in ("query", "key", "value", "attn_bias"):
+            inputs[leaf].grad = None
+        out.backward(dout)
+        assert_gradients_close(inputs, oracle, baseline)
+    launch.forget_choices()
+
+
+def test_tma_needs_aligned_rows(monkeypatch):
+    from flash_dma.backends.triton.layout import copy_engine_reads
+
+    monkeypatch.setenv("FLASH_DMA_TMA", "1")
+    rows = torch.zeros(2, 8, 3, 16, dtype=KERNEL_DTYPES[0], device=DEVICE)
+    expected = DEVICE.type == "cpu" or torch.cuda.get_device_capability()[0] >= 9
+    assert copy_engine_reads(rows) == expected
+    assert not copy_engine_reads(torch.zeros(2, 8, 3, 17, dtype=KERNEL_DTYPES[0], device=DEVICE)[..., :16])  # odd row stride
+    assert not copy_engine_reads(torch.zeros(2 * 8 * 3 * 16 + 1, dtype=KERNEL_DTYPES[0], device=DEVICE)[1:].view(2, 8, 3, 16))
+    monkeypatch.setenv("FLASH_DMA_TMA", "0")
+    assert not copy_engine_reads(rows)
