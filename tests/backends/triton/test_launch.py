@@ -86,7 +86,7 @@ def test_tma_and_row_loads_give_the_same_gradients(monkeypatch, tma):
     monkeypatch.setenv("FLASH_DMA_TMA", tma)
     launch.forget_choices()
     dtype = KERNEL_DTYPES[0]
-    case = Case(batch=1, seqlen_q=70, seqlen_k=90, heads=4, kv_heads=2, head_dim=40, mask="1,Hkv,1,Sk", bias="1,Hkv,1,Sk", causal=True)
+    case = Case(batch=1, seqlen_q=70, seqlen_k=90, heads=4, kv_heads=2, head_dim=96, mask="1,Hkv,1,Sk", bias="1,Hkv,1,Sk", causal=True)
     inputs = make_inputs(case, dtype, requires_grad=True)
     dout = torch.randn(inputs["query"].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     oracle_out, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
@@ -105,10 +105,11 @@ def test_tma_needs_aligned_rows(monkeypatch):
     from flash_dma.backends.triton.layout import copy_engine_reads
 
     monkeypatch.setenv("FLASH_DMA_TMA", "1")
-    rows = torch.zeros(2, 8, 3, 16, dtype=KERNEL_DTYPES[0], device=DEVICE)
+    rows = torch.zeros(2, 8, 3, 128, dtype=KERNEL_DTYPES[0], device=DEVICE)
     expected = DEVICE.type == "cpu" or torch.cuda.get_device_capability()[0] >= 9
-    assert copy_engine_reads(rows) == expected
-    assert not copy_engine_reads(torch.zeros(2, 8, 3, 17, dtype=KERNEL_DTYPES[0], device=DEVICE)[..., :16])  # odd row stride
-    assert not copy_engine_reads(torch.zeros(2 * 8 * 3 * 16 + 1, dtype=KERNEL_DTYPES[0], device=DEVICE)[1:].view(2, 8, 3, 16))
+    assert copy_engine_reads(128, rows) == expected
+    assert not copy_engine_reads(64, rows)  # measured slower at D = 64
+    assert not copy_engine_reads(128, torch.zeros(2, 8, 3, 129, dtype=KERNEL_DTYPES[0], device=DEVICE)[..., :128])  # odd row stride
+    assert not copy_engine_reads(128, torch.zeros(2 * 8 * 3 * 128 + 1, dtype=KERNEL_DTYPES[0], device=DEVICE)[1:].view(2, 8, 3, 128))
     monkeypatch.setenv("FLASH_DMA_TMA", "0")
-    assert not copy_engine_reads(rows)
+    assert not copy_engine_reads(128, rows)
