@@ -663,7 +663,7 @@ def attention_backward(
 
     def build_dq():
         runtime, flags = common_arguments(q, k, v, mask, bias, kv_lists, key_list, *settings, sequences=sequences)
-        tma = copy_engine_reads(block_d, k, v)
+        tma = copy_engine_reads(block_d, seqlen_k, k, v)
         args = [*runtime, dout, lse, delta, dq, *dout.stride()[:3], *dq.stride()[:3], *flags, tma, block_d]
         key = (q.dtype, *flags, tma, block_d, configs.length_bucket(seqlen_q), configs.length_bucket(seqlen_k), list_block_q, list_block_k)
         return args, key

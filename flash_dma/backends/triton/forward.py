@@ -387,7 +387,7 @@ def attention_forward(
             q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k,
             softmax_scale, window_left, window_right, softcap, pack_gqa, sequences,
         )
-        tma = copy_engine_reads(block_d, q, k, v)
+        tma = copy_engine_reads(block_d, seqlen_k, q, k, v)
         if num_splits > 1:
             lse_strides = (lse_target.stride(0), lse_target.stride(1), lse_target.stride(3), lse_target.stride(2))
         else:

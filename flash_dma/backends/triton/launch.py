@@ -74,12 +74,25 @@ def forget_choices() -> None:
         launcher._stored = None
 
 
+_SCRATCH: dict = {}  # (device, stream) -> the largest scratch buffer asked for there so far
+
+
 @functools.lru_cache(maxsize=None)
 def _scratch_allocator(device: torch.device):
-    """Triton's allocator for a launch's global scratch on ``device`` (where kernels build TMA descriptors)."""
+    """Triton's allocator for a launch's global scratch on ``device`` (where kernels build TMA descriptors).
+
+    One buffer per stream, reused: launches on a stream run in order, so they never overlap in
+    it, and a call pays no allocation. Under CUDA graph capture the buffer comes from the
+    graph's pool and is not kept, so the graph never shares it with eager launches.
+    """
 
     def allocate(size: int, alignment: int, stream) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.int8, device=device)
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty(size, dtype=torch.int8, device=device)
+        buffer = _SCRATCH.get((device, stream))
+        if buffer is None or buffer.numel() < size:
+            buffer = _SCRATCH[(device, stream)] = torch.empty(size, dtype=torch.int8, device=device)
+        return buffer
 
     return allocate
 

@@ -67,15 +67,21 @@ def band(window_left: int, window_right: int, seqlen_q: int, seqlen_k: int) -> t
     return (-reach if window_left < 0 else -window_left), (reach if window_right < 0 else window_right)
 
 
-def copy_engine_reads(block_d: int, *tensors: torch.Tensor) -> bool:
+TMA_MIN_BLOCK_D = 128
+TMA_MIN_KEYS = 16384
+
+
+def copy_engine_reads(block_d: int, seqlen_k: int, *tensors: torch.Tensor) -> bool:
     """Whether the kernels may read row tiles of ``tensors`` through TMA descriptors (``tiles.row_source``).
 
     Hopper's copy engine needs 16-byte aligned addresses and row strides; ``FLASH_DMA_TMA=0``
     turns it off. The interpreter runs the descriptor path too, so the CPU tests cover it.
-    Only for head-dim blocks of 128 and more: on the H100 (16K, keep 1/8) TMA took the D = 128
-    forward from 0.516 to 0.478 ms and left D = 256 even, but the D = 64 one went from 0.373 to 0.443.
+    Only where it measured faster (H100, bf16, llm shape, keep 1/8): head-dim blocks of 128 and
+    more (at 16K the D = 128 forward went from 0.516 to 0.478 ms and D = 256 stayed even, but
+    D = 64 went from 0.373 to 0.443), and 16K keys or more (at 4K the D = 128 forward went
+    from 0.073 to 0.159 ms; see docs/benchmarks.md).
     """
-    if block_d < 128 or not configs.tma_enabled(tensors[0].device):
+    if block_d < TMA_MIN_BLOCK_D or seqlen_k < TMA_MIN_KEYS or not configs.tma_enabled(tensors[0].device):
         return False
     return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flash_dma import flash_dma_func
-from flash_dma.backends.triton import launch
+from flash_dma.backends.triton import launch, layout
 from flash_dma import build_block_mask
 from tests.helpers import DEVICE, KERNEL_DTYPES, Case, assert_close, assert_gradients_close, make_inputs, reference_outputs
 
@@ -84,6 +84,7 @@ def test_tma_and_row_loads_give_the_same_gradients(monkeypatch, tma):
     """Both ways of loading tiles (TMA descriptors where allowed, ``FLASH_DMA_TMA=0`` never) pass
     the oracle, for block-listed, dense and per-key-mask walks of the forward and dQ kernels."""
     monkeypatch.setenv("FLASH_DMA_TMA", tma)
+    monkeypatch.setattr(layout, "TMA_MIN_KEYS", 0)  # TMA pays from 16K keys on; here, test it small
     launch.forget_choices()
     dtype = KERNEL_DTYPES[0]
     case = Case(batch=1, seqlen_q=70, seqlen_k=90, heads=4, kv_heads=2, head_dim=96, mask="1,Hkv,1,Sk", bias="1,Hkv,1,Sk", causal=True)
@@ -101,15 +102,17 @@ def test_tma_and_row_loads_give_the_same_gradients(monkeypatch, tma):
     launch.forget_choices()
 
 
-def test_tma_needs_aligned_rows(monkeypatch):
-    from flash_dma.backends.triton.layout import copy_engine_reads
-
+def test_tma_needs_aligned_rows_and_a_problem_where_it_pays(monkeypatch):
+    copy_engine_reads = layout.copy_engine_reads
     monkeypatch.setenv("FLASH_DMA_TMA", "1")
     rows = torch.zeros(2, 8, 3, 128, dtype=KERNEL_DTYPES[0], device=DEVICE)
     expected = DEVICE.type == "cpu" or torch.cuda.get_device_capability()[0] >= 9
-    assert copy_engine_reads(128, rows) == expected
-    assert not copy_engine_reads(64, rows)  # measured slower at D = 64
-    assert not copy_engine_reads(128, torch.zeros(2, 8, 3, 129, dtype=KERNEL_DTYPES[0], device=DEVICE)[..., :128])  # odd row stride
-    assert not copy_engine_reads(128, torch.zeros(2 * 8 * 3 * 128 + 1, dtype=KERNEL_DTYPES[0], device=DEVICE)[1:].view(2, 8, 3, 128))
+    assert copy_engine_reads(128, 16384, rows) == expected
+    assert not copy_engine_reads(64, 16384, rows)  # measured slower at D = 64
+    assert not copy_engine_reads(128, 4096, rows)  # and at 4K keys
+    odd_stride = torch.zeros(2, 8, 3, 129, dtype=KERNEL_DTYPES[0], device=DEVICE)[..., :128]
+    assert not copy_engine_reads(128, 16384, odd_stride)
+    misaligned = torch.zeros(2 * 8 * 3 * 128 + 1, dtype=KERNEL_DTYPES[0], device=DEVICE)[1:].view(2, 8, 3, 128)
+    assert not copy_engine_reads(128, 16384, misaligned)
     monkeypatch.setenv("FLASH_DMA_TMA", "0")
-    assert not copy_engine_reads(128, rows)
+    assert not copy_engine_reads(128, 16384, rows)
