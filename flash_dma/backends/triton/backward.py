@@ -285,9 +285,9 @@ def _dkdv_kernel(
         q_base = Q + b_tokens * stride_qb + q_offset * stride_qs + head * stride_qh
         do_base = DO + b_tokens * stride_dob + q_offset * stride_dos + head * stride_doh
         lse_delta_offset = (b_tokens * num_heads + head) * lse_rows + q_offset
-        mask_head = Mask + b64 * stride_mb + (head // mask_head_div) * stride_mh
-        bias_head = Bias + b64 * stride_bb + (head // bias_head_div) * stride_bh
-        dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + (head // dbias_head_div) * stride_dbh
+        mask_head = Mask + b64 * stride_mb + (head // mask_head_div).to(tl.int64) * stride_mh
+        bias_head = Bias + b64 * stride_bb + (head // bias_head_div).to(tl.int64) * stride_bh
+        dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + (head // dbias_head_div).to(tl.int64) * stride_dbh
         tiles = Walk
         t_lo, t_interior_lo, t_interior_hi, t_hi = lo, interior_lo, interior_hi, hi
         if WALK == WALK_BLOCKS:
@@ -343,7 +343,7 @@ def _dkdv_kernel(
 
     if DBIAS == 1:
         if DBIAS_HEAD_SHARED:
-            dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + ((kv_head * group) // dbias_head_div) * stride_dbh
+            dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + ((kv_head * group) // dbias_head_div).to(tl.int64) * stride_dbh
             _flush_key_gradient(dbias_head, keys, key_real, stride_dbk, dbias_keys, DBIAS_ATOMIC)
 
     offs_d = tl.arange(0, BLOCK_D)
@@ -445,8 +445,8 @@ def _dq_kernel(
     KV_TMA: tl.constexpr = TMA and WALK != WALK_KEYS  # gathered keys are read row by row
     k_source = row_source(K + b_tokens * stride_kb + k_offset * stride_ks + kv_head * stride_kh, seqlen_k, stride_ks, head_dim, KV_TMA, BLOCK_N, BLOCK_D)
     v_source = row_source(V + b_tokens * stride_vb + k_offset * stride_vs + kv_head * stride_vh, seqlen_k, stride_vs, head_dim, KV_TMA, BLOCK_N, BLOCK_D)
-    mask_rows = Mask + b64 * stride_mb + (head // mask_head_div) * stride_mh
-    bias_rows = Bias + b64 * stride_bb + (head // bias_head_div) * stride_bh
+    mask_rows = Mask + b64 * stride_mb + (head // mask_head_div).to(tl.int64) * stride_mh
+    bias_rows = Bias + b64 * stride_bb + (head // bias_head_div).to(tl.int64) * stride_bh
     if not MASK_PER_KEY:
         mask_rows += q_row * stride_mq
     if not BIAS_PER_KEY:

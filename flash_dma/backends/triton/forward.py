@@ -185,14 +185,14 @@ def _attn_fwd_kernel(
     # A cache's bias is stored with its keys, so it follows their rows.
     mask_rows = Mask + b64 * stride_mb
     if MASK_PER_KEY:
-        mask_rows += (first_head // mask_head_div) * stride_mh
+        mask_rows += (first_head // mask_head_div).to(tl.int64) * stride_mh
     else:
-        mask_rows += (head // mask_head_div) * stride_mh + q_row * stride_mq
+        mask_rows += (head // mask_head_div).to(tl.int64) * stride_mh + q_row * stride_mq
     bias_rows = Bias + (b_kv if SEQ == SEQ_CACHE else b64) * stride_bb
     if BIAS_PER_KEY:
-        bias_rows += (first_head // bias_head_div) * stride_bh
+        bias_rows += (first_head // bias_head_div).to(tl.int64) * stride_bh
     else:
-        bias_rows += (head // bias_head_div) * stride_bh + q_row * stride_bq
+        bias_rows += (head // bias_head_div).to(tl.int64) * stride_bh + q_row * stride_bq
     walk = Walk + b64 * stride_wb + (first_head // walk_head_div) * stride_wh
 
     # Key tiles that the causal/window band leaves visible to these rows: this split's share.

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from flash_dma import build_block_mask
+from flash_dma import build_block_mask, flash_dma_func
 from flash_dma.backends.triton.forward import attention_forward
 from tests.helpers import (
+    DEVICE,
     DTYPE_IDS,
     KERNEL_DTYPES,
     Case,
@@ -148,3 +149,18 @@ def test_long_sequences(case, poison_outputs):
     baseline_out, baseline_lse, _ = reference_outputs(case, inputs, None, dtype)
     assert_close("out", out, oracle_out, baseline_out)
     assert_close("lse", lse, oracle_lse, baseline_lse)
+
+
+@pytest.mark.gpu_only
+def test_bias_larger_than_two_to_the_31_elements():
+    """Head offsets into a full bias past 2^31 elements are 64-bit (they overflowed into an illegal
+    memory access): the last head's last row matches that row computed on its own (a one-row
+    call splits the keys differently, hence a bf16 tolerance)."""
+    heads, seqlen, head_dim = 16, 12288, 64  # 16 * 12288^2 = 2.4e9 bias elements
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(1, seqlen, heads, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, seqlen, 1, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    bias = torch.randn(1, heads, seqlen, seqlen, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    out = flash_dma_func(q, k, v, attn_bias=bias, is_causal=True, backend="triton")
+    last = flash_dma_func(q[:, -1:], k, v, attn_bias=bias[:, :, -1:], is_causal=True, backend="triton")
+    torch.testing.assert_close(out[:, -1:, -1:], last[:, :, -1:], rtol=1e-2, atol=1e-2)
