@@ -153,7 +153,8 @@ class Launcher:
         specialized: names of its int parameters that Triton specialises (divisibility by 16 lets
             it vectorise row accesses); every other int parameter must be in the kernel's
             ``do_not_specialize`` list, so that its value never changes the compiled kernel.
-        reset_to_zero: pointer parameters the kernel accumulates into, cleared before timing runs.
+        reset_to_zero: pointer parameters the kernel accumulates into (zeroed by the caller), cleared
+            before each timing run and after the last.
     """
 
     def __init__(self, kernel, tensors: Sequence[str], specialized: Sequence[str], reset_to_zero: Sequence[str] = ()):
@@ -281,7 +282,11 @@ class Launcher:
                 t.zero_()
             prepared.run(tensors, addresses)
 
-        return triton.testing.do_bench(launch, warmup=5, rep=25, return_mode="median")
+        ms = triton.testing.do_bench(launch, warmup=5, rep=25, return_mode="median")
+        # The timed runs were on the call's own buffers: leave them as the caller made them.
+        for t in accumulators:
+            t.zero_()
+        return ms
 
     def _read_stored(self) -> dict:
         if self._stored is None:
