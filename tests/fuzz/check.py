@@ -125,11 +125,11 @@ def _case(trial: Trial) -> Case:
 
 @contextlib.contextmanager
 def _forced_query_chunks(chunks: int):
-    """dK/dV programs split each key tile's queries into ``chunks`` parts (from 4096 queries on, by
-    default), added in a fixed order; forcing it runs that path on short sequences."""
+    """dK/dV programs split each key tile's queries into ``chunks`` parts (on long sequences, by
+    default), added in a fixed order or by atomics; forcing it runs that path on short sequences."""
     real = triton_backward.query_chunks
     if chunks > 1:
-        triton_backward.query_chunks = lambda seqlen_q: chunks
+        triton_backward.query_chunks = lambda *problem: chunks
     try:
         yield
     finally:

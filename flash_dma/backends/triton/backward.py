@@ -1,13 +1,15 @@
 """Backward pass: dQ, dK, dV, and the bias gradient in the bias's own shape.
 
-Three launches, none with atomics for dQ, dK or dV:
+Three launches (dQ never needs atomics):
 
 1. ``_delta_kernel``: ``delta = rowsum(dO * O)`` per (batch, head, query).
 2. ``_dkdv_kernel``, grid ``(query chunks, key tiles, batch x kv heads)``: a program owns
    ``BLOCK_N`` keys of one key/value head (consecutive keys, or consecutive slots of a key
    list) and, for each query head of its group, runs ``_dkdv_tiles`` over the query tiles
    that see them (PARTIAL tiles of the summary's transposed lists, interior tiles, edge tiles),
-   recomputing P and accumulating dK and dV in registers. It also makes the bias gradient: for
+   recomputing P and accumulating dK and dV in registers. On long sequences each column is
+   split into query chunks (``query_chunks``) whose parts add up in fp32 scratch: in chunk
+   order when deterministic, else by atomics. It also makes the bias gradient: for
    a per-key bias ``[., ., 1, Sk]`` the column sums of dS, kept in registers across query tiles
    and the group's heads and written once; for a full bias each dS tile.
 3. ``_dq_kernel``, grid ``(query tiles, batch x heads)``: walks key tiles like the forward.
@@ -67,6 +69,8 @@ from flash_dma.block_mask import cdiv
 DBIAS_NONE, DBIAS_PER_KEY, DBIAS_FULL = 0, 1, 2
 MAX_QUERY_CHUNKS = 8
 _QUERIES_PER_CHUNK = 2048
+_QUERIES_PER_ATOMIC_CHUNK = 512
+_COLUMNS_WANTED_PER_SM = 32  # programs per SM if every column worked: 4 with 1/8 of them working
 _SMALLEST_BLOCK_N = 16
 _DELTA_ROWS = 64
 
@@ -207,7 +211,7 @@ def _dkdv_kernel(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SEQ: tl.constexpr, DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DBIAS_HEAD_SHARED: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNKS_IN_ORDER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     num_chunks = tl.num_programs(0)
@@ -267,107 +271,119 @@ def _dkdv_kernel(
     # This program's share of the column's query tiles (see the ordered accumulation at the end).
     lo, interior_lo, interior_hi, hi = split_range(lo, interior_lo, interior_hi, hi, chunk, num_chunks)
 
-    # An empty column loads no keys. A where, not `key_ok & (column_work > 0)`: the Triton 3.9
-    # interpreter broadcasts a scalar comparison into int32 data, which its masked loads refuse.
-    load_ok = tl.where(column_work > 0, key_ok, False)
-    k_base = K + b_tokens * stride_kb + k_offset * stride_ks + kv_head * stride_kh
-    v_base = V + b_tokens * stride_vb + k_offset * stride_vs + kv_head * stride_vh
-    k = load_tile(k_base, keys, load_ok, stride_ks, head_dim, True, BLOCK_D)
-    v = load_tile(v_base, keys, load_ok, stride_vs, head_dim, True, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Under a sparse mask most columns are empty: they read nothing more (their zeroed
+    # gradients are written below, by the last chunk).
+    if column_work > 0:
+        k_base = K + b_tokens * stride_kb + k_offset * stride_ks + kv_head * stride_kh
+        v_base = V + b_tokens * stride_vb + k_offset * stride_vs + kv_head * stride_vh
+        k = load_tile(k_base, keys, key_ok, stride_ks, head_dim, True, BLOCK_D)
+        v = load_tile(v_base, keys, key_ok, stride_vs, head_dim, True, BLOCK_D)
 
-    # Query tiles are walked densely inside the band unless a summary lists them.
-    query_walk: tl.constexpr = WALK_BLOCKS if WALK == WALK_BLOCKS else WALK_DENSE
-    for g in range(0, group):
-        head = kv_head * group + g
-        q_base = Q + b_tokens * stride_qb + q_offset * stride_qs + head * stride_qh
-        do_base = DO + b_tokens * stride_dob + q_offset * stride_dos + head * stride_doh
-        lse_delta_offset = (b_tokens * num_heads + head) * lse_rows + q_offset
-        mask_head = Mask + b64 * stride_mb + (head // mask_head_div).to(tl.int64) * stride_mh
-        bias_head = Bias + b64 * stride_bb + (head // bias_head_div).to(tl.int64) * stride_bh
-        dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + (head // dbias_head_div).to(tl.int64) * stride_dbh
-        tiles = Walk
-        t_lo, t_interior_lo, t_interior_hi, t_hi = lo, interior_lo, interior_hi, hi
-        if WALK == WALK_BLOCKS:
-            tiles = Walk + b64 * stride_wb + (head // walk_head_div) * stride_wh + summary_row * stride_wr
-            partial_lo, partial_hi, t_lo, t_interior_lo, t_interior_hi, t_hi = listed_tiles(
-                tiles, walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi
-            )
-            if HAS_MASK:
+        # Query tiles are walked densely inside the band unless a summary lists them.
+        query_walk: tl.constexpr = WALK_BLOCKS if WALK == WALK_BLOCKS else WALK_DENSE
+        for g in range(0, group):
+            head = kv_head * group + g
+            q_base = Q + b_tokens * stride_qb + q_offset * stride_qs + head * stride_qh
+            do_base = DO + b_tokens * stride_dob + q_offset * stride_dos + head * stride_doh
+            lse_delta_offset = (b_tokens * num_heads + head) * lse_rows + q_offset
+            mask_head = Mask + b64 * stride_mb + (head // mask_head_div).to(tl.int64) * stride_mh
+            bias_head = Bias + b64 * stride_bb + (head // bias_head_div).to(tl.int64) * stride_bh
+            dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + (head // dbias_head_div).to(tl.int64) * stride_dbh
+            tiles = Walk
+            t_lo, t_interior_lo, t_interior_hi, t_hi = lo, interior_lo, interior_hi, hi
+            if WALK == WALK_BLOCKS:
+                tiles = Walk + b64 * stride_wb + (head // walk_head_div) * stride_wh + summary_row * stride_wr
+                partial_lo, partial_hi, t_lo, t_interior_lo, t_interior_hi, t_hi = listed_tiles(
+                    tiles, walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi
+                )
+                if HAS_MASK:
+                    dk, dv, dbias_keys = _dkdv_tiles(
+                        dk, dv, dbias_keys, k, v, keys, key_ok,
+                        q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
+                        mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
+                        tiles, tiles_per_block, partial_lo, partial_hi, partial_hi, partial_hi,
+                        seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+                        STAGE_PARTIAL, WALK_BLOCKS, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
+                        DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
+                    )
+                tiles += 2 * walk_width  # the full tiles' list
+            if query_walk == WALK_DENSE and HAS_MASK:
+                # A mask without a summary (small problems): every query tile reads it.
                 dk, dv, dbias_keys = _dkdv_tiles(
                     dk, dv, dbias_keys, k, v, keys, key_ok,
                     q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
                     mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-                    tiles, tiles_per_block, partial_lo, partial_hi, partial_hi, partial_hi,
+                    tiles, tiles_per_block, t_lo, t_hi, t_hi, t_hi,
                     seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-                    STAGE_PARTIAL, WALK_BLOCKS, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
+                    STAGE_PARTIAL, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
                     DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
                 )
-            tiles += 2 * walk_width  # the full tiles' list
-        if query_walk == WALK_DENSE and HAS_MASK:
-            # A mask without a summary (small problems): every query tile reads it.
-            dk, dv, dbias_keys = _dkdv_tiles(
-                dk, dv, dbias_keys, k, v, keys, key_ok,
-                q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
-                mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-                tiles, tiles_per_block, t_lo, t_hi, t_hi, t_hi,
-                seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-                STAGE_PARTIAL, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
-                DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
-            )
-        else:
-            dk, dv, dbias_keys = _dkdv_tiles(
-                dk, dv, dbias_keys, k, v, keys, key_ok,
-                q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
-                mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-                tiles, tiles_per_block, t_interior_lo, t_interior_hi, t_interior_hi, t_interior_hi,
-                seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-                STAGE_INTERIOR, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
-                DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
-            )
-            dk, dv, dbias_keys = _dkdv_tiles(
-                dk, dv, dbias_keys, k, v, keys, key_ok,
-                q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
-                mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-                tiles, tiles_per_block, t_lo, t_hi, t_interior_lo, t_interior_hi,
-                seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-                STAGE_EDGE, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
-                DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
-            )
-        if DBIAS == 1:
-            if not DBIAS_HEAD_SHARED:
-                _flush_key_gradient(dbias_head, keys, key_real, stride_dbk, dbias_keys, DBIAS_ATOMIC)
-                dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
+            else:
+                dk, dv, dbias_keys = _dkdv_tiles(
+                    dk, dv, dbias_keys, k, v, keys, key_ok,
+                    q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
+                    mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
+                    tiles, tiles_per_block, t_interior_lo, t_interior_hi, t_interior_hi, t_interior_hi,
+                    seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+                    STAGE_INTERIOR, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
+                    DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
+                )
+                dk, dv, dbias_keys = _dkdv_tiles(
+                    dk, dv, dbias_keys, k, v, keys, key_ok,
+                    q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
+                    mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
+                    tiles, tiles_per_block, t_lo, t_hi, t_interior_lo, t_interior_hi,
+                    seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
+                    STAGE_EDGE, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
+                    DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
+                )
+            if DBIAS == 1:
+                if not DBIAS_HEAD_SHARED:
+                    _flush_key_gradient(dbias_head, keys, key_real, stride_dbk, dbias_keys, DBIAS_ATOMIC)
+                    dbias_keys = tl.zeros([BLOCK_N], dtype=tl.float32)
 
-    if DBIAS == 1:
-        if DBIAS_HEAD_SHARED:
-            dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + ((kv_head * group) // dbias_head_div).to(tl.int64) * stride_dbh
-            _flush_key_gradient(dbias_head, keys, key_real, stride_dbk, dbias_keys, DBIAS_ATOMIC)
+        if DBIAS == 1:
+            if DBIAS_HEAD_SHARED:
+                dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + ((kv_head * group) // dbias_head_div).to(tl.int64) * stride_dbh
+                _flush_key_gradient(dbias_head, keys, key_real, stride_dbk, dbias_keys, DBIAS_ATOMIC)
 
     offs_d = tl.arange(0, BLOCK_D)
     rows = (k_offset + keys)[:, None]
     ok = key_real[:, None] & (offs_d < head_dim)[None, :]
     dk_offsets = b_tokens * stride_dkb + kv_head * stride_dkh + rows * stride_dks + offs_d[None, :]
     dv_offsets = b_tokens * stride_dvb + kv_head * stride_dvh + rows * stride_dvs + offs_d[None, :]
+    finisher = chunk == num_chunks - 1
     if num_chunks > 1 and column_work > 0:
-        # The chunks of this key tile add their parts in chunk order, each waiting for its turn:
-        # deterministic, and no atomics on the gradients themselves. Chunks of a tile are
-        # neighbours in the grid, so the ones waited for have been scheduled already.
         turn = Turns + tl.program_id(2) * tl.num_programs(1) + pid_n
-        while tl.atomic_add(turn, 0, sem="acquire") != chunk:
-            pass
-        tl.debug_barrier()
-        if chunk > 0:
-            dk += tl.load(ScratchK + dk_offsets, mask=ok, other=0.0, cache_modifier=".cg")
-            dv += tl.load(ScratchV + dv_offsets, mask=ok, other=0.0, cache_modifier=".cg")
-        if chunk < num_chunks - 1:
-            tl.store(ScratchK + dk_offsets, dk, mask=ok)
-            tl.store(ScratchV + dv_offsets, dv, mask=ok)
-        tl.debug_barrier()
-        tl.atomic_add(turn, 1, sem="release")
-    if chunk == num_chunks - 1:
+        if CHUNKS_IN_ORDER:
+            # The chunks of this key tile add their parts in chunk order, each waiting for its
+            # turn: deterministic. Chunks of a tile are neighbours in the grid, so the ones
+            # waited for have been scheduled already.
+            while tl.atomic_add(turn, 0, sem="acquire") != chunk:
+                pass
+            tl.debug_barrier()
+            if chunk > 0:
+                dk += tl.load(ScratchK + dk_offsets, mask=ok, other=0.0, cache_modifier=".cg")
+                dv += tl.load(ScratchV + dv_offsets, mask=ok, other=0.0, cache_modifier=".cg")
+            if chunk < num_chunks - 1:
+                tl.store(ScratchK + dk_offsets, dk, mask=ok)
+                tl.store(ScratchV + dv_offsets, dv, mask=ok)
+            tl.debug_barrier()
+            tl.atomic_add(turn, 1, sem="release")
+        else:
+            # Each chunk adds its part into the zeroed scratch; the last to arrive writes the
+            # sum. Nobody waits: a chain of turns would hold an SM per chunk while it spins.
+            tl.atomic_add(ScratchK + dk_offsets, dk, mask=ok, sem="relaxed")
+            tl.atomic_add(ScratchV + dv_offsets, dv, mask=ok, sem="relaxed")
+            tl.debug_barrier()
+            finisher = tl.atomic_add(turn, 1, sem="acq_rel") == num_chunks - 1
+            if finisher:
+                dk = tl.load(ScratchK + dk_offsets, mask=ok, other=0.0, cache_modifier=".cg")
+                dv = tl.load(ScratchV + dv_offsets, mask=ok, other=0.0, cache_modifier=".cg")
+    if finisher:
         tl.store(DK + dk_offsets, dk.to(DK.dtype.element_ty), mask=ok)
         tl.store(DV + dv_offsets, dv.to(DV.dtype.element_ty), mask=ok)
 
@@ -506,7 +522,7 @@ dkdv_launcher = Launcher(
         "DO", "Lse", "Delta", "DK", "DV", "DBias", "ScratchK", "ScratchV", "Turns",
     ),
     specialized=(*SPECIALIZED, *_GRADIENT_STRIDES, "stride_dkb", "stride_dks", "stride_dkh", "stride_dvb", "stride_dvs", "stride_dvh"),
-    reset_to_zero=("DBias", "Turns"),
+    reset_to_zero=("DBias", "ScratchK", "ScratchV", "Turns"),
 )
 dq_launcher = Launcher(
     _dq_kernel,
@@ -542,31 +558,49 @@ def bias_gradient_buffer(bias, batch, num_heads, num_kv_heads, seqlen_k, determi
     return buffer, kind, atomic, rows_h != num_heads
 
 
-def query_chunks(seqlen_q: int) -> int:
+def query_chunks(seqlen_q: int, key_columns: int, in_order: bool, device: torch.device) -> int:
     """Parts the query range of each key tile is split into for dK/dV.
 
     A key tile's whole column (every query, every head of its group) is one program's work;
     with a sparse per-key mask only a few such columns exist and the longest one sets the
-    run time. Splitting each column bounds that.
+    run time. Splitting each column bounds that. ``key_columns`` is B x Hkv x (128-key tiles).
+
+    - In order (deterministic): a chunk waits for the one before it, holding its SM, so
+      chunks stay long (2048 queries each).
+    - By atomics: enough programs for a mask that keeps 1/8 of the columns, at least 512
+      queries each. H100, bf16, llm shape, keep 1/8, dK/dV kernel (ms) by chunks:
+
+      | S | 1 | 4 | 8 | 16 | 32 |
+      |---|---|---|---|---|---|
+      | 4K | 0.81 | 0.24 | 0.16 | 0.16 | 0.19 |
+      | 16K | 3.38 | 1.30 | 1.04 | 1.07 | 1.29 |
+      | 32K | 6.90 | 3.55 | 3.27 | 3.31 | 3.80 |
+
+      (Past the best, more chunks add atomics and K/V loads.)
     """
-    return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_CHUNK))
+    if in_order:
+        return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_CHUNK))
+    wanted = cdiv(_COLUMNS_WANTED_PER_SM * configs.multiprocessor_count(device), max(key_columns, 1))
+    return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_ATOMIC_CHUNK, wanted))
 
 
 def _launch_dkdv(
-    q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, sequences,
+    q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, in_order, sequences,
 ):
-    """The dK/dV launch of ``attention_backward``, with its fp32 scratch for query chunks."""
+    """The dK/dV launch of ``attention_backward``, with its fp32 scratch for query chunks (added
+    up in chunk order when ``in_order``, else by atomics)."""
     batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
     num_heads, head_dim, num_kv_heads = q.shape[2], q.shape[3], k.shape[2]
     device = q.device
     block_d = configs.head_dim_block(head_dim)
     list_block_q, list_block_k = settings[:2]
     no_floats = placeholder(device, torch.float32)
-    # Chunks after the first add into fp32 scratch; one turn counter per key tile (any BLOCK_N).
+    # Chunks add up in fp32 scratch; one turn (or arrival) counter per key tile (any BLOCK_N).
     scratch_k, scratch_v, turns = no_floats, no_floats, placeholder(device, torch.int32)
     if chunks > 1:
-        scratch_k = torch.empty_like(dk, dtype=torch.float32)
-        scratch_v = torch.empty_like(dv, dtype=torch.float32)
+        scratch = torch.empty_like if in_order else torch.zeros_like
+        scratch_k = scratch(dk, dtype=torch.float32)
+        scratch_v = scratch(dv, dtype=torch.float32)
         turns = torch.zeros(batch * num_kv_heads * cdiv(seqlen_k, _SMALLEST_BLOCK_N), dtype=torch.int32, device=device)
     walk = key_list if key_list is not None else q_lists
     own = [dout, lse, delta, dk, dv, no_floats if dbias_acc is None else dbias_acc, scratch_k, scratch_v, turns]
@@ -578,9 +612,9 @@ def _launch_dkdv(
             *runtime, *own, *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
             0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0),
             *broadcast_strides(dbias_slice), head_divisor(dbias_slice, num_heads),
-            *flags, *dbias_flags, block_d,
+            *flags, *dbias_flags, in_order, block_d,
         ]
-        key = (q.dtype, *flags, *dbias_flags, block_d, configs.length_bucket(seqlen_q),
+        key = (q.dtype, *flags, *dbias_flags, in_order, block_d, configs.length_bucket(seqlen_q),
                configs.length_bucket(seqlen_k), list_block_q, list_block_k)
         return args, key
 
@@ -589,7 +623,7 @@ def _launch_dkdv(
 
     layout = (
         common_layout(q, k, v, mask, bias, walk, sequences), key_list is not None, *settings, dout.stride(),
-        chunks, *dbias_flags, tensor_layout(dbias_acc), dk.dtype,
+        chunks, in_order, *dbias_flags, tensor_layout(dbias_acc), dk.dtype,
     )
     dkdv_launcher.launch(
         layout, [*common_tensors(q, k, v, mask, bias, walk, sequences), *own], build, candidates,
@@ -646,7 +680,8 @@ def attention_backward(
     dk = torch.empty(k.shape, dtype=grad_dtype, device=device)
     dv = torch.empty_like(dk)
     num_kv_heads = k.shape[2]
-    chunks = num_query_chunks or query_chunks(seqlen_q)
+    columns = batch * num_kv_heads * cdiv(seqlen_k, 128)
+    chunks = num_query_chunks or query_chunks(seqlen_q, columns, deterministic, device)
     dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = None, DBIAS_NONE, False, False
     if bias is not None and bias_requires_grad:
         dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = bias_gradient_buffer(
@@ -655,7 +690,7 @@ def attention_backward(
     settings = (list_block_q, list_block_k, softmax_scale, window_left, window_right, softcap)
     _launch_dkdv(
         q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, delta, dk, dv,
-        dbias_acc, (dbias_kind, dbias_atomic, dbias_head_shared), chunks, sequences,
+        dbias_acc, (dbias_kind, dbias_atomic, dbias_head_shared), chunks, deterministic, sequences,
     )
     # dQ is allocated once the dK/dV scratch is released, so the two never add up in the peak.
     dq = torch.empty(q.shape, dtype=grad_dtype, device=device)

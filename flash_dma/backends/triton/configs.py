@@ -12,13 +12,15 @@ candidate's time; 2026-11-23):
 - forward, D = 128: 128 query rows x 128 keys, 8 warps, 2 stages. On the 16K keep-1/8 key-list
   forward it took 0.655 ms against 0.743 (64 x 64, 4 warps) and 0.779 (128 x 64, 8 warps, 3 stages).
 - forward, D = 256: 64-key tiles no longer fit three stages in 227 KB, hence 32 keys and two.
-- dK/dV, D = 128: 32 queries x 128 keys, 8 warps. 128 keys give each of the two warpgroups its
-  own 64 keys; with 64-key tiles both warpgroups computed the same S and dP tiles, and the 16K
-  keep-1/8 backward took 2.20 ms instead of 1.24. dK and dV stay in registers (128 fp32 values a
-  thread), so it spills a little (tools/compile_report.py), and is still the fastest.
+- dK/dV, D = 128: 32 queries x 64 keys, one warpgroup (4 warps), 3 stages. Once long columns
+  were split into chunks added by atomics, the kernel alone took 0.866 ms at 16K keep 1/8 against
+  0.899 (64 x 128, 8 warps, 3 stages) and 1.062 (32 x 128, 8 warps, 2 stages, the earlier
+  choice); at 4K 0.140 against 0.172 ms. No 64-key tile with 8 warps: both warpgroups would
+  compute the same S and dP tiles.
 - dK/dV, D = 64: 32 x 64 with 4 warps (one warpgroup, no duplicated tiles) was fastest at S = 128.
-- dQ mirrors the forward; decode (few query rows): 16-row tiles and long key tiles, with split-KV
-  supplying the parallelism.
+- dQ, D = 128: 128 x 128, 8 warps, 2 stages: 0.518 ms at 16K keep 1/8 against 0.594 (128 x 64);
+  at 4K they tie (0.080 against 0.078 ms).
+- Decode (few query rows): 16-row tiles and long key tiles, with split-KV supplying the parallelism.
 
 Each list ends with a small tile that fits any head dim's shared memory on any generation.
 """
@@ -50,7 +52,7 @@ _BACKWARD = {
     "dkdv": {
         "sm90": {
             64: [(32, 64, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3)],
-            128: [(32, 128, 8, 2), (32, 64, 4, 3), (64, 128, 8, 2)],
+            128: [(32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 8, 2)],
             256: [(32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2)],
         },
         "sm80": {
@@ -62,7 +64,7 @@ _BACKWARD = {
     "dq": {
         "sm90": {
             64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
-            128: [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2)],
+            128: [(128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2)],
             256: [(64, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2)],
         },
         "sm80": {

@@ -77,8 +77,8 @@ _DENSE = dict(_PER_KEY, HAS_MASK=False, WALK=WALK_DENSE, MASK_PER_KEY=False, BIA
 _FULL_MASK = dict(_PER_KEY, MASK_PER_KEY=False, BIAS_PER_KEY=False)
 # Hopper with aligned inputs: TMA loads (the kernels keep row-by-row loads where rows are gathered).
 _FORWARD = dict(TMA=True, PACK_GQA=False, SPLIT=False, PAGED=False, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
-_DKDV = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_D=128, DBIAS_HEAD_SHARED=True, DBIAS_ATOMIC=False)
-_DQ = dict(TMA=True, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128)
+_DKDV = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=128, DBIAS_HEAD_SHARED=True, DBIAS_ATOMIC=False, CHUNKS_IN_ORDER=False)
+_DQ = dict(TMA=True, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
 
 VARIANTS = [
     Variant("forward-key-list", forward_launcher, 8, 2, {**_KEYS, **_FORWARD}),
@@ -94,12 +94,15 @@ VARIANTS = [
         {**_KEYS, **_FORWARD, "SEQ": SEQ_CACHE, "PAGED": True, "PACK_GQA": True, "SPLIT": True, "BLOCK_M": 16, "BLOCK_D": 64},
     ),
     Variant("forward-d256", forward_launcher, 8, 2, {**_KEYS, **_FORWARD, "BLOCK_N": 32, "BLOCK_D": 256}),
-    Variant("dkdv-key-list", dkdv_launcher, 8, 2, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
-    Variant("dkdv-varlen", dkdv_launcher, 8, 2, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY, "SEQ": SEQ_PACKED}),
-    Variant("dkdv-full-bias-atomic", dkdv_launcher, 8, 2, {**_FULL_MASK, **_DKDV, "DBIAS": DBIAS_FULL, "DBIAS_ATOMIC": True}),
-    Variant("dkdv-dense-softcap", dkdv_launcher, 8, 2, {**_DENSE, **_DKDV, "DBIAS": DBIAS_NONE}),
+    Variant("dkdv-key-list", dkdv_launcher, 4, 3, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
+    Variant("dkdv-per-key-blocks", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
+    Variant("dkdv-per-key-blocks-in-order", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "DBIAS": DBIAS_PER_KEY, "CHUNKS_IN_ORDER": True}),
+    Variant("dkdv-varlen", dkdv_launcher, 4, 3, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY, "SEQ": SEQ_PACKED}),
+    Variant("dkdv-full-bias-atomic", dkdv_launcher, 4, 3, {**_FULL_MASK, **_DKDV, "DBIAS": DBIAS_FULL, "DBIAS_ATOMIC": True}),
+    Variant("dkdv-dense-softcap", dkdv_launcher, 4, 3, {**_DENSE, **_DKDV, "DBIAS": DBIAS_NONE}),
     Variant("dkdv-dense-mask", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "WALK": WALK_DENSE, "DBIAS": DBIAS_PER_KEY, "BLOCK_M": 32, "BLOCK_N": 64}),
     Variant("dq-key-list", dq_launcher, 8, 2, {**_KEYS, **_DQ}),
+    Variant("dq-per-key-blocks", dq_launcher, 8, 2, {**_PER_KEY, **_DQ}),
     Variant("dq-varlen", dq_launcher, 8, 2, {**_KEYS, **_DQ, "SEQ": SEQ_PACKED}),
     Variant("dq-full-mask", dq_launcher, 8, 2, {**_FULL_MASK, **_DQ}),
     Variant("dq-dense-mask", dq_launcher, 4, 3, {**_FULL_MASK, **_DQ, "WALK": WALK_DENSE, "BLOCK_M": 64, "BLOCK_N": 64}),

@@ -53,6 +53,25 @@ def test_tuning_is_stored_and_read_back(tuning):
     assert torch.equal(flash_dma_func(**inputs, is_causal=True), first)
 
 
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "in-order"])
+@pytest.mark.parametrize("tuning", [True], ids=["autotune"], indirect=True)
+def test_autotuning_leaves_the_first_backward_exact(tuning, deterministic, monkeypatch):
+    """Tuning times the dK/dV candidates on the call's own buffers, query chunks' scratch and
+    counters included: they must be cleared before the real launch."""
+    from flash_dma.backends.triton import backward
+
+    monkeypatch.setattr(backward, "query_chunks", lambda *problem: 3)
+    case = Case(batch=1, seqlen_q=256, seqlen_k=256, heads=4, kv_heads=2, head_dim=64, mask="B,Hkv,1,Sk", bias="1,Hkv,1,Sk", causal=True)
+    inputs = make_inputs(case, torch.bfloat16, requires_grad=True)
+    out = flash_dma_func(**inputs, is_causal=True, deterministic=deterministic)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    _, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
+    _, _, baseline = reference_outputs(case, inputs, dout, torch.bfloat16)
+    assert_gradients_close(inputs, oracle, baseline)
+
+
 @pytest.mark.parametrize("head_dim", [64, 40], ids=lambda d: f"D{d}")
 def test_inputs_of_any_alignment_and_stride(head_dim):
     """Alternating calls whose strides and pointers Triton specialises differently must each
