@@ -257,7 +257,7 @@ def _dkdv_kernel(
     tiles_per_block = 1
     summary_row = 0
     # Listed query tiles of this key tile's whole column, over the group's heads. Under a sparse
-    # mask most columns are empty: they load nothing and take no part in the ordered accumulation.
+    # mask most columns are empty: they load nothing and take no part in adding up the chunks.
     column_work = hi - lo
     if WALK == WALK_BLOCKS:
         # At least 1: an empty varlen entry (seqlen 0) has no tiles, yet its walk divides by this.
@@ -268,7 +268,7 @@ def _dkdv_kernel(
             lists = Walk + b64 * stride_wb + ((kv_head * group + g) // walk_head_div) * stride_wh + summary_row * stride_wr
             p_lo, p_hi, f_lo, _, _, f_hi = listed_tiles(lists, walk_width, tiles_per_block, lo, lo, lo, hi)
             column_work += (p_hi - p_lo) + (f_hi - f_lo)
-    # This program's share of the column's query tiles (see the ordered accumulation at the end).
+    # This program's share of the column's query tiles (the chunks add up at the end).
     lo, interior_lo, interior_hi, hi = split_range(lo, interior_lo, interior_hi, hi, chunk, num_chunks)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
