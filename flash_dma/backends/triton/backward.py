@@ -70,6 +70,7 @@ DBIAS_NONE, DBIAS_PER_KEY, DBIAS_FULL = 0, 1, 2
 MAX_QUERY_CHUNKS = 8
 _QUERIES_PER_CHUNK = 2048
 _QUERIES_PER_ATOMIC_CHUNK = 512
+_COLUMN_KEYS = 128  # keys per column when counting columns for the chunk count, whatever BLOCK_N
 _COLUMNS_WANTED_PER_SM = 32  # programs per SM if every column worked: 4 with 1/8 of them working
 _SMALLEST_BLOCK_N = 16
 _DELTA_ROWS = 64
@@ -558,12 +559,12 @@ def bias_gradient_buffer(bias, batch, num_heads, num_kv_heads, seqlen_k, determi
     return buffer, kind, atomic, rows_h != num_heads
 
 
-def query_chunks(seqlen_q: int, key_columns: int, in_order: bool, device: torch.device) -> int:
+def query_chunks(seqlen_q: int, seqlen_k: int, kv_entries: int, in_order: bool, device: torch.device) -> int:
     """Parts the query range of each key tile is split into for dK/dV.
 
     A key tile's whole column (every query, every head of its group) is one program's work;
     with a sparse per-key mask only a few such columns exist and the longest one sets the
-    run time. Splitting each column bounds that. ``key_columns`` is B x Hkv x (128-key tiles).
+    run time. Splitting each column bounds that. ``kv_entries`` is B x Hkv.
 
     - In order (deterministic): a chunk waits for the one before it, holding its SM, so
       chunks stay long (2048 queries each).
@@ -580,7 +581,8 @@ def query_chunks(seqlen_q: int, key_columns: int, in_order: bool, device: torch.
     """
     if in_order:
         return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_CHUNK))
-    wanted = cdiv(_COLUMNS_WANTED_PER_SM * configs.multiprocessor_count(device), max(key_columns, 1))
+    columns = kv_entries * cdiv(seqlen_k, _COLUMN_KEYS)
+    wanted = cdiv(_COLUMNS_WANTED_PER_SM * configs.multiprocessor_count(device), max(columns, 1))
     return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_ATOMIC_CHUNK, wanted))
 
 
@@ -680,8 +682,7 @@ def attention_backward(
     dk = torch.empty(k.shape, dtype=grad_dtype, device=device)
     dv = torch.empty_like(dk)
     num_kv_heads = k.shape[2]
-    columns = batch * num_kv_heads * cdiv(seqlen_k, 128)
-    chunks = num_query_chunks or query_chunks(seqlen_q, columns, deterministic, device)
+    chunks = num_query_chunks or query_chunks(seqlen_q, seqlen_k, batch * num_kv_heads, deterministic, device)
     dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = None, DBIAS_NONE, False, False
     if bias is not None and bias_requires_grad:
         dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = bias_gradient_buffer(
