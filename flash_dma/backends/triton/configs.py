@@ -11,6 +11,8 @@ candidate's time; 2026-11-23):
 
 - forward, D = 128: 128 query rows x 128 keys, 8 warps, 2 stages. On the 16K keep-1/8 key-list
   forward it took 0.655 ms against 0.743 (64 x 64, 4 warps) and 0.779 (128 x 64, 8 warps, 3 stages).
+  On the block walk (summary passed) it took 0.485 ms against 0.478 (64 x 64, 4 warps, 3 stages:
+  within noise), 0.501 (3 stages) and 0.522 (128 x 64, 8 warps, 3 stages).
 - forward, D = 256: 64-key tiles no longer fit three stages in 227 KB, hence 32 keys and two.
 - dK/dV, D = 128: 32 queries x 64 keys, one warpgroup (4 warps), 3 stages. Once long columns
   were split into chunks added by atomics, the kernel alone took 0.866 ms at 16K keep 1/8 against
