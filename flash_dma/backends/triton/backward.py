@@ -58,6 +58,7 @@ from flash_dma.backends.triton.tiles import (
     scores_log2,
     sequence_span,
     split_range,
+    stage_tiles,
     tile_indices,
     tile_start,
     visible_scores,
@@ -283,8 +284,10 @@ def _dkdv_kernel(
         k = load_tile(k_base, keys, key_ok, stride_ks, head_dim, True, BLOCK_D)
         v = load_tile(v_base, keys, key_ok, stride_vs, head_dim, True, BLOCK_D)
 
-        # Query tiles are walked densely inside the band unless a summary lists them.
+        # Query tiles are walked densely inside the band unless a summary lists them; stages as in the forward.
         query_walk: tl.constexpr = WALK_BLOCKS if WALK == WALK_BLOCKS else WALK_DENSE
+        FIRST_STAGE: tl.constexpr = STAGE_PARTIAL if HAS_MASK else STAGE_INTERIOR
+        LAST_STAGE: tl.constexpr = STAGE_PARTIAL if HAS_MASK and query_walk == WALK_DENSE else STAGE_EDGE
         for g in range(0, group):
             head = kv_head * group + g
             q_base = Q + b_tokens * stride_qb + q_offset * stride_qs + head * stride_qh
@@ -293,52 +296,24 @@ def _dkdv_kernel(
             mask_head = Mask + b64 * stride_mb + (head // mask_head_div).to(tl.int64) * stride_mh
             bias_head = Bias + b64 * stride_bb + (head // bias_head_div).to(tl.int64) * stride_bh
             dbias_head = DBias + chunk * stride_dbc + b64 * stride_dbb + (head // dbias_head_div).to(tl.int64) * stride_dbh
-            tiles = Walk
-            t_lo, t_interior_lo, t_interior_hi, t_hi = lo, interior_lo, interior_hi, hi
+            lists = Walk
+            partial_lo, partial_hi, t_lo, t_interior_lo, t_interior_hi, t_hi = lo, lo, lo, interior_lo, interior_hi, hi
             if WALK == WALK_BLOCKS:
-                tiles = Walk + b64 * stride_wb + (head // walk_head_div) * stride_wh + summary_row * stride_wr
+                lists = Walk + b64 * stride_wb + (head // walk_head_div) * stride_wh + summary_row * stride_wr
                 partial_lo, partial_hi, t_lo, t_interior_lo, t_interior_hi, t_hi = listed_tiles(
-                    tiles, walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi
+                    lists, walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi
                 )
-                if HAS_MASK:
-                    dk, dv, dbias_keys = _dkdv_tiles(
-                        dk, dv, dbias_keys, k, v, keys, key_ok,
-                        q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
-                        mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-                        tiles, tiles_per_block, partial_lo, partial_hi, partial_hi, partial_hi,
-                        seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-                        STAGE_PARTIAL, WALK_BLOCKS, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
-                        DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
-                    )
-                tiles += 2 * walk_width  # the full tiles' list
-            if query_walk == WALK_DENSE and HAS_MASK:
-                # A mask without a summary (small problems): every query tile reads it.
-                dk, dv, dbias_keys = _dkdv_tiles(
-                    dk, dv, dbias_keys, k, v, keys, key_ok,
-                    q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
-                    mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-                    tiles, tiles_per_block, t_lo, t_hi, t_hi, t_hi,
-                    seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-                    STAGE_PARTIAL, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
-                    DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
-                )
-            else:
-                dk, dv, dbias_keys = _dkdv_tiles(
-                    dk, dv, dbias_keys, k, v, keys, key_ok,
-                    q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
-                    mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-                    tiles, tiles_per_block, t_interior_lo, t_interior_hi, t_interior_hi, t_interior_hi,
-                    seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-                    STAGE_INTERIOR, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
-                    DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
+            for stage in tl.static_range(FIRST_STAGE, LAST_STAGE + 1):
+                tiles, stage_lo, stage_hi, gap_lo, gap_hi = stage_tiles(
+                    stage, query_walk, lists, walk_width, partial_lo, partial_hi, t_lo, t_interior_lo, t_interior_hi, t_hi,
                 )
                 dk, dv, dbias_keys = _dkdv_tiles(
                     dk, dv, dbias_keys, k, v, keys, key_ok,
                     q_base, do_base, stride_qs, stride_dos, lse_delta_offset, Lse, Delta,
                     mask_head, stride_mq, stride_mk, bias_head, stride_bq, stride_bk, dbias_head, stride_dbq, stride_dbk,
-                    tiles, tiles_per_block, t_lo, t_hi, t_interior_lo, t_interior_hi,
+                    tiles, tiles_per_block, stage_lo, stage_hi, gap_lo, gap_hi,
                     seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-                    STAGE_EDGE, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
+                    stage, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
                     DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
                 )
             if DBIAS == 1:
@@ -473,38 +448,22 @@ def _dq_kernel(
     band_hi += seqlen_k - seqlen_q
     q_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, seqlen_q) - 1
     summary_row = tl.where(list_block_q > 0, pid_m // tl.maximum(list_block_q // BLOCK_M, 1), 0)
-    partial_tiles, tiles, tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi = key_walk(
+    lists, tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi = key_walk(
         Walk + b64 * stride_wb + (head // walk_head_div) * stride_wh, walk_width, summary_row * stride_wr, seqlen_k,
         pid_m * BLOCK_M, q_last, band_lo, band_hi, list_block_k, 0, 1, WALK, BLOCK_N,
     )
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if WALK == WALK_BLOCKS and HAS_MASK:
-        dq = _dq_tiles(
-            dq, q, do, lse2, delta, offs_m, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
-            partial_tiles, tiles_per_block, key_limit, partial_lo, partial_hi, partial_hi, partial_hi,
-            band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
-        )
-    if WALK == WALK_DENSE and HAS_MASK:
-        # A mask without a summary (small problems): every tile reads it.
-        dq = _dq_tiles(
-            dq, q, do, lse2, delta, offs_m, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
-            tiles, tiles_per_block, key_limit, lo, hi, hi, hi,
-            band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
-        )
-    else:
-        dq = _dq_tiles(
-            dq, q, do, lse2, delta, offs_m, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
-            tiles, tiles_per_block, key_limit, interior_lo, interior_hi, interior_hi, interior_hi,
-            band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
+    FIRST_STAGE: tl.constexpr = STAGE_PARTIAL if HAS_MASK else STAGE_INTERIOR  # as in the forward
+    LAST_STAGE: tl.constexpr = STAGE_PARTIAL if HAS_MASK and WALK == WALK_DENSE else STAGE_EDGE
+    for stage in tl.static_range(FIRST_STAGE, LAST_STAGE + 1):
+        tiles, stage_lo, stage_hi, gap_lo, gap_hi = stage_tiles(
+            stage, WALK, lists, walk_width, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi,
         )
         dq = _dq_tiles(
             dq, q, do, lse2, delta, offs_m, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
-            tiles, tiles_per_block, key_limit, lo, hi, interior_lo, interior_hi,
+            tiles, tiles_per_block, key_limit, stage_lo, stage_hi, gap_lo, gap_hi,
             band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            stage, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
     offs_d = tl.arange(0, BLOCK_D)
     dq_ptrs = DQ + b_tokens * stride_dqb + head * stride_dqh + (q_offset + offs_m)[:, None] * stride_dqs + offs_d[None, :]

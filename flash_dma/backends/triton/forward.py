@@ -3,7 +3,7 @@
 Grid: ``(row tiles, batch x heads, key splits)``. A program owns ``BLOCK_M`` query rows of one
 head (or, with PACK_GQA, the rows of all query heads of one key/value head, so that each K/V
 tile is loaded once per group) and runs ``_attn_fwd_tiles`` over up to three stretches of key
-tiles (see ``tiles.py`` for the walks and stages):
+tiles, one loop per stage (see ``tiles.py`` for the walks and stages):
 
 1. PARTIAL tiles of a block summary: element-wise mask, bounds and band checks;
 2. interior tiles (every key visible to every row): no checks at all;
@@ -43,7 +43,6 @@ from flash_dma.backends.triton.tiles import (
     STAGE_EDGE,
     STAGE_INTERIOR,
     STAGE_PARTIAL,
-    WALK_BLOCKS,
     WALK_DENSE,
     WALK_KEYS,
     key_walk,
@@ -52,6 +51,7 @@ from flash_dma.backends.triton.tiles import (
     row_source,
     row_tile_scores,
     sequence_span,
+    stage_tiles,
     tile_indices,
     tile_start,
     walk_position,
@@ -199,44 +199,26 @@ def _attn_fwd_kernel(
     band_lo += seqlen_k - seqlen_q
     band_hi += seqlen_k - seqlen_q
     summary_row = tl.where(list_block_q > 0, pid_m // tl.maximum(list_block_q // BLOCK_M, 1), 0)
-    partial_tiles, tiles, tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi = key_walk(
+    lists, tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi = key_walk(
         walk, walk_width, summary_row * stride_wr, seqlen_k, q_lo, q_hi, band_lo, band_hi, list_block_k,
         split, tl.num_programs(2), WALK, BLOCK_N,
     )
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if WALK == WALK_BLOCKS and HAS_MASK:
-        acc, l_i, m_i = _attn_fwd_tiles(
-            acc, l_i, m_i, q, q_idx, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
-            table_row, page_size, cache_last,
-            partial_tiles, tiles_per_block, key_limit, partial_lo, partial_hi, partial_hi, partial_hi,
-            band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
-        )
-    if WALK == WALK_DENSE and HAS_MASK:
-        # A mask without a summary (small problems): every tile reads it.
-        acc, l_i, m_i = _attn_fwd_tiles(
-            acc, l_i, m_i, q, q_idx, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
-            table_row, page_size, cache_last,
-            tiles, tiles_per_block, key_limit, lo, hi, hi, hi,
-            band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_PARTIAL, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
-        )
-    else:
-        acc, l_i, m_i = _attn_fwd_tiles(
-            acc, l_i, m_i, q, q_idx, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
-            table_row, page_size, cache_last,
-            tiles, tiles_per_block, key_limit, interior_lo, interior_hi, interior_hi, interior_hi,
-            band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_INTERIOR, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
+    # The stages of the walk (tiles.py): PARTIAL tiles where a mask is read (every tile, for a mask
+    # without a summary), then the band's interior and edge tiles.
+    FIRST_STAGE: tl.constexpr = STAGE_PARTIAL if HAS_MASK else STAGE_INTERIOR
+    LAST_STAGE: tl.constexpr = STAGE_PARTIAL if HAS_MASK and WALK == WALK_DENSE else STAGE_EDGE
+    for stage in tl.static_range(FIRST_STAGE, LAST_STAGE + 1):
+        tiles, stage_lo, stage_hi, gap_lo, gap_hi = stage_tiles(
+            stage, WALK, lists, walk_width, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi,
         )
         acc, l_i, m_i = _attn_fwd_tiles(
             acc, l_i, m_i, q, q_idx, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
-            table_row, page_size, cache_last,
-            tiles, tiles_per_block, key_limit, lo, hi, interior_lo, interior_hi,
+            table_row, page_size, cache_last, tiles, tiles_per_block, key_limit, stage_lo, stage_hi, gap_lo, gap_hi,
             band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            STAGE_EDGE, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            stage, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
 
     # Rows with no visible key: out = 0, lse = -inf.

@@ -194,7 +194,7 @@ def common_arguments(
         softmax_scale, softmax_scale * tiles.LOG2E.value, softcap * tiles.LOG2E.value, softmax_scale / softcap if softcap > 0 else 0.0,
     ]
     constexprs = [
-        mask is not None, bias is not None, walk, per_key(mask), per_key(bias), softcap > 0,
+        mask is not None and key_list is None, bias is not None, walk, per_key(mask), per_key(bias), softcap > 0,
         "ieee" if q.dtype == torch.float32 else "tf32",
         SEQ_FIXED if sequences is None else sequences.kind,
     ]

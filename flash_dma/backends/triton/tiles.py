@@ -15,8 +15,12 @@ once for all kernels:
     (``key_list.py``): kept positions in ascending order, then the dropped ones. Tiles hold
     only kept keys, so a mask keeping 1/8 of the keys costs 1/8 of the work, however scattered.
 
-- *Which elements of a tile need checks?* The constexpr ``STAGE``: ``STAGE_INTERIOR`` none,
-  ``STAGE_EDGE`` bounds and band, ``STAGE_PARTIAL`` bounds, band and the element-wise mask.
+- *Which elements of a tile need checks?* The constexpr ``STAGE``: ``STAGE_PARTIAL`` bounds, band
+  and the element-wise mask; ``STAGE_INTERIOR`` none; ``STAGE_EDGE`` bounds and band. Each stage
+  is a loop of its own (one loop deciding per tile measured slower: ``docs/benchmarks.md``), and
+  every kernel runs them in this order, ``for stage in tl.static_range(FIRST_STAGE, LAST_STAGE + 1)``,
+  over the stretches of its walk that ``stage_tiles`` gives: a summary's PARTIAL tiles, or
+  every tile of a mask walked without one; then the band's interior and edge tiles.
 - *Where does a batch entry lie?* The constexpr ``SEQ``: ``SEQ_FIXED`` every entry spans the
   whole tensors; ``SEQ_PACKED`` entries are sequences packed along the token axis of ``[1,
   total, heads, D]`` tensors (varlen); ``SEQ_CACHE`` each entry holds its own number of keys in
@@ -39,9 +43,9 @@ SEQ_FIXED = tl.constexpr(0)
 SEQ_PACKED = tl.constexpr(1)
 SEQ_CACHE = tl.constexpr(2)
 
-STAGE_INTERIOR = tl.constexpr(0)
-STAGE_EDGE = tl.constexpr(1)
-STAGE_PARTIAL = tl.constexpr(2)
+STAGE_PARTIAL = tl.constexpr(0)
+STAGE_INTERIOR = tl.constexpr(1)
+STAGE_EDGE = tl.constexpr(2)
 
 
 @triton.jit
@@ -142,14 +146,21 @@ def first_position(rank_ptr, tile, tiles_per_block):
 
 
 @triton.jit
+def summary_list(lists, list_width, FULL: tl.constexpr, RANK: tl.constexpr):
+    """One of a block-summary row's four lists, ``[2, 2, width]``: PARTIAL/FULL x tiles/rank
+    (``block_mask.py``). The one place that knows this layout."""
+    return lists + list_width * (2 * FULL + RANK)  # tensor first: see tanh
+
+
+@triton.jit
 def listed_tiles(lists, list_width, tiles_per_block, lo, interior_lo, interior_hi, hi):
-    """Where a tile range falls in one block-summary row's lists (``[2, 2, width]``: partial/full x index/rank).
+    """Where a tile range falls in one block-summary row's lists.
 
     Returns ``(partial_lo, partial_hi, full_lo, full_interior_lo, full_interior_hi, full_hi)``,
     positions in the partial list and in the full list.
     """
-    partial_rank = lists + list_width
-    full_rank = lists + 3 * list_width
+    partial_rank = summary_list(lists, list_width, False, True)
+    full_rank = summary_list(lists, list_width, True, True)
     return (
         first_position(partial_rank, lo, tiles_per_block),
         first_position(partial_rank, hi, tiles_per_block),
@@ -169,6 +180,41 @@ def split_range(lo, interior_lo, interior_hi, hi, split, num_splits):
     interior_lo = tl.minimum(tl.maximum(interior_lo, s_lo), s_hi)
     interior_hi = tl.maximum(tl.minimum(interior_hi, s_hi), interior_lo)
     return s_lo, interior_lo, interior_hi, s_hi
+
+
+@triton.jit
+def stage_tiles(
+    STAGE: tl.constexpr, WALK: tl.constexpr, lists, list_width, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi,
+):
+    """Stage ``STAGE``'s stretch of a walk: ``(tiles, lo, hi, gap_lo, gap_hi)``, the positions
+    ``[lo, hi)`` less ``[gap_lo, gap_hi)`` of the list ``tiles`` (for ``tile_start``).
+
+    ``lists`` is the walk: a block-summary row (PARTIAL tiles at positions ``[partial_lo,
+    partial_hi)`` of its PARTIAL list, the others in its FULL list), a key list, or nothing read
+    (dense). ``[lo, hi)`` are the band's tiles, ``[interior_lo, interior_hi)`` its interior.
+    The PARTIAL stage of a dense walk is the whole band: a mask without a summary.
+    """
+    tiles = lists
+    if WALK == WALK_BLOCKS:
+        tiles = summary_list(lists, list_width, STAGE != STAGE_PARTIAL, False)
+    stage_lo = lo
+    stage_hi = hi
+    gap_lo = hi
+    gap_hi = hi
+    if STAGE == STAGE_PARTIAL and WALK == WALK_BLOCKS:
+        stage_lo = partial_lo
+        stage_hi = partial_hi
+        gap_lo = partial_hi
+        gap_hi = partial_hi
+    if STAGE == STAGE_INTERIOR:
+        stage_lo = interior_lo
+        stage_hi = interior_hi
+        gap_lo = interior_hi
+        gap_hi = interior_hi
+    if STAGE == STAGE_EDGE:
+        gap_lo = interior_lo
+        gap_hi = interior_hi
+    return tiles, stage_lo, stage_hi, gap_lo, gap_hi
 
 
 @triton.jit
@@ -313,13 +359,11 @@ def key_walk(
 
     ``walk`` points at this (batch, head)'s block lists (``row_offset`` then picks the query
     block's row) or key list; ``band_lo``/``band_hi`` bound ``key - query``; the range is cut
-    into ``num_splits`` and part ``split`` is returned. Returns ``(partial_tiles, tiles,
-    tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi)``:
-    the PARTIAL tiles are positions ``[partial_lo, partial_hi)`` of ``partial_tiles``; the
-    others (FULL, every tile, or kept keys) positions ``[lo, hi)`` of ``tiles``, of which
-    ``[interior_lo, interior_hi)`` need no checks.
+    into ``num_splits`` and part ``split`` is returned. Returns ``(lists, tiles_per_block,
+    key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi)``, the arguments of
+    ``stage_tiles`` (with ``walk_width``) and of the tile loops.
     """
-    tiles = walk
+    lists = walk
     tiles_per_block = 1
     key_limit = seqlen_k
     if WALK == WALK_KEYS:
@@ -329,18 +373,16 @@ def key_walk(
     else:
         lo, interior_lo, interior_hi, hi = band_tiles(q_lo, q_hi, seqlen_k, band_lo, band_hi, BLOCK_N)
     lo, interior_lo, interior_hi, hi = split_range(lo, interior_lo, interior_hi, hi, split, num_splits)
-    partial_tiles = walk
     partial_lo = lo
     partial_hi = lo
     if WALK == WALK_BLOCKS:
         # At least 1: an empty varlen entry (seqlen 0) has no tiles, yet its walk divides by this.
         tiles_per_block = tl.where(list_block_k > 0, list_block_k // BLOCK_N, tl.maximum(tl.cdiv(seqlen_k, BLOCK_N), 1))
-        partial_tiles = walk + row_offset
-        tiles = partial_tiles + 2 * walk_width
+        lists = walk + row_offset
         partial_lo, partial_hi, lo, interior_lo, interior_hi, hi = listed_tiles(
-            partial_tiles, walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi
+            lists, walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi
         )
-    return partial_tiles, tiles, tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi
+    return lists, tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi
 
 
 @triton.jit

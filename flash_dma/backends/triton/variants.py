@@ -22,7 +22,7 @@ from flash_dma.backends.triton.key_list import count_launcher, key_list_launcher
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import SEQ_CACHE, SEQ_FIXED, SEQ_PACKED, WALK_BLOCKS, WALK_DENSE, WALK_KEYS
 
-# Pointer parameters that do not hold the input dtype; every other capitalised parameter does.
+# Pointer parameters (the launcher's named tensors) that do not hold the input dtype; the others do.
 _POINTER_TYPES = {
     "Mask": "*u8", "Walk": "*i32", "Lse": "*fp32", "Delta": "*fp32", "DBias": "*fp32",
     "ScratchK": "*fp32", "ScratchV": "*fp32", "Turns": "*i32", "State": "*i8", "KeyList": "*i32", "Lists": "*i32",
@@ -52,15 +52,14 @@ class Variant:
     def signature(self, dtype: str) -> dict:
         """Triton's ``signature`` for an ``ASTSource`` with inputs of ``dtype`` (e.g. ``"bf16"``)."""
         signature = {}
+        pointers = {self.kernel.arg_names[slot] for slot in self.launcher.tensor_slots}
         for name in self.kernel.arg_names:
             if name in self.constexprs:
                 signature[name] = "constexpr"
             elif name == "Out" and self.constexprs.get("SPLIT"):
                 signature[name] = "*fp32"  # split-KV partial results
-            elif name in _POINTER_TYPES:
-                signature[name] = _POINTER_TYPES[name]
-            elif name[0].isupper():
-                signature[name] = f"*{dtype}"
+            elif name in pointers:
+                signature[name] = _POINTER_TYPES.get(name, f"*{dtype}")
             elif name in _FLOAT_SCALARS:
                 signature[name] = "fp32"
             else:
