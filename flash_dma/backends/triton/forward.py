@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from flash_dma.backends.triton import configs
+from flash_dma.backends.triton.forward_hopper import hopper_forward, hopper_forward_supported
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
     SEQ_PACKED,
@@ -350,6 +351,12 @@ def attention_forward(
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], num_heads, q.shape[1], dtype=torch.float32, device=q.device)
+    if (
+        num_splits == 1 and not pack_gqa and sequences is None and cache is None
+        and hopper_forward_supported(q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softcap)
+    ):
+        hopper_forward(q, k, v, mask, bias, kv_lists, list_block_q, list_block_k, softmax_scale, window_left, window_right, out, lse)
+        return out, lse
     if num_splits > 1:
         out_target = torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device)
         lse_target = torch.empty(num_splits, q.shape[0], q.shape[1], num_heads, dtype=torch.float32, device=q.device)

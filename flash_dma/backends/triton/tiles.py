@@ -146,10 +146,11 @@ def first_position(rank_ptr, tile, tiles_per_block):
 
 
 @triton.jit
-def summary_list(lists, list_width, FULL: tl.constexpr, RANK: tl.constexpr):
+def summary_list(lists, list_width, full, rank):
     """One of a block-summary row's four lists, ``[2, 2, width]``: PARTIAL/FULL x tiles/rank
-    (``block_mask.py``). The one place that knows this layout."""
-    return lists + list_width * (2 * FULL + RANK)  # tensor first: see tanh
+    (``block_mask.py``), picked by ``full`` and ``rank`` (constants, or run-time flags). The one
+    place that knows this layout."""
+    return lists + list_width * (2 * full + rank)  # tensor first: see tanh
 
 
 @triton.jit

@@ -1,0 +1,486 @@
+"""Hopper forward: the forward kernel of ``forward.py`` as a warp-specialised, persistent Gluon kernel.
+
+On sm90 the plain Triton forward keeps one 8-warp program per multiprocessor whose loads, math
+and epilogue take turns: measured, 8.8 us of fixed cost per program and 2.44 us per 128 x 128
+tile (docs/benchmarks.md), so a query block with a short tile list spends a third of its time
+waiting. Here the roles run side by side, as in FlashAttention-3:
+
+- a *loader* warp walks each work item's tile list (the same walk as ``tiles.key_walk``) and
+  copies Q, K and V tiles with TMA into shared-memory rings, running ahead across work items;
+- two *softmax* warpgroups each own 64 of a work item's 128 query rows: ``S = Q K^T`` and
+  ``O += P V`` with wgmma, the online softmax in registers, then the epilogue, while the loader
+  already fills the next item's buffers.
+
+The grid is persistent: one program per multiprocessor takes work items (row block, batch,
+head) in turn, the last row blocks first (under a causal band they hold the most tiles).
+
+It serves the prefill/training forward of the common case (``hopper_forward_supported``): Hopper,
+fp16/bf16, D = 64 or 128, a dense walk or a block summary with per-key mask and bias (or none),
+any causal/window band, GQA. Everything else takes ``forward.py``. Outputs are those of
+``forward.attention_forward``, so the backward is shared.
+"""
+
+# No `from __future__ import annotations`: the aggregates below need their field types as objects.
+import inspect
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.language.core import _aggregate as aggregate
+
+from flash_dma.backends.triton import configs, tiles
+from flash_dma.backends.triton.launch import Launcher
+from flash_dma.backends.triton.layout import (
+    WALK_BLOCKS,
+    WALK_DENSE,
+    band,
+    broadcast_strides,
+    common_layout,
+    head_divisor,
+    kernel_view,
+    placeholder,
+    tensor_layout,
+)
+from flash_dma.block_mask import cdiv
+
+# The walk's index arithmetic is shared with the Triton kernels: scalar code runs as Gluon as is.
+_band_tiles = gluon.jit(tiles.band_tiles.fn)
+_listed_tiles = gluon.jit(tiles.listed_tiles.fn)
+_summary_list = gluon.jit(tiles.summary_list.fn)
+_tile_start = gluon.jit(tiles.tile_start.fn)
+# Triton 3.9 renamed the TMA load (and refuses the old name).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+# Query rows per work item (64 per softmax warpgroup: wgmma's M) and keys per tile.
+TILE = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=4, num_stages=1, maxnreg=168)
+HEAD_DIMS = (64, 128)
+_KV_STAGES = {64: 3, 128: 2}  # K/V tiles in flight; with two Q buffers, D = 128 fills 192 KB of shared memory
+# Registers per thread: each softmax warpgroup 240, the loader 24 (setmaxnreg); the kernel
+# starts with TILE.maxnreg over its 3 warpgroups, and 2 x 128 x 240 + 128 x 24 <= 168 x 384.
+_SOFTMAX_REGISTERS = gl.constexpr(240)
+_LOADER_REGISTERS = gl.constexpr(24)
+
+
+def _record(cls):
+    """Triton's ``aggregate`` with a constructor that takes the fields in order (Triton 3.6 wants
+    one written out; later versions make the same one)."""
+    fields = dict(cls.__annotations__)
+
+    def __init__(self, *values):
+        for name, value in zip(fields, values, strict=True):
+            setattr(self, name, gl.constexpr(value) if fields[name] is gl.constexpr else value)
+
+    cls.__init__ = gluon.constexpr_function(__init__)
+    record = aggregate(cls)
+    record.fields = fields
+    return record
+
+
+@_record
+class _Problem:
+    """What every partition reads: descriptors, pointers, strides, sizes and constexprs."""
+
+    q_desc: tma.tensor_descriptor
+    k_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    Out: gl.tensor
+    Lse: gl.tensor
+    Mask: gl.tensor
+    Bias: gl.tensor
+    Walk: gl.tensor
+    stride_ob: gl.tensor
+    stride_os: gl.tensor
+    stride_oh: gl.tensor
+    stride_lse_b: gl.tensor
+    stride_lse_h: gl.tensor
+    stride_mb: gl.tensor
+    stride_mh: gl.tensor
+    stride_mk: gl.tensor
+    stride_bb: gl.tensor
+    stride_bh: gl.tensor
+    stride_bk: gl.tensor
+    stride_wb: gl.tensor
+    stride_wh: gl.tensor
+    stride_wr: gl.tensor
+    walk_width: gl.tensor
+    seqlen_q: gl.tensor
+    seqlen_k: gl.tensor
+    num_heads: gl.tensor
+    group: gl.tensor
+    items: gl.tensor
+    row_blocks: gl.tensor
+    mask_head_div: gl.tensor
+    bias_head_div: gl.tensor
+    walk_head_div: gl.tensor
+    list_block_q: gl.tensor
+    list_block_k: gl.tensor
+    band_lo: gl.tensor
+    band_hi: gl.tensor
+    scale_log2: gl.tensor
+    HAS_MASK: gl.constexpr
+    HAS_BIAS: gl.constexpr
+    WALK: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    KV_STAGES: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+
+
+@_record
+class _Buffers:
+    """Shared memory: two Q tiles (this item's and the next's), a ring of K/V tiles, their barriers."""
+
+    q: gl.shared_memory_descriptor
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    kv_empty: gl.shared_memory_descriptor
+
+
+@_record
+class _Item:
+    """One work item: a row block of one (batch, head), and where its key tiles lie in its walk
+    (``tiles.key_walk``): PARTIAL tiles at positions ``[partial_lo, partial_hi)`` of the summary's
+    PARTIAL list, the others at ``[lo, hi)`` of the FULL list (or of every tile, dense), of which
+    ``[interior_lo, interior_hi)`` need no checks."""
+
+    row_block: gl.tensor
+    batch: gl.tensor
+    head: gl.tensor
+    lists: gl.tensor
+    tiles_per_block: gl.tensor
+    partial_lo: gl.tensor
+    partial_hi: gl.tensor
+    lo: gl.tensor
+    interior_lo: gl.tensor
+    interior_hi: gl.tensor
+    hi: gl.tensor
+
+
+@gluon.jit
+def _item(p, index):
+    """Work item ``index``: row blocks from the last, (batch, head) fastest."""
+    batch_heads = p.items // p.row_blocks
+    row_block = p.row_blocks - 1 - index // batch_heads
+    batch = (index % batch_heads) // p.num_heads
+    head = index % p.num_heads
+    q_lo = row_block * p.BLOCK_M
+    q_hi = gl.minimum(q_lo + p.BLOCK_M, p.seqlen_q) - 1
+    lo, interior_lo, interior_hi, hi = _band_tiles(q_lo, q_hi, p.seqlen_k, p.band_lo, p.band_hi, p.BLOCK_N)
+    lists = p.Walk
+    tiles_per_block = lo * 0 + 1
+    partial_lo = lo
+    partial_hi = lo
+    if p.WALK == tiles.WALK_BLOCKS:
+        tiles_per_block = gl.where(
+            p.list_block_k > 0, p.list_block_k // p.BLOCK_N, gl.maximum(gl.cdiv(p.seqlen_k, p.BLOCK_N), 1)
+        )
+        summary_row = gl.where(p.list_block_q > 0, row_block // gl.maximum(p.list_block_q // p.BLOCK_M, 1), 0)
+        lists = (
+            p.Walk + batch.to(gl.int64) * p.stride_wb + (head // p.walk_head_div).to(gl.int64) * p.stride_wh
+            + summary_row.to(gl.int64) * p.stride_wr
+        )
+        partial_lo, partial_hi, lo, interior_lo, interior_hi, hi = _listed_tiles(
+            lists, p.walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi
+        )
+    return _Item(row_block, batch, head, lists, tiles_per_block, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi)
+
+
+@gluon.jit
+def _tile_count(it):
+    return (it.partial_hi - it.partial_lo) + (it.hi - it.lo)
+
+
+@gluon.jit
+def _tile_at(p, it, j):
+    """The j-th key tile of a work item, PARTIAL ones first: ``(tile, partial, checked)``, where
+    ``checked`` says whether its elements need the bounds, band (and for PARTIAL mask) checks."""
+    partials = it.partial_hi - it.partial_lo
+    partial = j < partials
+    position = gl.where(partial, it.partial_lo + j, it.lo + j - partials)
+    tile = position
+    if p.WALK == tiles.WALK_BLOCKS:
+        tile = _tile_start(_summary_list(it.lists, p.walk_width, partial == 0, 0), position, it.tiles_per_block, p.WALK)
+    checked = partial | (position < it.interior_lo) | (position >= it.interior_hi)
+    return tile, partial, checked
+
+
+@gluon.jit
+def _load_partition(p, bufs):
+    """One warp: Q of each work item, then K and V of each of its tiles, into the rings."""
+    q_bytes: gl.constexpr = p.q_desc.block_type.nbytes
+    kv_bytes: gl.constexpr = p.k_desc.block_type.nbytes
+    loaded = 0  # K/V tiles so far: the ring position
+    items_done = 0
+    for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
+        it = _item(p, index)
+        q_slot = items_done % 2
+        mbarrier.wait(bufs.q_empty.index(q_slot), (items_done // 2) & 1 ^ 1)
+        mbarrier.expect(bufs.q_ready.index(q_slot), q_bytes)
+        _tma_load(
+            p.q_desc, [it.batch, it.row_block * p.BLOCK_M, it.head, 0], bufs.q_ready.index(q_slot), bufs.q.index(q_slot)
+        )
+        kv_head = it.head // p.group
+        for j in range(_tile_count(it)):
+            tile, _, _ = _tile_at(p, it, j)
+            stage = loaded % p.KV_STAGES
+            mbarrier.wait(bufs.kv_empty.index(stage), (loaded // p.KV_STAGES) & 1 ^ 1)
+            mbarrier.expect(bufs.k_ready.index(stage), kv_bytes)
+            _tma_load(
+                p.k_desc, [it.batch, tile * p.BLOCK_N, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage)
+            )
+            mbarrier.expect(bufs.v_ready.index(stage), kv_bytes)
+            _tma_load(
+                p.v_desc, [it.batch, tile * p.BLOCK_N, kv_head, 0], bufs.v_ready.index(stage), bufs.v.index(stage)
+            )
+            loaded += 1
+        items_done += 1
+
+
+@gluon.jit
+def _softmax_rows(p, bufs, HALF: gl.constexpr):
+    """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program."""
+    ROWS: gl.constexpr = p.BLOCK_M // 2
+    D: gl.constexpr = p.HEAD_DIM
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, p.BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    keys_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_of_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # Per-key bias and mask are read one key per thread, then spread to the columns each thread
+    # of the product holds (32 of them: as pointers there, 64 registers each for bias and mask).
+    key_per_thread: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    dtype: gl.constexpr = p.q_desc.dtype
+
+    consumed = 0  # K/V tiles so far: the ring position, as in the loader
+    items_done = 0
+    for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
+        it = _item(p, index)
+        b64 = it.batch.to(gl.int64)
+        bias_row = p.Bias + b64 * p.stride_bb + (it.head // p.bias_head_div).to(gl.int64) * p.stride_bh
+        mask_row = p.Mask + b64 * p.stride_mb + (it.head // p.mask_head_div).to(gl.int64) * p.stride_mh
+        rows = it.row_block * p.BLOCK_M + HALF * ROWS + gl.arange(0, ROWS, rows_of_s)  # [ROWS]
+        q_slot = items_done % 2
+        mbarrier.wait(bufs.q_ready.index(q_slot), (items_done // 2) & 1)
+        q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
+
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_of_s)
+        l_i = gl.full([ROWS], 0.0, gl.float32, rows_of_s)
+        acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+        for j in range(_tile_count(it)):
+            tile, partial, checked = _tile_at(p, it, j)
+            stage = consumed % p.KV_STAGES
+            phase = (consumed // p.KV_STAGES) & 1
+            mbarrier.wait(bufs.k_ready.index(stage), phase)
+            k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
+            qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+            loaded_keys = tile * p.BLOCK_N + gl.arange(0, p.BLOCK_N, key_per_thread)  # [BLOCK_N]
+            loaded_ok = loaded_keys < p.seqlen_k
+            if p.HAS_BIAS:  # issued before the wait: the load overlaps the product
+                bias = gl.load(bias_row + loaded_keys * p.stride_bk, mask=loaded_ok, other=0.0)
+            if p.HAS_MASK:
+                kept = gl.load(mask_row + loaded_keys * p.stride_mk, mask=loaded_ok & partial, other=1)
+            qk = warpgroup_mma_wait(0, deps=[qk])
+            s = qk * p.scale_log2  # [ROWS, BLOCK_N]
+            if p.HAS_BIAS:
+                s = s + gl.convert_layout(bias.to(gl.float32) * tiles.LOG2E, keys_of_s)[None, :]
+            if checked:
+                keys = tile * p.BLOCK_N + gl.arange(0, p.BLOCK_N, keys_of_s)  # [BLOCK_N]
+                offset = keys[None, :] - rows[:, None]
+                visible = (keys < p.seqlen_k)[None, :] & (offset >= p.band_lo) & (offset <= p.band_hi)
+                if p.HAS_MASK:
+                    visible = visible & gl.convert_layout(kept != 0, keys_of_s)[None, :]
+                s = gl.where(visible, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead, so p = 0, not NaN.
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+            probs = gl.exp2(s - m_shift[:, None])  # [ROWS, BLOCK_N]
+            alpha = gl.exp2(m_i - m_shift)
+            l_i = l_i * alpha + gl.sum(probs, 1)
+            acc = acc * gl.convert_layout(alpha, rows_of_o)[:, None]
+            mbarrier.wait(bufs.v_ready.index(stage), phase)
+            v = bufs.v.index(stage).reshape([p.BLOCK_N, D])
+            acc = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), v, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(bufs.kv_empty.index(stage), count=1)
+            m_i = m_new
+            consumed += 1
+        mbarrier.arrive(bufs.q_empty.index(q_slot), count=1)
+
+        # Rows with no visible key: out = 0, lse = -inf.
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / gl.convert_layout(l_safe, rows_of_o)[:, None]
+        lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * tiles.LN2)
+        out_rows = gl.convert_layout(rows, rows_of_o)
+        cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
+        out_ptrs = (
+            p.Out + b64 * p.stride_ob + it.head.to(gl.int64) * p.stride_oh
+            + (out_rows.to(gl.int64) * p.stride_os)[:, None] + cols[None, :]
+        )
+        gl.store(out_ptrs, out.to(dtype), mask=(out_rows < p.seqlen_q)[:, None])
+        gl.store(p.Lse + b64 * p.stride_lse_b + it.head.to(gl.int64) * p.stride_lse_h + rows, lse, mask=rows < p.seqlen_q)
+        items_done += 1
+
+
+def _jit_with_runtime_scalars(fn):
+    """``gluon.jit`` that never specialises the int and float parameters (lower-case, not
+    constexpr): a value of 1 would become a constant, which the aggregates' tensor fields do not
+    take, and ``launch.Launcher`` wants every int parameter classified."""
+    params = inspect.signature(fn).parameters.items()
+    return gluon.jit(fn, do_not_specialize=[n for n, p in params if n[0].islower() and p.annotation is inspect.Parameter.empty])
+
+
+@gluon.jit
+def _softmax_lower(p, bufs):
+    _softmax_rows(p, bufs, 0)
+
+
+@gluon.jit
+def _softmax_upper(p, bufs):
+    _softmax_rows(p, bufs, 1)
+
+
+@_jit_with_runtime_scalars
+def _attn_fwd_hopper_kernel(
+    Q, K, V, Out, Lse, Mask, Bias, Walk,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+    stride_mb, stride_mh, stride_mk, stride_bb, stride_bh, stride_bk,
+    stride_wb, stride_wh, stride_wr, walk_width,
+    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, items, row_blocks,
+    mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
+    band_lo, band_hi, scale_log2,
+    HAS_MASK: gl.constexpr, HAS_BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+):
+    # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
+    q_block: gl.constexpr = [1, BLOCK_M, 1, HEAD_DIM]
+    kv_block: gl.constexpr = [1, BLOCK_N, 1, HEAD_DIM]
+    q_desc = tma.make_tensor_descriptor(
+        Q, [batch, seqlen_q, num_heads, HEAD_DIM], [stride_qb, stride_qs, stride_qh, 1], q_block,
+        gl.NVMMASharedLayout.get_default_for(q_block, Q.dtype.element_ty),
+    )
+    k_desc = tma.make_tensor_descriptor(
+        K, [batch, seqlen_k, num_kv_heads, HEAD_DIM], [stride_kb, stride_ks, stride_kh, 1], kv_block,
+        gl.NVMMASharedLayout.get_default_for(kv_block, K.dtype.element_ty),
+    )
+    v_desc = tma.make_tensor_descriptor(
+        V, [batch, seqlen_k, num_kv_heads, HEAD_DIM], [stride_vb, stride_vs, stride_vh, 1], kv_block,
+        gl.NVMMASharedLayout.get_default_for(kv_block, V.dtype.element_ty),
+    )
+    bufs = _Buffers(
+        gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout),
+        gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout),
+        gl.allocate_shared_memory(v_desc.dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout),
+        gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
+        gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
+        gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout()),
+        gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout()),
+        gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout()),
+    )
+    for i in gl.static_range(2):
+        mbarrier.init(bufs.q_ready.index(i), count=1)
+        mbarrier.init(bufs.q_empty.index(i), count=2)  # both softmax warpgroups release it
+    for i in gl.static_range(KV_STAGES):
+        mbarrier.init(bufs.k_ready.index(i), count=1)
+        mbarrier.init(bufs.v_ready.index(i), count=1)
+        mbarrier.init(bufs.kv_empty.index(i), count=2)
+    p = _Problem(
+        q_desc, k_desc, v_desc, Out, Lse, Mask, Bias, Walk,
+        stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+        stride_mb, stride_mh, stride_mk, stride_bb, stride_bh, stride_bk,
+        stride_wb, stride_wh, stride_wr, walk_width,
+        seqlen_q, seqlen_k, num_heads, num_heads // num_kv_heads, items, row_blocks,
+        mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
+        band_lo + seqlen_k - seqlen_q, band_hi + seqlen_k - seqlen_q, scale_log2,
+        HAS_MASK, HAS_BIAS, WALK, HEAD_DIM, KV_STAGES, BLOCK_M, BLOCK_N,
+    )
+    gl.warp_specialize(
+        [(_softmax_lower, (p, bufs)), (_softmax_upper, (p, bufs)), (_load_partition, (p, bufs))],
+        [4, 1], [_SOFTMAX_REGISTERS, _LOADER_REGISTERS],
+    )
+
+
+def hopper_forward_supported(q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softcap) -> bool:
+    """Whether ``hopper_forward`` serves this plain (not varlen, not cached, not split) forward."""
+    if os.environ.get("FLASH_DMA_HOPPER", "1") == "0" or configs.triton_interpreting() or q.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9 or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if q.shape[3] not in HEAD_DIMS or key_list is not None or softcap > 0:
+        return False
+    # A mask is read per key, on the PARTIAL tiles of a summary; a bias per key.
+    if mask is not None and (kv_lists is None or mask.shape[2] != 1):
+        return False
+    if bias is not None and bias.shape[2] != 1:
+        return False
+    if list_block_q % TILE.kwargs["BLOCK_M"] or list_block_k % TILE.kwargs["BLOCK_N"] or q.numel() == 0 or k.numel() == 0:
+        return False
+    # TMA reads 16-byte aligned rows of a contiguous last dimension.
+    return all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in (q, k, v)
+    )
+
+
+hopper_launcher = Launcher(_attn_fwd_hopper_kernel, tensors=("Q", "K", "V", "Out", "Lse", "Mask", "Bias", "Walk"), specialized=())
+
+
+def hopper_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    kv_lists: torch.Tensor | None,
+    list_block_q: int,
+    list_block_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Write ``out`` ``[B, Sq, H, D]`` and ``lse`` ``[B, H, Sq]`` float32, as ``attention_forward`` would.
+
+    q: ``[B, Sq, H, D]``; k, v: ``[B, Sk, Hkv, D]``; mask, bias: per key, ``[1|B, 1|Hkv|H, 1, Sk]``
+    or None; kv_lists: the summary's ``[Bl, Hl, NQB, 2, 2, NKB + 1]`` or None (``forward.py``).
+    """
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    row_blocks = cdiv(seqlen_q, TILE.kwargs["BLOCK_M"])
+    items = row_blocks * batch * num_heads
+    tensors = [
+        q, k, v, out, lse, placeholder(q.device, torch.uint8) if mask is None else kernel_view(mask),
+        placeholder(q.device, q.dtype) if bias is None else bias, placeholder(q.device, torch.int32) if kv_lists is None else kv_lists,
+    ]
+
+    def build():
+        mask_strides, bias_strides = broadcast_strides(mask), broadcast_strides(bias)
+        flags = (mask is not None, bias is not None, WALK_DENSE if kv_lists is None else WALK_BLOCKS, head_dim, _KV_STAGES[head_dim])
+        args = [
+            *tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), mask_strides[0], mask_strides[1], mask_strides[3],
+            bias_strides[0], bias_strides[1], bias_strides[3],
+            *broadcast_strides(kv_lists)[:3], 0 if kv_lists is None else kv_lists.shape[-1],
+            batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, items, row_blocks,
+            head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(kv_lists, num_heads),
+            list_block_q, list_block_k, *band(window_left, window_right, seqlen_q, seqlen_k), softmax_scale * tiles.LOG2E.value,
+            *flags,
+        ]
+        return args, (q.dtype, *flags)
+
+    layout = (
+        common_layout(q, k, v, mask, bias, kv_lists, None), tensor_layout(out), tensor_layout(lse), list_block_q, list_block_k,
+        softmax_scale, window_left, window_right,
+    )
+    hopper_launcher.launch(
+        layout, tensors, build, lambda: [TILE], lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
+    )
