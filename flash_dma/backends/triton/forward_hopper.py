@@ -62,6 +62,7 @@ _KV_STAGES = {64: 3, 128: 2}  # K/V tiles in flight; with two Q buffers, D = 128
 # starts with TILE.maxnreg over its 3 warpgroups, and 2 x 128 x 240 + 128 x 24 <= 168 x 384.
 _SOFTMAX_REGISTERS = gl.constexpr(240)
 _LOADER_REGISTERS = gl.constexpr(24)
+_PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rows of small shared arrays
 
 
 def _record(cls):
@@ -131,11 +132,16 @@ class _Problem:
 
 @_record
 class _Buffers:
-    """Shared memory: two Q tiles (this item's and the next's), a ring of K/V tiles, their barriers."""
+    """Shared memory: two Q tiles (this item's and the next's) with their tile counts, a ring of
+    K/V tiles with their tile numbers and key scores (bias, -inf where masked), the barriers.
+    Only the loader reads the walk, mask and bias in global memory."""
 
     q: gl.shared_memory_descriptor
     k: gl.shared_memory_descriptor
     v: gl.shared_memory_descriptor
+    counts: gl.shared_memory_descriptor
+    tiles: gl.shared_memory_descriptor
+    key_scores: gl.shared_memory_descriptor
     q_ready: gl.shared_memory_descriptor
     q_empty: gl.shared_memory_descriptor
     k_ready: gl.shared_memory_descriptor
@@ -199,38 +205,68 @@ def _tile_count(it):
 
 @gluon.jit
 def _tile_at(p, it, j):
-    """The j-th key tile of a work item, PARTIAL ones first: ``(tile, partial, checked)``, where
-    ``checked`` says whether its elements need the bounds, band (and for PARTIAL mask) checks."""
+    """The j-th key tile of a work item, PARTIAL ones first: ``(tile, partial)``."""
     partials = it.partial_hi - it.partial_lo
     partial = j < partials
     position = gl.where(partial, it.partial_lo + j, it.lo + j - partials)
     tile = position
     if p.WALK == tiles.WALK_BLOCKS:
         tile = _tile_start(_summary_list(it.lists, p.walk_width, partial == 0, 0), position, it.tiles_per_block, p.WALK)
-    checked = partial | (position < it.interior_lo) | (position >= it.interior_hi)
-    return tile, partial, checked
+    return tile, partial
+
+
+@gluon.jit
+def _put(slot, value):
+    """Store scalar ``value`` in a one-element shared slot."""
+    slot.store(gl.full([1], value, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+
+
+@gluon.jit
+def _get(slot):
+    """The scalar in a one-element shared slot."""
+    return gl.max(slot.load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
 
 
 @gluon.jit
 def _load_partition(p, bufs):
-    """One warp: Q of each work item, then K and V of each of its tiles, into the rings."""
+    """One warp: for each work item its tile count and Q, then for each tile its number, its key
+    scores (bias in log2 units, -inf for keys masked out or past the end) and K and V."""
     q_bytes: gl.constexpr = p.q_desc.block_type.nbytes
     kv_bytes: gl.constexpr = p.k_desc.block_type.nbytes
+    SCORED: gl.constexpr = p.HAS_BIAS or p.HAS_MASK
+    key_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_N // 32], [32], [1], [0])
     loaded = 0  # K/V tiles so far: the ring position
     items_done = 0
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
         it = _item(p, index)
+        b64 = it.batch.to(gl.int64)
+        bias_row = p.Bias + b64 * p.stride_bb + (it.head // p.bias_head_div).to(gl.int64) * p.stride_bh
+        mask_row = p.Mask + b64 * p.stride_mb + (it.head // p.mask_head_div).to(gl.int64) * p.stride_mh
+        count = _tile_count(it)
         q_slot = items_done % 2
         mbarrier.wait(bufs.q_empty.index(q_slot), (items_done // 2) & 1 ^ 1)
+        _put(bufs.counts.index(q_slot), count)
         mbarrier.expect(bufs.q_ready.index(q_slot), q_bytes)
         _tma_load(
             p.q_desc, [it.batch, it.row_block * p.BLOCK_M, it.head, 0], bufs.q_ready.index(q_slot), bufs.q.index(q_slot)
         )
         kv_head = it.head // p.group
-        for j in range(_tile_count(it)):
-            tile, _, _ = _tile_at(p, it, j)
+        for j in range(count):
+            tile, partial = _tile_at(p, it, j)
+            if SCORED:  # read before waiting for the buffer: the loads overlap the wait
+                keys = tile * p.BLOCK_N + gl.arange(0, p.BLOCK_N, key_layout)  # [BLOCK_N]
+                key_ok = keys < p.seqlen_k
+                scores = gl.full([p.BLOCK_N], 0.0, gl.float32, key_layout)
+                if p.HAS_BIAS:
+                    scores = gl.load(bias_row + keys * p.stride_bk, mask=key_ok, other=0.0).to(gl.float32) * tiles.LOG2E
+                if p.HAS_MASK:
+                    key_ok = key_ok & (gl.load(mask_row + keys * p.stride_mk, mask=key_ok & partial, other=1) != 0)
+                scores = gl.where(key_ok, scores, float("-inf"))
             stage = loaded % p.KV_STAGES
             mbarrier.wait(bufs.kv_empty.index(stage), (loaded // p.KV_STAGES) & 1 ^ 1)
+            _put(bufs.tiles.index(stage), tile)
+            if SCORED:
+                bufs.key_scores.index(stage).store(scores)
             mbarrier.expect(bufs.k_ready.index(stage), kv_bytes)
             _tma_load(
                 p.k_desc, [it.batch, tile * p.BLOCK_N, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage)
@@ -248,55 +284,52 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
     """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program."""
     ROWS: gl.constexpr = p.BLOCK_M // 2
     D: gl.constexpr = p.HEAD_DIM
+    SCORED: gl.constexpr = p.HAS_BIAS or p.HAS_MASK
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, p.BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     keys_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_of_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # Per-key bias and mask are read one key per thread, then spread to the columns each thread
-    # of the product holds (32 of them: as pointers there, 64 registers each for bias and mask).
-    key_per_thread: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     dtype: gl.constexpr = p.q_desc.dtype
 
     consumed = 0  # K/V tiles so far: the ring position, as in the loader
     items_done = 0
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
-        it = _item(p, index)
-        b64 = it.batch.to(gl.int64)
-        bias_row = p.Bias + b64 * p.stride_bb + (it.head // p.bias_head_div).to(gl.int64) * p.stride_bh
-        mask_row = p.Mask + b64 * p.stride_mb + (it.head // p.mask_head_div).to(gl.int64) * p.stride_mh
-        rows = it.row_block * p.BLOCK_M + HALF * ROWS + gl.arange(0, ROWS, rows_of_s)  # [ROWS]
+        batch_heads = p.items // p.row_blocks
+        row_block = p.row_blocks - 1 - index // batch_heads
+        first_row = row_block * p.BLOCK_M + HALF * ROWS
+        rows = first_row + gl.arange(0, ROWS, rows_of_s)  # [ROWS]
         q_slot = items_done % 2
         mbarrier.wait(bufs.q_ready.index(q_slot), (items_done // 2) & 1)
+        count = _get(bufs.counts.index(q_slot))
         q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
 
         m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_of_s)
         l_i = gl.full([ROWS], 0.0, gl.float32, rows_of_s)
         acc = gl.zeros([ROWS, D], gl.float32, o_layout)
-        for j in range(_tile_count(it)):
-            tile, partial, checked = _tile_at(p, it, j)
+        for _ in range(count):
             stage = consumed % p.KV_STAGES
             phase = (consumed // p.KV_STAGES) & 1
             mbarrier.wait(bufs.k_ready.index(stage), phase)
             k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
             qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-            loaded_keys = tile * p.BLOCK_N + gl.arange(0, p.BLOCK_N, key_per_thread)  # [BLOCK_N]
-            loaded_ok = loaded_keys < p.seqlen_k
-            if p.HAS_BIAS:  # issued before the wait: the load overlaps the product
-                bias = gl.load(bias_row + loaded_keys * p.stride_bk, mask=loaded_ok, other=0.0)
-            if p.HAS_MASK:
-                kept = gl.load(mask_row + loaded_keys * p.stride_mk, mask=loaded_ok & partial, other=1)
+            first_key = _get(bufs.tiles.index(stage)) * p.BLOCK_N
+            # Whether the band (or the end of the keys) cuts this tile for these rows.
+            edge = (
+                (first_key - first_row - ROWS + 1 < p.band_lo) | (first_key + p.BLOCK_N - 1 - first_row > p.band_hi)
+                | (first_key + p.BLOCK_N > p.seqlen_k)
+            )
+            if SCORED:
+                key_scores = bufs.key_scores.index(stage).load(keys_of_s)
             qk = warpgroup_mma_wait(0, deps=[qk])
             s = qk * p.scale_log2  # [ROWS, BLOCK_N]
-            if p.HAS_BIAS:
-                s = s + gl.convert_layout(bias.to(gl.float32) * tiles.LOG2E, keys_of_s)[None, :]
-            if checked:
-                keys = tile * p.BLOCK_N + gl.arange(0, p.BLOCK_N, keys_of_s)  # [BLOCK_N]
+            if SCORED:
+                s = s + key_scores[None, :]
+            if edge:
+                keys = first_key + gl.arange(0, p.BLOCK_N, keys_of_s)  # [BLOCK_N]
                 offset = keys[None, :] - rows[:, None]
                 visible = (keys < p.seqlen_k)[None, :] & (offset >= p.band_lo) & (offset <= p.band_hi)
-                if p.HAS_MASK:
-                    visible = visible & gl.convert_layout(kept != 0, keys_of_s)[None, :]
                 s = gl.where(visible, s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1))
             # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead, so p = 0, not NaN.
@@ -318,14 +351,13 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.convert_layout(l_safe, rows_of_o)[:, None]
         lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * tiles.LN2)
+        b64 = ((index % batch_heads) // p.num_heads).to(gl.int64)
+        head = (index % p.num_heads).to(gl.int64)
         out_rows = gl.convert_layout(rows, rows_of_o)
         cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
-        out_ptrs = (
-            p.Out + b64 * p.stride_ob + it.head.to(gl.int64) * p.stride_oh
-            + (out_rows.to(gl.int64) * p.stride_os)[:, None] + cols[None, :]
-        )
+        out_ptrs = p.Out + b64 * p.stride_ob + head * p.stride_oh + (out_rows.to(gl.int64) * p.stride_os)[:, None] + cols[None, :]
         gl.store(out_ptrs, out.to(dtype), mask=(out_rows < p.seqlen_q)[:, None])
-        gl.store(p.Lse + b64 * p.stride_lse_b + it.head.to(gl.int64) * p.stride_lse_h + rows, lse, mask=rows < p.seqlen_q)
+        gl.store(p.Lse + b64 * p.stride_lse_b + head * p.stride_lse_h + rows, lse, mask=rows < p.seqlen_q)
         items_done += 1
 
 
@@ -379,6 +411,9 @@ def _attn_fwd_hopper_kernel(
         gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout),
         gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout),
         gl.allocate_shared_memory(v_desc.dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout),
+        gl.allocate_shared_memory(gl.int32, [2, 1], _PLAIN),
+        gl.allocate_shared_memory(gl.int32, [KV_STAGES, 1], _PLAIN),
+        gl.allocate_shared_memory(gl.float32, [KV_STAGES, BLOCK_N], _PLAIN),
         gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
         gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout()),
