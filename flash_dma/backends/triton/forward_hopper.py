@@ -146,7 +146,8 @@ class _Buffers:
     q_empty: gl.shared_memory_descriptor
     k_ready: gl.shared_memory_descriptor
     v_ready: gl.shared_memory_descriptor
-    kv_empty: gl.shared_memory_descriptor
+    k_empty: gl.shared_memory_descriptor
+    v_empty: gl.shared_memory_descriptor
 
 
 @_record
@@ -263,7 +264,10 @@ def _load_partition(p, bufs):
                     key_ok = key_ok & (gl.load(mask_row + keys * p.stride_mk, mask=key_ok & partial, other=1) != 0)
                 scores = gl.where(key_ok, scores, float("-inf"))
             stage = loaded % p.KV_STAGES
-            mbarrier.wait(bufs.kv_empty.index(stage), (loaded // p.KV_STAGES) & 1 ^ 1)
+            phase = (loaded // p.KV_STAGES) & 1 ^ 1
+            # K (with the tile's number and key scores) and V have rings of their own: K is free
+            # once S = Q K^T is done, a tile before V.
+            mbarrier.wait(bufs.k_empty.index(stage), phase)
             _put(bufs.tiles.index(stage), tile)
             if SCORED:
                 bufs.key_scores.index(stage).store(scores)
@@ -271,6 +275,7 @@ def _load_partition(p, bufs):
             _tma_load(
                 p.k_desc, [it.batch, tile * p.BLOCK_N, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage)
             )
+            mbarrier.wait(bufs.v_empty.index(stage), phase)
             mbarrier.expect(bufs.v_ready.index(stage), kv_bytes)
             _tma_load(
                 p.v_desc, [it.batch, tile * p.BLOCK_N, kv_head, 0], bufs.v_ready.index(stage), bufs.v.index(stage)
@@ -280,11 +285,47 @@ def _load_partition(p, bufs):
 
 
 @gluon.jit
+def _visible_scores(p, bufs, qk, stage, first_row, rows, keys_layout: gl.constexpr, ROWS: gl.constexpr):
+    """Log2-domain scores of a product tile ``qk`` ``[ROWS, BLOCK_N]`` with the tile's key scores
+    added, and -inf where the band or the end of the keys cuts it (only edge tiles are checked)."""
+    first_key = _get(bufs.tiles.index(stage)) * p.BLOCK_N
+    s = qk * p.scale_log2
+    if p.HAS_BIAS or p.HAS_MASK:
+        s = s + bufs.key_scores.index(stage).load(keys_layout)[None, :]
+    edge = (
+        (first_key - first_row - ROWS + 1 < p.band_lo) | (first_key + p.BLOCK_N - 1 - first_row > p.band_hi)
+        | (first_key + p.BLOCK_N > p.seqlen_k)
+    )
+    if edge:
+        keys = first_key + gl.arange(0, p.BLOCK_N, keys_layout)  # [BLOCK_N]
+        offset = keys[None, :] - rows[:, None]
+        visible = (keys < p.seqlen_k)[None, :] & (offset >= p.band_lo) & (offset <= p.band_hi)
+        s = gl.where(visible, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i):
+    """One tile of the online softmax: ``(probs, m_new, alpha, l_new)``."""
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead, so p = 0, not NaN.
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    probs = gl.exp2(s - m_shift[:, None])
+    alpha = gl.exp2(m_i - m_shift)
+    return probs, m_new, alpha, l_i * alpha + gl.sum(probs, 1)
+
+
+@gluon.jit
 def _softmax_rows(p, bufs, HALF: gl.constexpr):
-    """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program."""
+    """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program.
+
+    Within a work item, the product of the next tile ``S = Q K^T`` is issued before the softmax of
+    this one, and ``O += P V`` of this one runs during the softmax of the next: the tensor cores
+    keep working while the warpgroup computes exponentials (FlashAttention-3's intra-warpgroup
+    overlap).
+    """
     ROWS: gl.constexpr = p.BLOCK_M // 2
     D: gl.constexpr = p.HEAD_DIM
-    SCORED: gl.constexpr = p.HAS_BIAS or p.HAS_MASK
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, p.BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -308,42 +349,37 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
         m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_of_s)
         l_i = gl.full([ROWS], 0.0, gl.float32, rows_of_s)
         acc = gl.zeros([ROWS, D], gl.float32, o_layout)
-        for _ in range(count):
+        if count > 0:
             stage = consumed % p.KV_STAGES
-            phase = (consumed // p.KV_STAGES) & 1
-            mbarrier.wait(bufs.k_ready.index(stage), phase)
+            mbarrier.wait(bufs.k_ready.index(stage), (consumed // p.KV_STAGES) & 1)
             k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
             qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-            first_key = _get(bufs.tiles.index(stage)) * p.BLOCK_N
-            # Whether the band (or the end of the keys) cuts this tile for these rows.
-            edge = (
-                (first_key - first_row - ROWS + 1 < p.band_lo) | (first_key + p.BLOCK_N - 1 - first_row > p.band_hi)
-                | (first_key + p.BLOCK_N > p.seqlen_k)
-            )
-            if SCORED:
-                key_scores = bufs.key_scores.index(stage).load(keys_of_s)
             qk = warpgroup_mma_wait(0, deps=[qk])
-            s = qk * p.scale_log2  # [ROWS, BLOCK_N]
-            if SCORED:
-                s = s + key_scores[None, :]
-            if edge:
-                keys = first_key + gl.arange(0, p.BLOCK_N, keys_of_s)  # [BLOCK_N]
-                offset = keys[None, :] - rows[:, None]
-                visible = (keys < p.seqlen_k)[None, :] & (offset >= p.band_lo) & (offset <= p.band_hi)
-                s = gl.where(visible, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead, so p = 0, not NaN.
-            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-            probs = gl.exp2(s - m_shift[:, None])  # [ROWS, BLOCK_N]
-            alpha = gl.exp2(m_i - m_shift)
-            l_i = l_i * alpha + gl.sum(probs, 1)
-            acc = acc * gl.convert_layout(alpha, rows_of_o)[:, None]
-            mbarrier.wait(bufs.v_ready.index(stage), phase)
+            s = _visible_scores(p, bufs, qk, stage, first_row, rows, keys_of_s, ROWS)
+            mbarrier.arrive(bufs.k_empty.index(stage), count=1)
+            probs, m_i, _, l_i = _online_softmax(s, m_i, l_i)
+            for _ in range(1, count):
+                following = (consumed + 1) % p.KV_STAGES
+                mbarrier.wait(bufs.k_ready.index(following), ((consumed + 1) // p.KV_STAGES) & 1)
+                k = bufs.k.index(following).reshape([p.BLOCK_N, D])
+                qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+                mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
+                v = bufs.v.index(stage).reshape([p.BLOCK_N, D])
+                acc = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), v, acc, is_async=True)
+                qk = warpgroup_mma_wait(1, deps=[qk])  # the product of the next tile; P V may still run
+                s = _visible_scores(p, bufs, qk, following, first_row, rows, keys_of_s, ROWS)  # [ROWS, BLOCK_N]
+                mbarrier.arrive(bufs.k_empty.index(following), count=1)
+                probs, m_i, alpha, l_i = _online_softmax(s, m_i, l_i)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(bufs.v_empty.index(stage), count=1)
+                acc = acc * gl.convert_layout(alpha, rows_of_o)[:, None]
+                consumed += 1
+                stage = following
+            mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
             v = bufs.v.index(stage).reshape([p.BLOCK_N, D])
             acc = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), v, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(bufs.kv_empty.index(stage), count=1)
-            m_i = m_new
+            mbarrier.arrive(bufs.v_empty.index(stage), count=1)
             consumed += 1
         mbarrier.arrive(bufs.q_empty.index(q_slot), count=1)
 
@@ -419,6 +455,7 @@ def _attn_fwd_hopper_kernel(
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout()),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout()),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout()),
+        gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout()),
     )
     for i in gl.static_range(2):
         mbarrier.init(bufs.q_ready.index(i), count=1)
@@ -426,7 +463,8 @@ def _attn_fwd_hopper_kernel(
     for i in gl.static_range(KV_STAGES):
         mbarrier.init(bufs.k_ready.index(i), count=1)
         mbarrier.init(bufs.v_ready.index(i), count=1)
-        mbarrier.init(bufs.kv_empty.index(i), count=2)
+        mbarrier.init(bufs.k_empty.index(i), count=2)
+        mbarrier.init(bufs.v_empty.index(i), count=2)
     p = _Problem(
         q_desc, k_desc, v_desc, Out, Lse, Mask, Bias, Walk,
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
