@@ -19,6 +19,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from flash_dma.backends.triton.variants import VARIANTS, Variant
 
@@ -39,7 +40,7 @@ def _ptxas_report(kernel, arch: int) -> str:
 
 def compile_variant(variant: Variant, arch: int, dtype: str) -> str:
     kernel = variant.kernel
-    source = ASTSource(
+    source = (GluonASTSource if kernel.is_gluon() else ASTSource)(
         kernel,
         variant.signature(dtype),
         constexprs={(kernel.arg_names.index(k),): v for k, v in variant.constexprs.items()},
@@ -47,6 +48,8 @@ def compile_variant(variant: Variant, arch: int, dtype: str) -> str:
     )
     start = time.time()
     options = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
+    if variant.maxnreg is not None:
+        options["maxnreg"] = variant.maxnreg
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     seconds = time.time() - start
     mma = "wgmma" if "wgmma" in compiled.asm["ptx"] else "mma" if "mma.sync" in compiled.asm["ptx"] else "no-mma"

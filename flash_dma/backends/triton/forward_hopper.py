@@ -5,11 +5,13 @@ and epilogue take turns: measured, 8.8 us of fixed cost per program and 2.44 us 
 tile (docs/benchmarks.md), so a query block with a short tile list spends a third of its time
 waiting. Here the roles run side by side, as in FlashAttention-3:
 
-- a *loader* warp walks each work item's tile list (the same walk as ``tiles.key_walk``) and
-  copies Q, K and V tiles with TMA into shared-memory rings, running ahead across work items;
-- two *softmax* warpgroups each own 64 of a work item's 128 query rows: ``S = Q K^T`` and
-  ``O += P V`` with wgmma, the online softmax in registers, then the epilogue, while the loader
-  already fills the next item's buffers.
+- a *loader* warp walks each work item's tile list (the walk of ``tiles.key_walk``, PARTIAL
+  tiles first) and copies Q, K and V with TMA into shared-memory rings, running ahead across
+  work items. It alone reads the walk, the mask and the bias: with each K tile it stages the
+  tile's number and its keys' scores (bias in log2 units, -inf where the mask drops a key).
+- two *softmax* warpgroups each own 64 of a work item's 128 query rows. They issue the next
+  tile's ``S = Q K^T`` before this tile's softmax, so that ``O += P V`` runs during it, check
+  only the tiles that the band or the end of the keys cuts, and write the output and LSE.
 
 The grid is persistent: one program per multiprocessor takes work items (row block, batch,
 head) in turn, the last row blocks first (under a causal band they hold the most tiles).
@@ -154,8 +156,7 @@ class _Buffers:
 class _Item:
     """One work item: a row block of one (batch, head), and where its key tiles lie in its walk
     (``tiles.key_walk``): PARTIAL tiles at positions ``[partial_lo, partial_hi)`` of the summary's
-    PARTIAL list, the others at ``[lo, hi)`` of the FULL list (or of every tile, dense), of which
-    ``[interior_lo, interior_hi)`` need no checks."""
+    PARTIAL list, the others at ``[lo, hi)`` of the FULL list (or of every tile, dense)."""
 
     row_block: gl.tensor
     batch: gl.tensor
@@ -165,18 +166,20 @@ class _Item:
     partial_lo: gl.tensor
     partial_hi: gl.tensor
     lo: gl.tensor
-    interior_lo: gl.tensor
-    interior_hi: gl.tensor
     hi: gl.tensor
 
 
 @gluon.jit
-def _item(p, index):
-    """Work item ``index``: row blocks from the last, (batch, head) fastest."""
+def _item_position(p, index):
+    """``(row_block, batch, head)`` of work item ``index``: row blocks from the last, (batch, head) fastest."""
     batch_heads = p.items // p.row_blocks
-    row_block = p.row_blocks - 1 - index // batch_heads
-    batch = (index % batch_heads) // p.num_heads
-    head = index % p.num_heads
+    return p.row_blocks - 1 - index // batch_heads, (index % batch_heads) // p.num_heads, index % p.num_heads
+
+
+@gluon.jit
+def _item(p, index):
+    """Work item ``index`` and its walk."""
+    row_block, batch, head = _item_position(p, index)
     q_lo = row_block * p.BLOCK_M
     q_hi = gl.minimum(q_lo + p.BLOCK_M, p.seqlen_q) - 1
     lo, interior_lo, interior_hi, hi = _band_tiles(q_lo, q_hi, p.seqlen_k, p.band_lo, p.band_hi, p.BLOCK_N)
@@ -193,10 +196,8 @@ def _item(p, index):
             p.Walk + batch.to(gl.int64) * p.stride_wb + (head // p.walk_head_div).to(gl.int64) * p.stride_wh
             + summary_row.to(gl.int64) * p.stride_wr
         )
-        partial_lo, partial_hi, lo, interior_lo, interior_hi, hi = _listed_tiles(
-            lists, p.walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi
-        )
-    return _Item(row_block, batch, head, lists, tiles_per_block, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi)
+        partial_lo, partial_hi, lo, _, _, hi = _listed_tiles(lists, p.walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi)
+    return _Item(row_block, batch, head, lists, tiles_per_block, partial_lo, partial_hi, lo, hi)
 
 
 @gluon.jit
@@ -337,8 +338,7 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
     consumed = 0  # K/V tiles so far: the ring position, as in the loader
     items_done = 0
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
-        batch_heads = p.items // p.row_blocks
-        row_block = p.row_blocks - 1 - index // batch_heads
+        row_block, batch, head = _item_position(p, index)
         first_row = row_block * p.BLOCK_M + HALF * ROWS
         rows = first_row + gl.arange(0, ROWS, rows_of_s)  # [ROWS]
         q_slot = items_done % 2
@@ -387,8 +387,8 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.convert_layout(l_safe, rows_of_o)[:, None]
         lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * tiles.LN2)
-        b64 = ((index % batch_heads) // p.num_heads).to(gl.int64)
-        head = (index % p.num_heads).to(gl.int64)
+        b64 = batch.to(gl.int64)
+        head = head.to(gl.int64)
         out_rows = gl.convert_layout(rows, rows_of_o)
         cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
         out_ptrs = p.Out + b64 * p.stride_ob + head * p.stride_oh + (out_rows.to(gl.int64) * p.stride_os)[:, None] + cols[None, :]

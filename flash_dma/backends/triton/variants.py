@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from flash_dma.backends.triton.block_summary import lists_launcher, state_launcher
 from flash_dma.backends.triton.backward import DBIAS_FULL, DBIAS_NONE, DBIAS_PER_KEY, dkdv_launcher, dq_launcher
 from flash_dma.backends.triton.forward import forward_launcher
+from flash_dma.backends.triton.forward_hopper import TILE as HOPPER_TILE
+from flash_dma.backends.triton.forward_hopper import hopper_launcher
 from flash_dma.backends.triton.key_list import count_launcher, key_list_launcher
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import SEQ_CACHE, SEQ_FIXED, SEQ_PACKED, WALK_BLOCKS, WALK_DENSE, WALK_KEYS
@@ -40,6 +42,7 @@ class Variant:
     num_warps: int
     num_stages: int
     constexprs: dict = field(default_factory=dict)
+    maxnreg: int | None = None
 
     @property
     def kernel(self):
@@ -78,6 +81,7 @@ _FULL_MASK = dict(_PER_KEY, MASK_PER_KEY=False, BIAS_PER_KEY=False)
 _FORWARD = dict(TMA=True, PACK_GQA=False, SPLIT=False, PAGED=False, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
 _DKDV = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=128, DBIAS_HEAD_SHARED=True, DBIAS_ATOMIC=False, CHUNKS_IN_ORDER=False)
 _DQ = dict(TMA=True, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
+_HOPPER = dict(HAS_MASK=True, HAS_BIAS=True, WALK=WALK_BLOCKS, HEAD_DIM=128, KV_STAGES=2)
 
 VARIANTS = [
     Variant("forward-key-list", forward_launcher, 8, 2, {**_KEYS, **_FORWARD}),
@@ -93,6 +97,16 @@ VARIANTS = [
         {**_KEYS, **_FORWARD, "SEQ": SEQ_CACHE, "PAGED": True, "PACK_GQA": True, "SPLIT": True, "BLOCK_M": 16, "BLOCK_D": 64},
     ),
     Variant("forward-d256", forward_launcher, 8, 2, {**_KEYS, **_FORWARD, "BLOCK_N": 32, "BLOCK_D": 256}),
+    *(
+        Variant(
+            f"forward-hopper-{name}", hopper_launcher, HOPPER_TILE.num_warps, HOPPER_TILE.num_stages,
+            {**flags, **HOPPER_TILE.kwargs}, HOPPER_TILE.maxnreg,
+        )
+        for name, flags in (
+            ("per-key-blocks", _HOPPER),
+            ("dense-d64", dict(_HOPPER, HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
+        )
+    ),
     Variant("dkdv-key-list", dkdv_launcher, 4, 3, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
     Variant("dkdv-per-key-blocks", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
     Variant("dkdv-per-key-blocks-in-order", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "DBIAS": DBIAS_PER_KEY, "CHUNKS_IN_ORDER": True}),
