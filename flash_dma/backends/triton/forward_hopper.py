@@ -320,10 +320,10 @@ def _online_softmax(s, m_i, l_i):
 def _softmax_rows(p, bufs, HALF: gl.constexpr):
     """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program.
 
-    Within a work item, the product of the next tile ``S = Q K^T`` is issued before the softmax of
-    this one, and ``O += P V`` of this one runs during the softmax of the next: the tensor cores
-    keep working while the warpgroup computes exponentials (FlashAttention-3's intra-warpgroup
-    overlap).
+    Within a work item, the product of the next tile ``S = Q K^T`` is issued with ``O += P V`` of
+    this one, before the next softmax, as in FlashAttention-3's intra-warpgroup overlap. ptxas
+    (triton 3.6) still places the wait for ``P V`` before that softmax (docs/benchmarks.md), so
+    the tensor cores overlap a warpgroup's softmax only with the other warpgroup's products.
     """
     ROWS: gl.constexpr = p.BLOCK_M // 2
     D: gl.constexpr = p.HEAD_DIM
