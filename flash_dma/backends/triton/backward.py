@@ -59,6 +59,7 @@ from flash_dma.backends.triton.tiles import (
     sequence_span,
     split_range,
     stage_tiles,
+    summary_row,
     tile_indices,
     tile_start,
     visible_scores,
@@ -257,17 +258,17 @@ def _dkdv_kernel(
         interior_hi = tl.where((pid_n + 1) * BLOCK_N <= kept, interior_hi, interior_lo)
         hi = tl.where(pid_n * BLOCK_N < kept, hi, lo)
     tiles_per_block = 1
-    summary_row = 0
+    lists_row = 0
     # Listed query tiles of this key tile's whole column, over the group's heads. Under a sparse
     # mask most columns are empty: they load nothing and take no part in adding up the chunks.
     column_work = hi - lo
     if WALK == WALK_BLOCKS:
         # At least 1: an empty varlen entry (seqlen 0) has no tiles, yet its walk divides by this.
         tiles_per_block = tl.where(list_block_q > 0, list_block_q // BLOCK_M, tl.maximum(tl.cdiv(seqlen_q, BLOCK_M), 1))
-        summary_row = tl.where(list_block_k > 0, pid_n // tl.maximum(list_block_k // BLOCK_N, 1), 0)
+        lists_row = summary_row(pid_n, list_block_k, BLOCK_N)
         column_work = 0
         for g in range(0, group):
-            lists = Walk + b64 * stride_wb + ((kv_head * group + g) // walk_head_div) * stride_wh + summary_row * stride_wr
+            lists = Walk + b64 * stride_wb + ((kv_head * group + g) // walk_head_div) * stride_wh + lists_row * stride_wr
             p_lo, p_hi, f_lo, _, _, f_hi = listed_tiles(lists, walk_width, tiles_per_block, lo, lo, lo, hi)
             column_work += (p_hi - p_lo) + (f_hi - f_lo)
     # This program's share of the column's query tiles (the chunks add up at the end).
@@ -299,7 +300,7 @@ def _dkdv_kernel(
             lists = Walk
             partial_lo, partial_hi, t_lo, t_interior_lo, t_interior_hi, t_hi = lo, lo, lo, interior_lo, interior_hi, hi
             if WALK == WALK_BLOCKS:
-                lists = Walk + b64 * stride_wb + (head // walk_head_div) * stride_wh + summary_row * stride_wr
+                lists = Walk + b64 * stride_wb + (head // walk_head_div) * stride_wh + lists_row * stride_wr
                 partial_lo, partial_hi, t_lo, t_interior_lo, t_interior_hi, t_hi = listed_tiles(
                     lists, walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi
                 )
@@ -447,9 +448,9 @@ def _dq_kernel(
     band_lo += seqlen_k - seqlen_q
     band_hi += seqlen_k - seqlen_q
     q_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, seqlen_q) - 1
-    summary_row = tl.where(list_block_q > 0, pid_m // tl.maximum(list_block_q // BLOCK_M, 1), 0)
     lists, tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi = key_walk(
-        Walk + b64 * stride_wb + (head // walk_head_div) * stride_wh, walk_width, summary_row * stride_wr, seqlen_k,
+        Walk + b64 * stride_wb + (head // walk_head_div) * stride_wh, walk_width,
+        summary_row(pid_m, list_block_q, BLOCK_M) * stride_wr, seqlen_k,
         pid_m * BLOCK_M, q_last, band_lo, band_hi, list_block_k, 0, 1, WALK, BLOCK_N,
     )
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

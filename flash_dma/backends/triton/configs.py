@@ -105,6 +105,12 @@ def _generation(device_index: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def is_hopper(device: torch.device) -> bool:
+    """Compute capability 9.x exactly (wgmma is Hopper's; later generations have other MMAs)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@functools.lru_cache(maxsize=None)
 def multiprocessor_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # interpreter: a small pretend GPU, so that the split-KV heuristics are exercised

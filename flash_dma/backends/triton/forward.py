@@ -53,6 +53,7 @@ from flash_dma.backends.triton.tiles import (
     row_tile_scores,
     sequence_span,
     stage_tiles,
+    summary_row,
     tile_indices,
     tile_start,
     walk_position,
@@ -199,9 +200,8 @@ def _attn_fwd_kernel(
     # Key tiles that the causal/window band leaves visible to these rows: this split's share.
     band_lo += seqlen_k - seqlen_q
     band_hi += seqlen_k - seqlen_q
-    summary_row = tl.where(list_block_q > 0, pid_m // tl.maximum(list_block_q // BLOCK_M, 1), 0)
     lists, tiles_per_block, key_limit, partial_lo, partial_hi, lo, interior_lo, interior_hi, hi = key_walk(
-        walk, walk_width, summary_row * stride_wr, seqlen_k, q_lo, q_hi, band_lo, band_hi, list_block_k,
+        walk, walk_width, summary_row(pid_m, list_block_q, BLOCK_M) * stride_wr, seqlen_k, q_lo, q_hi, band_lo, band_hi, list_block_k,
         split, tl.num_programs(2), WALK, BLOCK_N,
     )
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

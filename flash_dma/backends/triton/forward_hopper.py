@@ -45,12 +45,13 @@ from flash_dma.backends.triton.layout import (
     kernel_view,
     placeholder,
     tensor_layout,
+    tma_aligned,
 )
 from flash_dma.block_mask import cdiv
 
 # The walk's index arithmetic is shared with the Triton kernels: scalar code runs as Gluon as is.
-_band_tiles = gluon.jit(tiles.band_tiles.fn)
-_listed_tiles = gluon.jit(tiles.listed_tiles.fn)
+_key_walk = gluon.jit(tiles.key_walk.fn)
+_summary_row = gluon.jit(tiles.summary_row.fn)
 _summary_list = gluon.jit(tiles.summary_list.fn)
 _tile_start = gluon.jit(tiles.tile_start.fn)
 # Triton 3.9 renamed the TMA load (and refuses the old name).
@@ -178,25 +179,15 @@ def _item_position(p, index):
 
 @gluon.jit
 def _item(p, index):
-    """Work item ``index`` and its walk."""
+    """Work item ``index`` and its walk (the Triton forward's ``tiles.key_walk``, one split)."""
     row_block, batch, head = _item_position(p, index)
     q_lo = row_block * p.BLOCK_M
-    q_hi = gl.minimum(q_lo + p.BLOCK_M, p.seqlen_q) - 1
-    lo, interior_lo, interior_hi, hi = _band_tiles(q_lo, q_hi, p.seqlen_k, p.band_lo, p.band_hi, p.BLOCK_N)
-    lists = p.Walk
-    tiles_per_block = lo * 0 + 1
-    partial_lo = lo
-    partial_hi = lo
-    if p.WALK == tiles.WALK_BLOCKS:
-        tiles_per_block = gl.where(
-            p.list_block_k > 0, p.list_block_k // p.BLOCK_N, gl.maximum(gl.cdiv(p.seqlen_k, p.BLOCK_N), 1)
-        )
-        summary_row = gl.where(p.list_block_q > 0, row_block // gl.maximum(p.list_block_q // p.BLOCK_M, 1), 0)
-        lists = (
-            p.Walk + batch.to(gl.int64) * p.stride_wb + (head // p.walk_head_div).to(gl.int64) * p.stride_wh
-            + summary_row.to(gl.int64) * p.stride_wr
-        )
-        partial_lo, partial_hi, lo, _, _, hi = _listed_tiles(lists, p.walk_width, tiles_per_block, lo, interior_lo, interior_hi, hi)
+    walk = p.Walk + batch.to(gl.int64) * p.stride_wb + (head // p.walk_head_div).to(gl.int64) * p.stride_wh
+    row_offset = _summary_row(row_block, p.list_block_q, p.BLOCK_M).to(gl.int64) * p.stride_wr
+    lists, tiles_per_block, _, partial_lo, partial_hi, lo, _, _, hi = _key_walk(
+        walk, p.walk_width, row_offset, p.seqlen_k, q_lo, gl.minimum(q_lo + p.BLOCK_M, p.seqlen_q) - 1,
+        p.band_lo, p.band_hi, p.list_block_k, 0, 1, p.WALK, p.BLOCK_N,
+    )
     return _Item(row_block, batch, head, lists, tiles_per_block, partial_lo, partial_hi, lo, hi)
 
 
@@ -483,9 +474,9 @@ def _attn_fwd_hopper_kernel(
 
 def hopper_forward_supported(q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softcap) -> bool:
     """Whether ``hopper_forward`` serves this plain (not varlen, not cached, not split) forward."""
-    if os.environ.get("FLASH_DMA_HOPPER", "1") == "0" or configs.triton_interpreting() or q.device.type != "cuda":
+    if os.environ.get("FLASH_DMA_HOPPER", "1") == "0" or configs.triton_interpreting() or not configs.is_hopper(q.device):
         return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9 or q.dtype not in (torch.float16, torch.bfloat16):
+    if q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if q.shape[3] not in HEAD_DIMS or key_list is not None or softcap > 0:
         return False
@@ -496,11 +487,7 @@ def hopper_forward_supported(q, k, v, mask, bias, kv_lists, key_list, list_block
         return False
     if list_block_q % TILE.kwargs["BLOCK_M"] or list_block_k % TILE.kwargs["BLOCK_N"] or q.numel() == 0 or k.numel() == 0:
         return False
-    # TMA reads 16-byte aligned rows of a contiguous last dimension.
-    return all(
-        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-        for t in (q, k, v)
-    )
+    return tma_aligned(q, k, v)
 
 
 hopper_launcher = Launcher(_attn_fwd_hopper_kernel, tensors=("Q", "K", "V", "Out", "Lse", "Mask", "Bias", "Walk"), specialized=())

@@ -83,6 +83,12 @@ def copy_engine_reads(block_d: int, seqlen_k: int, *tensors: torch.Tensor) -> bo
     """
     if block_d < TMA_MIN_BLOCK_D or seqlen_k < TMA_MIN_KEYS or not configs.tma_enabled(tensors[0].device):
         return False
+    return tma_aligned(*tensors)
+
+
+def tma_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether TMA can copy row tiles of ``tensors`` (last dimension contiguous): 16-byte aligned
+    addresses and row strides."""
     return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 

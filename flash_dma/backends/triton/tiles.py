@@ -146,6 +146,13 @@ def first_position(rank_ptr, tile, tiles_per_block):
 
 
 @triton.jit
+def summary_row(tile, list_block, BLOCK: tl.constexpr):
+    """The row of a block summary that holds tile ``tile`` of ``BLOCK`` elements, for summary
+    blocks of ``list_block`` elements (0: the axis is one block)."""
+    return tl.where(list_block > 0, tile // tl.maximum(list_block // BLOCK, 1), 0)
+
+
+@triton.jit
 def summary_list(lists, list_width, full, rank):
     """One of a block-summary row's four lists, ``[2, 2, width]``: PARTIAL/FULL x tiles/rank
     (``block_mask.py``), picked by ``full`` and ``rank`` (constants, or run-time flags). The one
