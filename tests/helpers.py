@@ -10,11 +10,17 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field, replace
 
+import pytest
 import torch
 
 from flash_dma.backends.reference import reference_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Marks of the tests of the Hopper (Gluon) kernels: sm90 only; elsewhere test_compiles_for_gpu compiles them.
+HOPPER_ONLY = [
+    pytest.mark.gpu_only,
+    pytest.mark.skipif(DEVICE.type != "cuda" or torch.cuda.get_device_capability()[0] != 9, reason="the Hopper kernels need sm90"),
+]
 ON_GPU = DEVICE.type == "cuda"
 # The Triton interpreter cannot do bf16, so kernels are tested in fp32/fp16 on the CPU.
 KERNEL_DTYPES = (torch.bfloat16, torch.float16) if ON_GPU else (torch.float32, torch.float16)

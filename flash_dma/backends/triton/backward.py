@@ -16,6 +16,8 @@ Three launches (dQ never needs atomics):
 
 A bias broadcast over keys (``[., ., ., 1]``) shifts whole rows of scores, which the softmax
 ignores: its gradient is exactly zero and takes no work.
+
+On sm90, launches 2 and 3 run the Gluon kernels of ``backward_hopper.py`` where they serve the call.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 
 from flash_dma.backends.triton import configs
+from flash_dma.backends.triton.backward_hopper import hopper_dkdv, hopper_dkdv_supported, hopper_dq, hopper_dq_supported
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
     SPECIALIZED,
@@ -519,7 +522,9 @@ def bias_gradient_buffer(bias, batch, num_heads, num_kv_heads, seqlen_k, determi
     return buffer, kind, atomic, rows_h != num_heads
 
 
-def query_chunks(seqlen_q: int, seqlen_k: int, kv_entries: int, in_order: bool, device: torch.device) -> int:
+def query_chunks(
+    seqlen_q: int, seqlen_k: int, kv_entries: int, in_order: bool, device: torch.device, queued: bool = False, masked: bool = True,
+) -> int:
     """Parts the query range of each key tile is split into for dK/dV.
 
     A key tile's whole column (every query, every head of its group) is one program's work;
@@ -538,11 +543,25 @@ def query_chunks(seqlen_q: int, seqlen_k: int, kv_entries: int, in_order: bool, 
       | 32K | 6.90 | 3.55 | 3.27 | 3.31 | 3.80 |
 
       (Past the best, more chunks add atomics and K/V loads.)
+
+    - ``queued``: the Hopper kernel (``backward_hopper.py``), one program per SM taking items off
+      a queue, wants about 1.5 non-empty items per SM, and no more: a mask is taken to keep 1/8
+      of the columns, no mask all of them. Its time (ms) by chunks, same shapes:
+
+      | case | 1 | 2 | 4 | 8 | 16 |
+      |---|---|---|---|---|---|
+      | 16K keep 1/8 | 1.62 | 0.85 | **0.63** | 0.66 | 0.81 |
+      | 32K keep 1/8 | 3.26 | **1.81** | 1.95 | 2.04 | 2.35 |
+      | 16K no mask | **3.40** | 3.77 | 3.85 | 4.31 | 4.89 |
     """
     if in_order:
         return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_CHUNK))
-    columns = kv_entries * cdiv(seqlen_k, _COLUMN_KEYS)
-    wanted = cdiv(_COLUMNS_WANTED_PER_SM * configs.multiprocessor_count(device), max(columns, 1))
+    columns = max(kv_entries * cdiv(seqlen_k, _COLUMN_KEYS), 1)
+    if queued:
+        working = cdiv(columns, 8) if masked else columns
+        wanted = cdiv(3 * configs.multiprocessor_count(device), 2 * working)
+    else:
+        wanted = cdiv(_COLUMNS_WANTED_PER_SM * configs.multiprocessor_count(device), columns)
     return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_ATOMIC_CHUNK, wanted))
 
 
@@ -642,17 +661,29 @@ def attention_backward(
     dk = torch.empty(k.shape, dtype=grad_dtype, device=device)
     dv = torch.empty_like(dk)
     num_kv_heads = k.shape[2]
-    chunks = num_query_chunks or query_chunks(seqlen_q, seqlen_k, batch * num_kv_heads, deterministic, device)
+    queued = sequences is None and hopper_dkdv_supported(
+        q, k, v, dout, lse, mask, bias, key_list, list_block_q, list_block_k, softcap, deterministic
+    )
+    chunks = num_query_chunks or query_chunks(
+        seqlen_q, seqlen_k, batch * num_kv_heads, deterministic, device, queued, mask is not None
+    )
     dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = None, DBIAS_NONE, False, False
     if bias is not None and bias_requires_grad:
         dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = bias_gradient_buffer(
             bias, batch, num_heads, num_kv_heads, seqlen_k, deterministic, chunks
         )
     settings = (list_block_q, list_block_k, softmax_scale, window_left, window_right, softcap)
-    _launch_dkdv(
-        q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, delta, dk, dv,
-        dbias_acc, (dbias_kind, dbias_atomic, dbias_head_shared), chunks, deterministic, sequences,
-    )
+    dbias_flags = (dbias_kind, dbias_atomic, dbias_head_shared)
+    if queued:
+        hopper_dkdv(
+            q, k, v, dout, lse, delta, mask, bias, q_lists, list_block_q, list_block_k, softmax_scale,
+            window_left, window_right, dk, dv, dbias_acc, dbias_flags, chunks,
+        )
+    else:
+        _launch_dkdv(
+            q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, delta, dk, dv,
+            dbias_acc, dbias_flags, chunks, deterministic, sequences,
+        )
     # dQ is allocated once the dK/dV scratch is released, so the two never add up in the peak.
     dq = torch.empty(q.shape, dtype=grad_dtype, device=device)
     dq_walk = key_list if key_list is not None else kv_lists
@@ -667,11 +698,19 @@ def attention_backward(
     def dq_candidates():
         return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dq"), seqlen_q, list_block_q, list_block_k)
 
-    dq_launcher.launch(
-        (common_layout(q, k, v, mask, bias, dq_walk, sequences), key_list is not None, *settings, dout.stride(), dq.dtype),
-        [*common_tensors(q, k, v, mask, bias, dq_walk, sequences), dout, lse, delta, dq], build_dq, dq_candidates,
-        lambda meta: (cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_heads),
-    )
+    if sequences is None and hopper_dq_supported(
+        q, k, v, dout, lse, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softcap
+    ):
+        hopper_dq(
+            q, k, v, dout, lse, delta, mask, bias, kv_lists, list_block_q, list_block_k, softmax_scale,
+            window_left, window_right, dq,
+        )
+    else:
+        dq_launcher.launch(
+            (common_layout(q, k, v, mask, bias, dq_walk, sequences), key_list is not None, *settings, dout.stride(), dq.dtype),
+            [*common_tensors(q, k, v, mask, bias, dq_walk, sequences), dout, lse, delta, dq], build_dq, dq_candidates,
+            lambda meta: (cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_heads),
+        )
 
     dbias = None
     if bias is not None and bias_requires_grad:

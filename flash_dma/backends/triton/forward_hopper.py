@@ -85,12 +85,16 @@ def _record(cls):
 
 @_record
 class _Problem:
-    """What every partition reads: descriptors, pointers, strides, sizes and constexprs."""
+    """What every partition reads: descriptors, pointers, strides, sizes and constexprs. The
+    Hopper dQ kernel (``backward_hopper.py``) fills it too: its output is ``Out``, and with
+    GRADIENT its loader also reads ``do_desc`` and ``Delta``."""
 
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
     v_desc: tma.tensor_descriptor
+    do_desc: tma.tensor_descriptor
     Out: gl.tensor
+    Delta: gl.tensor
     Lse: gl.tensor
     Mask: gl.tensor
     Bias: gl.tensor
@@ -123,6 +127,7 @@ class _Problem:
     list_block_k: gl.tensor
     band_lo: gl.tensor
     band_hi: gl.tensor
+    scale: gl.tensor
     scale_log2: gl.tensor
     HAS_MASK: gl.constexpr
     HAS_BIAS: gl.constexpr
@@ -131,6 +136,7 @@ class _Problem:
     KV_STAGES: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
+    GRADIENT: gl.constexpr
 
 
 @_record
@@ -221,13 +227,43 @@ def _get(slot):
 
 
 @gluon.jit
-def _load_partition(p, bufs):
-    """One warp: for each work item its tile count and Q, then for each tile its number, its key
-    scores (bias in log2 units, -inf for keys masked out or past the end) and K and V."""
-    q_bytes: gl.constexpr = p.q_desc.block_type.nbytes
-    kv_bytes: gl.constexpr = p.k_desc.block_type.nbytes
+def _load_key_tile(p, bufs, it, j, loaded, bias_row, mask_row, kv_head):
+    """The j-th key tile of work item ``it`` into ring position ``loaded``: its number, its key
+    scores (bias in log2 units, -inf for keys masked out or past the end), K and V."""
     SCORED: gl.constexpr = p.HAS_BIAS or p.HAS_MASK
     key_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_N // 32], [32], [1], [0])
+    tile, partial = _tile_at(p, it, j)
+    if SCORED:  # read before waiting for the buffer: the loads overlap the wait
+        keys = tile * p.BLOCK_N + gl.arange(0, p.BLOCK_N, key_layout)  # [BLOCK_N]
+        key_ok = keys < p.seqlen_k
+        scores = gl.full([p.BLOCK_N], 0.0, gl.float32, key_layout)
+        if p.HAS_BIAS:
+            scores = gl.load(bias_row + keys * p.stride_bk, mask=key_ok, other=0.0).to(gl.float32) * tiles.LOG2E
+        if p.HAS_MASK:
+            key_ok = key_ok & (gl.load(mask_row + keys * p.stride_mk, mask=key_ok & partial, other=1) != 0)
+        scores = gl.where(key_ok, scores, float("-inf"))
+    stage = loaded % p.KV_STAGES
+    phase = (loaded // p.KV_STAGES) & 1 ^ 1
+    # K (with the tile's number and key scores) and V have rings of their own: K is free once
+    # S = Q K^T is done, a tile before V.
+    kv_bytes: gl.constexpr = p.k_desc.block_type.nbytes
+    mbarrier.wait(bufs.k_empty.index(stage), phase)
+    _put(bufs.tiles.index(stage), tile)
+    if SCORED:
+        bufs.key_scores.index(stage).store(scores)
+    mbarrier.expect(bufs.k_ready.index(stage), kv_bytes)
+    _tma_load(p.k_desc, [it.batch, tile * p.BLOCK_N, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage))
+    mbarrier.wait(bufs.v_empty.index(stage), phase)
+    mbarrier.expect(bufs.v_ready.index(stage), kv_bytes)
+    _tma_load(p.v_desc, [it.batch, tile * p.BLOCK_N, kv_head, 0], bufs.v_ready.index(stage), bufs.v.index(stage))
+
+
+@gluon.jit
+def _load_partition(p, bufs):
+    """One warp: for each work item its tile count and Q (with GRADIENT also dO, and the rows'
+    LSEs in log2 units and deltas), then its key tiles (``_load_key_tile``)."""
+    q_bytes: gl.constexpr = p.q_desc.block_type.nbytes * (2 if p.GRADIENT else 1)
+    row_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_M // 32], [32], [1], [0])
     loaded = 0  # K/V tiles so far: the ring position
     items_done = 0
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
@@ -237,43 +273,35 @@ def _load_partition(p, bufs):
         mask_row = p.Mask + b64 * p.stride_mb + (it.head // p.mask_head_div).to(gl.int64) * p.stride_mh
         count = _tile_count(it)
         q_slot = items_done % 2
+        if p.GRADIENT:
+            rows = it.row_block * p.BLOCK_M + gl.arange(0, p.BLOCK_M, row_layout)  # [BLOCK_M]
+            row_offset = (it.batch * p.num_heads + it.head).to(gl.int64) * p.seqlen_q
+            lse, delta = _row_statistics(p, row_offset, rows)
         mbarrier.wait(bufs.q_empty.index(q_slot), (items_done // 2) & 1 ^ 1)
         _put(bufs.counts.index(q_slot), count)
+        if p.GRADIENT:
+            bufs.lse.index(q_slot).store(lse)
+            bufs.delta.index(q_slot).store(delta)
         mbarrier.expect(bufs.q_ready.index(q_slot), q_bytes)
-        _tma_load(
-            p.q_desc, [it.batch, it.row_block * p.BLOCK_M, it.head, 0], bufs.q_ready.index(q_slot), bufs.q.index(q_slot)
-        )
+        row_tile = [it.batch, it.row_block * p.BLOCK_M, it.head, 0]
+        _tma_load(p.q_desc, row_tile, bufs.q_ready.index(q_slot), bufs.q.index(q_slot))
+        if p.GRADIENT:
+            _tma_load(p.do_desc, row_tile, bufs.q_ready.index(q_slot), bufs.do.index(q_slot))
         kv_head = it.head // p.group
         for j in range(count):
-            tile, partial = _tile_at(p, it, j)
-            if SCORED:  # read before waiting for the buffer: the loads overlap the wait
-                keys = tile * p.BLOCK_N + gl.arange(0, p.BLOCK_N, key_layout)  # [BLOCK_N]
-                key_ok = keys < p.seqlen_k
-                scores = gl.full([p.BLOCK_N], 0.0, gl.float32, key_layout)
-                if p.HAS_BIAS:
-                    scores = gl.load(bias_row + keys * p.stride_bk, mask=key_ok, other=0.0).to(gl.float32) * tiles.LOG2E
-                if p.HAS_MASK:
-                    key_ok = key_ok & (gl.load(mask_row + keys * p.stride_mk, mask=key_ok & partial, other=1) != 0)
-                scores = gl.where(key_ok, scores, float("-inf"))
-            stage = loaded % p.KV_STAGES
-            phase = (loaded // p.KV_STAGES) & 1 ^ 1
-            # K (with the tile's number and key scores) and V have rings of their own: K is free
-            # once S = Q K^T is done, a tile before V.
-            mbarrier.wait(bufs.k_empty.index(stage), phase)
-            _put(bufs.tiles.index(stage), tile)
-            if SCORED:
-                bufs.key_scores.index(stage).store(scores)
-            mbarrier.expect(bufs.k_ready.index(stage), kv_bytes)
-            _tma_load(
-                p.k_desc, [it.batch, tile * p.BLOCK_N, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage)
-            )
-            mbarrier.wait(bufs.v_empty.index(stage), phase)
-            mbarrier.expect(bufs.v_ready.index(stage), kv_bytes)
-            _tma_load(
-                p.v_desc, [it.batch, tile * p.BLOCK_N, kv_head, 0], bufs.v_ready.index(stage), bufs.v.index(stage)
-            )
+            _load_key_tile(p, bufs, it, j, loaded, bias_row, mask_row, kv_head)
             loaded += 1
         items_done += 1
+
+
+@gluon.jit
+def _row_statistics(p, row_offset, rows):
+    """LSEs (log2 units; +inf for rows that see no key, or past the end: their gradients are 0)
+    and deltas of query rows ``rows`` of one (batch, head), for the backward kernels."""
+    row_ok = rows < p.seqlen_q
+    lse = gl.load(p.Lse + row_offset + rows, mask=row_ok, other=float("inf"))
+    lse = gl.where(lse == float("-inf"), float("inf"), lse) * tiles.LOG2E
+    return lse, gl.load(p.Delta + row_offset + rows, mask=row_ok, other=0.0)
 
 
 @gluon.jit
@@ -457,14 +485,14 @@ def _attn_fwd_hopper_kernel(
         mbarrier.init(bufs.k_empty.index(i), count=2)
         mbarrier.init(bufs.v_empty.index(i), count=2)
     p = _Problem(
-        q_desc, k_desc, v_desc, Out, Lse, Mask, Bias, Walk,
+        q_desc, k_desc, v_desc, q_desc, Out, Lse, Lse, Mask, Bias, Walk,  # no dO, no delta
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
         stride_mb, stride_mh, stride_mk, stride_bb, stride_bh, stride_bk,
         stride_wb, stride_wh, stride_wr, walk_width,
         seqlen_q, seqlen_k, num_heads, num_heads // num_kv_heads, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
-        band_lo + seqlen_k - seqlen_q, band_hi + seqlen_k - seqlen_q, scale_log2,
-        HAS_MASK, HAS_BIAS, WALK, HEAD_DIM, KV_STAGES, BLOCK_M, BLOCK_N,
+        band_lo + seqlen_k - seqlen_q, band_hi + seqlen_k - seqlen_q, scale_log2, scale_log2,
+        HAS_MASK, HAS_BIAS, WALK, HEAD_DIM, KV_STAGES, BLOCK_M, BLOCK_N, False,
     )
     gl.warp_specialize(
         [(_softmax_lower, (p, bufs)), (_softmax_upper, (p, bufs)), (_load_partition, (p, bufs))],

@@ -74,25 +74,18 @@ def forget_choices() -> None:
         launcher._stored = None
 
 
-_SCRATCH: dict = {}  # (device, stream) -> the largest scratch buffer asked for there so far
-
-
 @functools.lru_cache(maxsize=None)
 def _scratch_allocator(device: torch.device):
     """Triton's allocator for a launch's global scratch on ``device`` (where kernels build TMA descriptors).
 
-    One buffer per stream, reused: launches on a stream run in order, so they never overlap in
-    it, and a call pays no allocation. Under CUDA graph capture the buffer comes from the
-    graph's pool and is not kept, so the graph never shares it with eager launches.
+    A fresh buffer per launch, from PyTorch's caching allocator (which reuses it once the launch's
+    stream is past it). A buffer kept across calls would, if first made inside a graph's memory
+    pool (a capture, or torch.compile's cudagraph-tree warm-up), outlive the pool's own tensors:
+    torch.compile's ``mode="reduce-overhead"`` refuses that.
     """
 
     def allocate(size: int, alignment: int, stream) -> torch.Tensor:
-        if torch.cuda.is_current_stream_capturing():
-            return torch.empty(size, dtype=torch.int8, device=device)
-        buffer = _SCRATCH.get((device, stream))
-        if buffer is None or buffer.numel() < size:
-            buffer = _SCRATCH[(device, stream)] = torch.empty(size, dtype=torch.int8, device=device)
-        return buffer
+        return torch.empty(size, dtype=torch.int8, device=device)
 
     return allocate
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flash_dma.backends.triton.block_summary import lists_launcher, state_launcher
+from flash_dma.backends.triton.backward_hopper import TILE as HOPPER_DKDV_TILE
+from flash_dma.backends.triton.backward_hopper import DQ_TILE as HOPPER_DQ_TILE
+from flash_dma.backends.triton.backward_hopper import hopper_dkdv_launcher, hopper_dq_launcher
 from flash_dma.backends.triton.backward import DBIAS_FULL, DBIAS_NONE, DBIAS_PER_KEY, dkdv_launcher, dq_launcher
 from flash_dma.backends.triton.forward import forward_launcher
 from flash_dma.backends.triton.forward_hopper import TILE as HOPPER_TILE
@@ -28,7 +31,7 @@ from flash_dma.backends.triton.layout import SEQ_CACHE, SEQ_FIXED, SEQ_PACKED, W
 _POINTER_TYPES = {
     "Mask": "*u8", "Walk": "*i32", "Lse": "*fp32", "Delta": "*fp32", "DBias": "*fp32",
     "ScratchK": "*fp32", "ScratchV": "*fp32", "Turns": "*i32", "State": "*i8", "KeyList": "*i32", "Lists": "*i32",
-    "SeqQ": "*i32", "SeqK": "*i32", "CacheRows": "*i32", "BlockTable": "*i32", "Counts": "*i32",
+    "SeqQ": "*i32", "SeqK": "*i32", "Queue": "*i32", "CacheRows": "*i32", "BlockTable": "*i32", "Counts": "*i32",
 }
 _FLOAT_SCALARS = ("scale", "scale_log2", "softcap_log2", "scale_over_cap")
 
@@ -81,6 +84,10 @@ _FULL_MASK = dict(_PER_KEY, MASK_PER_KEY=False, BIAS_PER_KEY=False)
 _FORWARD = dict(TMA=True, PACK_GQA=False, SPLIT=False, PAGED=False, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
 _DKDV = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=128, DBIAS_HEAD_SHARED=True, DBIAS_ATOMIC=False, CHUNKS_IN_ORDER=False)
 _DQ = dict(TMA=True, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
+_HOPPER_DKDV = dict(
+    HAS_MASK=True, HAS_BIAS=True, WALK=WALK_BLOCKS, DBIAS=DBIAS_PER_KEY, DBIAS_ATOMIC=False, DBIAS_HEAD_SHARED=True,
+    HEAD_DIM=128, Q_STAGES=2,
+)
 _HOPPER = dict(HAS_MASK=True, HAS_BIAS=True, WALK=WALK_BLOCKS, HEAD_DIM=128, KV_STAGES=2)
 
 VARIANTS = [
@@ -114,6 +121,26 @@ VARIANTS = [
     Variant("dkdv-full-bias-atomic", dkdv_launcher, 4, 3, {**_FULL_MASK, **_DKDV, "DBIAS": DBIAS_FULL, "DBIAS_ATOMIC": True}),
     Variant("dkdv-dense-softcap", dkdv_launcher, 4, 3, {**_DENSE, **_DKDV, "DBIAS": DBIAS_NONE}),
     Variant("dkdv-dense-mask", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "WALK": WALK_DENSE, "DBIAS": DBIAS_PER_KEY, "BLOCK_M": 32, "BLOCK_N": 64}),
+    *(
+        Variant(
+            f"dkdv-hopper-{name}", hopper_dkdv_launcher, HOPPER_DKDV_TILE.num_warps, HOPPER_DKDV_TILE.num_stages,
+            {**_HOPPER_DKDV, **flags, **HOPPER_DKDV_TILE.kwargs}, HOPPER_DKDV_TILE.maxnreg,
+        )
+        for name, flags in (
+            ("per-key-blocks", {}),
+            ("dense-d64", dict(HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, Q_STAGES=3, DBIAS=DBIAS_NONE)),
+        )
+    ),
+    *(
+        Variant(
+            f"dq-hopper-{name}", hopper_dq_launcher, HOPPER_DQ_TILE.num_warps, HOPPER_DQ_TILE.num_stages,
+            {**flags, **HOPPER_DQ_TILE.kwargs}, HOPPER_DQ_TILE.maxnreg,
+        )
+        for name, flags in (
+            ("per-key-blocks", _HOPPER),
+            ("dense-d64", dict(_HOPPER, HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
+        )
+    ),
     Variant("dq-key-list", dq_launcher, 8, 2, {**_KEYS, **_DQ}),
     Variant("dq-per-key-blocks", dq_launcher, 8, 2, {**_PER_KEY, **_DQ}),
     Variant("dq-varlen", dq_launcher, 8, 2, {**_KEYS, **_DQ, "SEQ": SEQ_PACKED}),

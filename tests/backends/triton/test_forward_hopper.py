@@ -11,14 +11,9 @@ from flash_dma import build_block_mask
 from flash_dma.backends.triton import forward as forward_module
 from flash_dma.backends.triton.forward import attention_forward
 from flash_dma.backends.triton.forward_hopper import hopper_forward, hopper_forward_supported
-from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, Case, assert_close, make_inputs, reference_outputs
+from tests.helpers import DTYPE_IDS, HOPPER_ONLY, KERNEL_DTYPES, Case, assert_close, make_inputs, reference_outputs
 
-pytestmark = [
-    pytest.mark.gpu_only,
-    pytest.mark.skipif(
-        DEVICE.type != "cuda" or torch.cuda.get_device_capability()[0] != 9, reason="the Hopper kernel needs sm90"
-    ),
-]
+pytestmark = HOPPER_ONLY
 
 PER_KEY = "B,Hkv,1,Sk"
 CASES = [

@@ -1,0 +1,96 @@
+"""The Hopper backward kernels (warp-specialised Gluon dK/dV and dQ) against float64 autograd of the reference.
+
+They run on sm90 only; elsewhere these tests skip, and ``test_compiles_for_gpu`` compiles them.
+Cases run the whole backward through ``flash_dma_func`` and check which kernels it took.
+"""
+
+import pytest
+import torch
+
+from flash_dma.backends.triton import backward as backward_module
+from tests.helpers import (
+    DTYPE_IDS,
+    HOPPER_ONLY,
+    KERNEL_DTYPES,
+    Case,
+    assert_gradients_close,
+    make_inputs,
+    reference_outputs,
+    triton_call,
+)
+
+pytestmark = HOPPER_ONLY
+
+PER_KEY = "B,Hkv,1,Sk"
+CASES = [
+    # A per-key mask in 16-key runs: key tiles PARTIAL, some FULL or EMPTY; a bias per kv head.
+    Case(seqlen_q=130, seqlen_k=239, head_dim=64, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
+    # A bias per query head (its gradient is flushed head by head), GQA groups of 2.
+    Case(seqlen_q=1023, seqlen_k=1023, head_dim=128, mask=PER_KEY, bias="1,H,1,Sk", mask_kind="blocks", causal=True, block_size=(128, 128)),
+    # Bias shared by the batch (its gradient added by atomics), mask shared by every head.
+    Case(seqlen_q=239, seqlen_k=1023, heads=6, kv_heads=2, head_dim=128, mask="1,1,1,Sk", bias="1,1,1,Sk", mask_kind="blocks", block_size=(128, 128)),
+    # Summary blocks of 2 x 4 query tiles and 2 key tiles.
+    Case(seqlen_q=600, seqlen_k=777, head_dim=64, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(256, 256)),
+    # Causal with Sq > Sk: the top rows see nothing (LSE -inf), their gradients are 0.
+    Case(seqlen_q=300, seqlen_k=63, heads=3, kv_heads=1, head_dim=128, mask=PER_KEY, bias=PER_KEY, causal=True, block_size=(128, 128)),
+    # No summary: the dense walk, a mask read per key on every tile, ragged lengths.
+    Case(seqlen_q=1, seqlen_k=1, head_dim=64, bias=PER_KEY),
+    Case(seqlen_q=17, seqlen_k=1023, head_dim=128, bias="1,H,1,Sk", bias_fp32=True, causal=True),
+    Case(seqlen_q=1023, seqlen_k=17, head_dim=64, causal=True),
+    Case(seqlen_q=113, seqlen_k=200, heads=8, kv_heads=8, head_dim=128, mask=PER_KEY, mask_kind="blocks"),
+    # Windows: narrow, both sides, and wider than the keys.
+    Case(seqlen_q=500, seqlen_k=700, head_dim=128, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", window=(100, 3), block_size=(128, 128)),
+    Case(seqlen_q=130, seqlen_k=130, head_dim=64, bias=PER_KEY, window=(0, 0)),
+    Case(seqlen_q=63, seqlen_k=90, head_dim=128, bias=PER_KEY, window=(5000, 5000), causal=True),
+    # Many work items per program: the queue wraps around several times.
+    Case(batch=3, seqlen_q=2048, seqlen_k=2048, heads=16, kv_heads=4, head_dim=128, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
+]
+
+
+@pytest.fixture
+def hopper_calls(monkeypatch):
+    """The backward launches that took a Hopper kernel: ``"dkdv"`` or ``"dq"``."""
+    calls = []
+    for name in ("dkdv", "dq"):
+        launch = getattr(backward_module, f"hopper_{name}")
+        monkeypatch.setattr(backward_module, f"hopper_{name}", lambda *args, _l=launch, _n=name: (calls.append(_n), _l(*args)))
+    return calls
+
+
+@pytest.mark.parametrize("chunks", [1, 3], ids=["chunks1", "chunks3"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_hopper_gradients_match_reference(case, dtype, chunks, hopper_calls, monkeypatch, poison_outputs):
+    """Written directly (one chunk) or added up in fp32 scratch (three chunks of each key tile's queries)."""
+    monkeypatch.setattr(backward_module, "query_chunks", lambda *args: chunks)
+    inputs = make_inputs(case, dtype, requires_grad=True)
+    before = {name: t.detach().clone() for name, t in inputs.items() if t is not None}
+    out = triton_call(case, inputs)
+    dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
+    out.backward(dout)
+    # dQ walks the forward's tiles: the Hopper kernel reads a mask only through a summary.
+    assert hopper_calls == (["dkdv", "dq"] if case.mask is None or case.block_size else ["dkdv"])
+    _, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
+    _, _, baseline = reference_outputs(case, inputs, dout, dtype)
+    assert_gradients_close(inputs, oracle, baseline)
+    assert all(torch.equal(inputs[name].detach(), t) for name, t in before.items())
+
+
+def test_backward_dispatch(hopper_calls, monkeypatch):
+    """Plain backwards take the Hopper kernels; softcap, full biases and FLASH_DMA_HOPPER=0 take
+    the Triton ones, and deterministic backwards the Triton dK/dV."""
+    case = Case(seqlen_q=256, seqlen_k=256, heads=4, kv_heads=2, head_dim=128, bias=PER_KEY, causal=True)
+
+    def backward(case, **kwargs):
+        inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
+        triton_call(case, inputs, **kwargs).sum().backward()
+
+    backward(case)
+    assert hopper_calls == ["dkdv", "dq"]
+    backward(case, deterministic=True)  # dQ has no atomics: it stays
+    assert hopper_calls == ["dkdv", "dq", "dq"]
+    backward(case.with_(softcap=5.0))
+    backward(case.with_(bias="B,Hkv,Sq,Sk"))
+    monkeypatch.setenv("FLASH_DMA_HOPPER", "0")
+    backward(case)
+    assert hopper_calls == ["dkdv", "dq", "dq"]
