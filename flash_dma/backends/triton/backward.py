@@ -545,14 +545,17 @@ def query_chunks(
       (Past the best, more chunks add atomics and K/V loads.)
 
     - ``queued``: the Hopper kernel (``backward_hopper.py``), one program per SM taking items off
-      a queue, wants about 1.5 non-empty items per SM, and no more: a mask is taken to keep 1/8
-      of the columns, no mask all of them. Its time (ms) by chunks, same shapes:
+      a queue, wants about 1.5 non-empty items per SM, and no more: a mask (element-wise or a
+      block summary alone) is taken to keep 1/8 of the columns, no mask all of them. Its time
+      (ms) by chunks, same shapes, and the per-query-block top-k of the topkq suite (16K, every
+      column used but sparse, the sink column by every query):
 
       | case | 1 | 2 | 4 | 8 | 16 |
       |---|---|---|---|---|---|
       | 16K keep 1/8 | 1.62 | 0.85 | **0.63** | 0.66 | 0.81 |
       | 32K keep 1/8 | 3.26 | **1.81** | 1.95 | 2.04 | 2.35 |
       | 16K no mask | **3.40** | 3.77 | 3.85 | 4.31 | 4.89 |
+      | 16K topkq | 1.70 | 1.00 | **0.96** | 1.12 | 1.30 |
     """
     if in_order:
         return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_CHUNK))
@@ -664,9 +667,8 @@ def attention_backward(
     queued = sequences is None and hopper_dkdv_supported(
         q, k, v, dout, lse, mask, bias, key_list, list_block_q, list_block_k, softcap, deterministic
     )
-    chunks = num_query_chunks or query_chunks(
-        seqlen_q, seqlen_k, batch * num_kv_heads, deterministic, device, queued, mask is not None
-    )
+    masked = mask is not None or q_lists is not None or key_list is not None
+    chunks = num_query_chunks or query_chunks(seqlen_q, seqlen_k, batch * num_kv_heads, deterministic, device, queued, masked)
     dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = None, DBIAS_NONE, False, False
     if bias is not None and bias_requires_grad:
         dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = bias_gradient_buffer(

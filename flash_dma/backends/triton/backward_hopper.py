@@ -57,9 +57,9 @@ from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
     WALK_BLOCKS,
     WALK_DENSE,
-    band,
     broadcast_strides,
     common_layout,
+    diagonal_band,
     head_divisor,
     kernel_view,
     placeholder,
@@ -351,13 +351,12 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
                     offset = keys[:, None] - (first_row + gl.arange(0, p.BLOCK_M, rows_of_s))[None, :]
                     s = gl.where((offset >= p.band_lo) & (offset <= p.band_hi), s, float("-inf"))
                 pt = gl.exp2(s - bufs.lse.index(stage).load(rows_of_s)[None, :])
-                pt_operand = gl.convert_layout(pt.to(dtype), operand_layout)
                 dpt = warpgroup_mma_wait(0, deps=[dpt])
                 ds = pt * (dpt - bufs.delta.index(stage).load(rows_of_s)[None, :])
                 if p.DBIAS:
                     dbias += gl.sum(ds, 1)
                 # Both products are issued once S^T and dP^T are spent: their registers hold P^T and dS^T.
-                dv = warpgroup_mma(pt_operand, do, dv, is_async=True)
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), operand_layout), do, dv, is_async=True)
                 dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), q, dk, is_async=True)
                 dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
                 mbarrier.arrive(bufs.q_empty.index(stage), count=1)
@@ -402,7 +401,7 @@ def _dkdv_hopper_kernel(
     stride_mb, stride_mh, stride_mk, stride_bb, stride_bh, stride_bk,
     stride_wb, stride_wh, stride_wr, walk_width,
     stride_gb, stride_gs, stride_gh, stride_dbc, stride_dbb, stride_dbh, stride_dbk,
-    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, chunks, items,
+    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group, chunks, items,
     mask_head_div, bias_head_div, walk_head_div, dbias_head_div, list_block_q, list_block_k,
     band_lo, band_hi, scale, scale_log2,
     HAS_MASK: gl.constexpr, HAS_BIAS: gl.constexpr, WALK: gl.constexpr,
@@ -449,9 +448,9 @@ def _dkdv_hopper_kernel(
         q_desc, k_desc, v_desc, do_desc, Lse, Delta, Mask, Bias, Walk, DK, DV, ScratchK, ScratchV, DBias, Queue,
         stride_mb, stride_mh, stride_mk, stride_bb, stride_bh, stride_bk, stride_wb, stride_wh, stride_wr, walk_width,
         stride_gb, stride_gs, stride_gh, stride_dbc, stride_dbb, stride_dbh, stride_dbk,
-        batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, num_heads // num_kv_heads, chunks, items,
+        batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group, chunks, items,
         mask_head_div, bias_head_div, walk_head_div, dbias_head_div, list_block_q, list_block_k,
-        band_lo + seqlen_k - seqlen_q, band_hi + seqlen_k - seqlen_q, scale, scale_log2,
+        band_lo, band_hi, scale, scale_log2,
         HAS_MASK, HAS_BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEAD_DIM, Q_STAGES, BLOCK_M, BLOCK_N,
     )
     gl.warp_specialize(
@@ -559,7 +558,7 @@ def _dq_hopper_kernel(
     stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh,
     stride_mb, stride_mh, stride_mk, stride_bb, stride_bh, stride_bk,
     stride_wb, stride_wh, stride_wr, walk_width,
-    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, items, row_blocks,
+    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group, items, row_blocks,
     mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
     band_lo, band_hi, scale, scale_log2,
     HAS_MASK: gl.constexpr, HAS_BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr,
@@ -602,9 +601,9 @@ def _dq_hopper_kernel(
     p = _Problem(
         q_desc, k_desc, v_desc, do_desc, DQ, Delta, Lse, Mask, Bias, Walk, stride_dqb, stride_dqs, stride_dqh,
         seqlen_q * num_heads, seqlen_q, stride_mb, stride_mh, stride_mk, stride_bb, stride_bh, stride_bk, stride_wb, stride_wh, stride_wr, walk_width,
-        seqlen_q, seqlen_k, num_heads, num_heads // num_kv_heads, items, row_blocks,
+        seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
-        band_lo + seqlen_k - seqlen_q, band_hi + seqlen_k - seqlen_q, scale, scale_log2,
+        band_lo, band_hi, scale, scale_log2,
         HAS_MASK, HAS_BIAS, WALK, HEAD_DIM, KV_STAGES, BLOCK_M, BLOCK_N, True,
     )
     gl.warp_specialize(
@@ -675,10 +674,10 @@ def hopper_dkdv(
             *broadcast_strides(q_lists)[:3], 0 if q_lists is None else q_lists.shape[-1],
             *dk.stride()[:3], 0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0),
             dbias_strides[0], dbias_strides[1], dbias_strides[3],
-            batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, chunks, items,
+            batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, num_heads // num_kv_heads, chunks, items,
             head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(q_lists, num_heads),
             head_divisor(dbias_slice, num_heads), list_block_q, list_block_k,
-            *band(window_left, window_right, seqlen_q, seqlen_k), softmax_scale, softmax_scale * tiles.LOG2E.value,
+            *diagonal_band(window_left, window_right, seqlen_q, seqlen_k), softmax_scale, softmax_scale * tiles.LOG2E.value,
             *flags,
         ]
         return args, (q.dtype, dk.dtype, *flags)
@@ -734,9 +733,9 @@ def hopper_dq(
             *tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
             mask_strides[0], mask_strides[1], mask_strides[3], bias_strides[0], bias_strides[1], bias_strides[3],
             *broadcast_strides(kv_lists)[:3], 0 if kv_lists is None else kv_lists.shape[-1],
-            batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, items, row_blocks,
+            batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, num_heads // num_kv_heads, items, row_blocks,
             head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(kv_lists, num_heads),
-            list_block_q, list_block_k, *band(window_left, window_right, seqlen_q, seqlen_k),
+            list_block_q, list_block_k, *diagonal_band(window_left, window_right, seqlen_q, seqlen_k),
             softmax_scale, softmax_scale * tiles.LOG2E.value, *flags,
         ]
         return args, (q.dtype, dq.dtype, *flags)

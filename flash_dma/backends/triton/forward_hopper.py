@@ -38,9 +38,9 @@ from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
     WALK_BLOCKS,
     WALK_DENSE,
-    band,
     broadcast_strides,
     common_layout,
+    diagonal_band,
     head_divisor,
     kernel_view,
     placeholder,
@@ -441,7 +441,7 @@ def _attn_fwd_hopper_kernel(
     stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
     stride_mb, stride_mh, stride_mk, stride_bb, stride_bh, stride_bk,
     stride_wb, stride_wh, stride_wr, walk_width,
-    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, items, row_blocks,
+    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group, items, row_blocks,
     mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
     band_lo, band_hi, scale_log2,
     HAS_MASK: gl.constexpr, HAS_BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr,
@@ -489,9 +489,9 @@ def _attn_fwd_hopper_kernel(
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
         stride_mb, stride_mh, stride_mk, stride_bb, stride_bh, stride_bk,
         stride_wb, stride_wh, stride_wr, walk_width,
-        seqlen_q, seqlen_k, num_heads, num_heads // num_kv_heads, items, row_blocks,
+        seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
-        band_lo + seqlen_k - seqlen_q, band_hi + seqlen_k - seqlen_q, scale_log2, scale_log2,
+        band_lo, band_hi, scale_log2, scale_log2,
         HAS_MASK, HAS_BIAS, WALK, HEAD_DIM, KV_STAGES, BLOCK_M, BLOCK_N, False,
     )
     gl.warp_specialize(
@@ -558,9 +558,9 @@ def hopper_forward(
             lse.stride(0), lse.stride(1), mask_strides[0], mask_strides[1], mask_strides[3],
             bias_strides[0], bias_strides[1], bias_strides[3],
             *broadcast_strides(kv_lists)[:3], 0 if kv_lists is None else kv_lists.shape[-1],
-            batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, items, row_blocks,
+            batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, num_heads // num_kv_heads, items, row_blocks,
             head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(kv_lists, num_heads),
-            list_block_q, list_block_k, *band(window_left, window_right, seqlen_q, seqlen_k), softmax_scale * tiles.LOG2E.value,
+            list_block_q, list_block_k, *diagonal_band(window_left, window_right, seqlen_q, seqlen_k), softmax_scale * tiles.LOG2E.value,
             *flags,
         ]
         return args, (q.dtype, *flags)

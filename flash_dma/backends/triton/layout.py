@@ -67,6 +67,13 @@ def band(window_left: int, window_right: int, seqlen_q: int, seqlen_k: int) -> t
     return (-reach if window_left < 0 else -window_left), (reach if window_right < 0 else window_right)
 
 
+def diagonal_band(window_left: int, window_right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """Visible offsets ``j - i`` (key position minus query position): :func:`band` moved onto the
+    bottom-right diagonal, so that the kernels get it as launch constants."""
+    band_lo, band_hi = band(window_left, window_right, seqlen_q, seqlen_k)
+    return band_lo + seqlen_k - seqlen_q, band_hi + seqlen_k - seqlen_q
+
+
 TMA_MIN_BLOCK_D = 128
 TMA_MIN_KEYS = 16384
 
