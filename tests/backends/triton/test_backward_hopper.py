@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from flash_dma.backends.triton import backward as backward_module
+from flash_dma.block_mask import FULL
+from flash_dma.masks import topk_block_mask
 from tests.helpers import (
     DTYPE_IDS,
     HOPPER_ONLY,
@@ -74,6 +76,30 @@ def test_hopper_gradients_match_reference(case, dtype, chunks, hopper_calls, mon
     _, _, baseline = reference_outputs(case, inputs, dout, dtype)
     assert_gradients_close(inputs, oracle, baseline)
     assert all(torch.equal(inputs[name].detach(), t) for name, t in before.items())
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_hopper_walks_a_per_query_block_summary(dtype, hopper_calls, monkeypatch, poison_outputs):
+    """A per-query-block top-k (``topk_block_mask(query_len=...)``) with no element-wise mask:
+    both kernels walk its lists, and dK/dV counts it as a mask when choosing query chunks (its
+    columns are sparse; the sink column is seen by every query)."""
+    case = Case(seqlen_q=1000, seqlen_k=1000, heads=4, kv_heads=2, head_dim=128, bias=PER_KEY, causal=True)
+    masked = []
+    real = backward_module.query_chunks
+    monkeypatch.setattr(backward_module, "query_chunks", lambda *args: (masked.append(args[-1]), real(*args))[1])
+    inputs = make_inputs(case, dtype, requires_grad=True)
+    summary = topk_block_mask(
+        inputs["attn_bias"].detach(), 256, block_size=(128, 128), query_len=case.seqlen_q, is_causal=True,
+        sink_blocks=1, local_blocks=1,
+    )
+    out = triton_call(case, inputs, block_mask=summary)
+    dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
+    out.backward(dout)
+    assert hopper_calls == ["dkdv", "dq"] and masked == [True]
+    as_elements = dict(inputs, attn_mask=summary.dense_rows(0, case.seqlen_q, case.seqlen_k) == FULL)
+    _, _, oracle = reference_outputs(case, as_elements, dout, torch.float64)
+    _, _, baseline = reference_outputs(case, as_elements, dout, dtype)
+    assert_gradients_close(inputs, oracle, baseline)
 
 
 def test_backward_dispatch(hopper_calls, monkeypatch):
