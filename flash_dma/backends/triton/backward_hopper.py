@@ -39,7 +39,6 @@ from flash_dma.backends.triton.forward_hopper import (
     _Item,
     _Problem,
     _get,
-    _item_position,
     _jit_with_runtime_scalars,
     _key_walk,
     _PLAIN,
@@ -47,7 +46,9 @@ from flash_dma.backends.triton.forward_hopper import (
     _put,
     _record,
     _row_statistics,
+    _store_rows,
     _summary_row,
+    _take_rows,
     _tile_at,
     _tile_count,
     _tma_load,
@@ -498,12 +499,7 @@ def _dq_rows(p, bufs, HALF: gl.constexpr):
     consumed = 0  # K/V tiles so far: the ring position, as in the loader
     items_done = 0
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
-        row_block, batch, head = _item_position(p, index)
-        first_row = row_block * p.BLOCK_M + HALF * ROWS
-        rows = first_row + gl.arange(0, ROWS, rows_of_s)  # [ROWS]
-        q_slot = items_done % 2
-        mbarrier.wait(bufs.q_ready.index(q_slot), (items_done // 2) & 1)
-        count = _get(bufs.counts.index(q_slot))
+        batch, head, first_row, rows, q_slot, count = _take_rows(p, bufs, index, items_done, HALF, rows_of_s)
         q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
         do = bufs.do.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)
         lse2 = bufs.lse.index(q_slot).slice(HALF * ROWS, ROWS).load(rows_of_s)  # [ROWS]
@@ -530,14 +526,7 @@ def _dq_rows(p, bufs, HALF: gl.constexpr):
             consumed += 1
         mbarrier.arrive(bufs.q_empty.index(q_slot), count=1)
 
-        dq = dq * p.scale  # dS is the gradient of scale * q.k
-        out_rows = gl.convert_layout(rows, gl.SliceLayout(1, acc_layout))
-        cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
-        ptrs = (
-            p.Out + batch.to(gl.int64) * p.stride_ob + head.to(gl.int64) * p.stride_oh
-            + (out_rows.to(gl.int64) * p.stride_os)[:, None] + cols[None, :]
-        )
-        gl.store(ptrs, dq.to(p.Out.dtype.element_ty), mask=(out_rows < p.seqlen_q)[:, None])
+        _store_rows(p, batch, head, rows, dq * p.scale)  # dS is the gradient of scale * q.k
         items_done += 1
 
 

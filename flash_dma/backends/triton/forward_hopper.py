@@ -184,6 +184,33 @@ def _item_position(p, index):
 
 
 @gluon.jit
+def _take_rows(p, bufs, index, items_done, HALF: gl.constexpr, rows_layout: gl.constexpr):
+    """Work item ``index`` for warpgroup ``HALF``, once the loader has staged its Q (slot
+    ``items_done % 2``): ``(batch, head, first_row, rows, q_slot, count)``, ``rows`` its 64 rows
+    in ``rows_layout`` and ``count`` its key tiles."""
+    ROWS: gl.constexpr = p.BLOCK_M // 2
+    row_block, batch, head = _item_position(p, index)
+    first_row = row_block * p.BLOCK_M + HALF * ROWS
+    rows = first_row + gl.arange(0, ROWS, rows_layout)  # [ROWS]
+    q_slot = items_done % 2
+    mbarrier.wait(bufs.q_ready.index(q_slot), (items_done // 2) & 1)
+    return batch, head, first_row, rows, q_slot, _get(bufs.counts.index(q_slot))
+
+
+@gluon.jit
+def _store_rows(p, batch, head, rows, values):
+    """``values`` ``[ROWS, D]`` (an accumulator) into rows ``rows`` of ``p.Out`` ``[B, Sq, H, D]``."""
+    layout: gl.constexpr = values.type.layout
+    out_rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, p.HEAD_DIM, gl.SliceLayout(0, layout))
+    ptrs = (
+        p.Out + batch.to(gl.int64) * p.stride_ob + head.to(gl.int64) * p.stride_oh
+        + (out_rows.to(gl.int64) * p.stride_os)[:, None] + cols[None, :]
+    )
+    gl.store(ptrs, values.to(p.Out.dtype.element_ty), mask=(out_rows < p.seqlen_q)[:, None])
+
+
+@gluon.jit
 def _item(p, index):
     """Work item ``index`` and its walk (the Triton forward's ``tiles.key_walk``, one split)."""
     row_block, batch, head = _item_position(p, index)
@@ -357,12 +384,7 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
     consumed = 0  # K/V tiles so far: the ring position, as in the loader
     items_done = 0
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
-        row_block, batch, head = _item_position(p, index)
-        first_row = row_block * p.BLOCK_M + HALF * ROWS
-        rows = first_row + gl.arange(0, ROWS, rows_of_s)  # [ROWS]
-        q_slot = items_done % 2
-        mbarrier.wait(bufs.q_ready.index(q_slot), (items_done // 2) & 1)
-        count = _get(bufs.counts.index(q_slot))
+        batch, head, first_row, rows, q_slot, count = _take_rows(p, bufs, index, items_done, HALF, rows_of_s)
         q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
 
         m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_of_s)
@@ -406,13 +428,9 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.convert_layout(l_safe, rows_of_o)[:, None]
         lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * tiles.LN2)
-        b64 = batch.to(gl.int64)
-        head = head.to(gl.int64)
-        out_rows = gl.convert_layout(rows, rows_of_o)
-        cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
-        out_ptrs = p.Out + b64 * p.stride_ob + head * p.stride_oh + (out_rows.to(gl.int64) * p.stride_os)[:, None] + cols[None, :]
-        gl.store(out_ptrs, out.to(dtype), mask=(out_rows < p.seqlen_q)[:, None])
-        gl.store(p.Lse + b64 * p.stride_lse_b + head * p.stride_lse_h + rows, lse, mask=rows < p.seqlen_q)
+        _store_rows(p, batch, head, rows, out)
+        lse_row = p.Lse + batch.to(gl.int64) * p.stride_lse_b + head.to(gl.int64) * p.stride_lse_h
+        gl.store(lse_row + rows, lse, mask=rows < p.seqlen_q)
         items_done += 1
 
 

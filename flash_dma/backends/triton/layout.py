@@ -69,7 +69,8 @@ def band(window_left: int, window_right: int, seqlen_q: int, seqlen_k: int) -> t
 
 def diagonal_band(window_left: int, window_right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
     """Visible offsets ``j - i`` (key position minus query position): :func:`band` moved onto the
-    bottom-right diagonal, so that the kernels get it as launch constants."""
+    bottom-right diagonal, so that the Hopper kernels get it as launch constants (the Triton
+    kernels shift in the kernel: packed sequences each have lengths of their own)."""
     band_lo, band_hi = band(window_left, window_right, seqlen_q, seqlen_k)
     return band_lo + seqlen_k - seqlen_q, band_hi + seqlen_k - seqlen_q
 

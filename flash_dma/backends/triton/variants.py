@@ -90,6 +90,15 @@ _HOPPER_DKDV = dict(
 )
 _HOPPER = dict(HAS_MASK=True, HAS_BIAS=True, WALK=WALK_BLOCKS, HEAD_DIM=128, KV_STAGES=2)
 
+
+def _gluon_variants(prefix: str, launcher, tile, *named_flags: tuple[str, dict]) -> list[Variant]:
+    """Variants of a Gluon kernel, each with the kernel's one configuration ``tile`` (a ``triton.Config``)."""
+    return [
+        Variant(f"{prefix}-{name}", launcher, tile.num_warps, tile.num_stages, {**flags, **tile.kwargs}, tile.maxnreg)
+        for name, flags in named_flags
+    ]
+
+
 VARIANTS = [
     Variant("forward-key-list", forward_launcher, 8, 2, {**_KEYS, **_FORWARD}),
     Variant("forward-per-key-blocks", forward_launcher, 8, 2, {**_PER_KEY, **_FORWARD}),
@@ -104,15 +113,10 @@ VARIANTS = [
         {**_KEYS, **_FORWARD, "SEQ": SEQ_CACHE, "PAGED": True, "PACK_GQA": True, "SPLIT": True, "BLOCK_M": 16, "BLOCK_D": 64},
     ),
     Variant("forward-d256", forward_launcher, 8, 2, {**_KEYS, **_FORWARD, "BLOCK_N": 32, "BLOCK_D": 256}),
-    *(
-        Variant(
-            f"forward-hopper-{name}", hopper_launcher, HOPPER_TILE.num_warps, HOPPER_TILE.num_stages,
-            {**flags, **HOPPER_TILE.kwargs}, HOPPER_TILE.maxnreg,
-        )
-        for name, flags in (
-            ("per-key-blocks", _HOPPER),
-            ("dense-d64", dict(_HOPPER, HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
-        )
+    *_gluon_variants(
+        "forward-hopper", hopper_launcher, HOPPER_TILE,
+        ("per-key-blocks", _HOPPER),
+        ("dense-d64", dict(_HOPPER, HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
     ),
     Variant("dkdv-key-list", dkdv_launcher, 4, 3, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
     Variant("dkdv-per-key-blocks", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
@@ -121,25 +125,15 @@ VARIANTS = [
     Variant("dkdv-full-bias-atomic", dkdv_launcher, 4, 3, {**_FULL_MASK, **_DKDV, "DBIAS": DBIAS_FULL, "DBIAS_ATOMIC": True}),
     Variant("dkdv-dense-softcap", dkdv_launcher, 4, 3, {**_DENSE, **_DKDV, "DBIAS": DBIAS_NONE}),
     Variant("dkdv-dense-mask", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "WALK": WALK_DENSE, "DBIAS": DBIAS_PER_KEY, "BLOCK_M": 32, "BLOCK_N": 64}),
-    *(
-        Variant(
-            f"dkdv-hopper-{name}", hopper_dkdv_launcher, HOPPER_DKDV_TILE.num_warps, HOPPER_DKDV_TILE.num_stages,
-            {**_HOPPER_DKDV, **flags, **HOPPER_DKDV_TILE.kwargs}, HOPPER_DKDV_TILE.maxnreg,
-        )
-        for name, flags in (
-            ("per-key-blocks", {}),
-            ("dense-d64", dict(HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, Q_STAGES=3, DBIAS=DBIAS_NONE)),
-        )
+    *_gluon_variants(
+        "dkdv-hopper", hopper_dkdv_launcher, HOPPER_DKDV_TILE,
+        ("per-key-blocks", _HOPPER_DKDV),
+        ("dense-d64", dict(_HOPPER_DKDV, HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, Q_STAGES=3, DBIAS=DBIAS_NONE)),
     ),
-    *(
-        Variant(
-            f"dq-hopper-{name}", hopper_dq_launcher, HOPPER_DQ_TILE.num_warps, HOPPER_DQ_TILE.num_stages,
-            {**flags, **HOPPER_DQ_TILE.kwargs}, HOPPER_DQ_TILE.maxnreg,
-        )
-        for name, flags in (
-            ("per-key-blocks", _HOPPER),
-            ("dense-d64", dict(_HOPPER, HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
-        )
+    *_gluon_variants(
+        "dq-hopper", hopper_dq_launcher, HOPPER_DQ_TILE,
+        ("per-key-blocks", _HOPPER),
+        ("dense-d64", dict(_HOPPER, HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
     ),
     Variant("dq-key-list", dq_launcher, 8, 2, {**_KEYS, **_DQ}),
     Variant("dq-per-key-blocks", dq_launcher, 8, 2, {**_PER_KEY, **_DQ}),
