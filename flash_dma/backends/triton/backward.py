@@ -704,7 +704,7 @@ def attention_backward(
         q, k, v, dout, lse, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softcap
     ):
         hopper_dq(
-            q, k, v, dout, lse, delta, mask, bias, kv_lists, list_block_q, list_block_k, softmax_scale,
+            q, k, v, dout, lse, delta, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softmax_scale,
             window_left, window_right, dq,
         )
     else:

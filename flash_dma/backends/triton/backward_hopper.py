@@ -53,6 +53,7 @@ from flash_dma.backends.triton.forward_hopper import (
     _tile_count,
     _tma_load,
     _visible_scores,
+    walked_keys,
 )
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
@@ -183,11 +184,11 @@ def _head_walk(p, key_tile, chunk, batch, head):
     k_first = key_tile * p.BLOCK_N
     walk = p.Walk + batch.to(gl.int64) * p.stride_wb + (head // p.walk_head_div).to(gl.int64) * p.stride_wh
     row_offset = _summary_row(key_tile, p.list_block_k, p.BLOCK_N).to(gl.int64) * p.stride_wr
-    lists, tiles_per_block, _, partial_lo, partial_hi, lo, _, _, hi = _key_walk(
+    lists, tiles_per_block, query_limit, partial_lo, partial_hi, lo, _, _, hi = _key_walk(
         walk, p.walk_width, row_offset, p.seqlen_q, k_first, gl.minimum(k_first + p.BLOCK_N, p.seqlen_k) - 1,
         -p.band_hi, -p.band_lo, p.list_block_q, chunk, p.chunks, p.WALK, p.BLOCK_M,
     )
-    return _Item(key_tile, batch, head, lists, tiles_per_block, partial_lo, partial_hi, lo, hi)
+    return _Item(key_tile, batch, head, lists, tiles_per_block, query_limit, partial_lo, partial_hi, lo, hi)
 
 
 @gluon.jit
@@ -472,7 +473,8 @@ class _DqBuffers:
     counts: gl.shared_memory_descriptor
     lse: gl.shared_memory_descriptor
     delta: gl.shared_memory_descriptor
-    tiles: gl.shared_memory_descriptor
+    spans: gl.shared_memory_descriptor
+    positions: gl.shared_memory_descriptor
     key_scores: gl.shared_memory_descriptor
     q_ready: gl.shared_memory_descriptor
     q_empty: gl.shared_memory_descriptor
@@ -570,7 +572,8 @@ def _dq_hopper_kernel(
         gl.allocate_shared_memory(gl.int32, [2, 1], _PLAIN),
         gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], _PLAIN),
         gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], _PLAIN),
-        gl.allocate_shared_memory(gl.int32, [KV_STAGES, 1], _PLAIN),
+        gl.allocate_shared_memory(gl.int32, [2 * KV_STAGES, 1], _PLAIN),
+        gl.allocate_shared_memory(gl.int32, [KV_STAGES, BLOCK_N], _PLAIN),
         gl.allocate_shared_memory(gl.float32, [KV_STAGES, BLOCK_N], _PLAIN),
         gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
@@ -701,36 +704,38 @@ hopper_dq_launcher = Launcher(
 
 
 def hopper_dq(
-    q, k, v, dout, lse, delta, mask, bias, kv_lists, list_block_q, list_block_k, softmax_scale, window_left, window_right, dq,
+    q, k, v, dout, lse, delta, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softmax_scale, window_left,
+    window_right, dq,
 ) -> None:
     """Write ``dq`` ``[B, Sq, H, D]`` as the Triton dQ kernel would; arguments as for ``hopper_dkdv``,
-    with ``kv_lists`` the summary the forward walks."""
+    with ``kv_lists`` or ``key_list`` what the forward walks."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     row_blocks = cdiv(seqlen_q, DQ_TILE.kwargs["BLOCK_M"])
     items = row_blocks * batch * num_heads
+    k, v, walk, walk_flag = walked_keys(k, v, kv_lists, key_list)
     tensors = [
         q, k, v, dout, lse, delta, placeholder(q.device, torch.uint8) if mask is None else kernel_view(mask),
         placeholder(q.device, q.dtype) if bias is None else bias,
-        placeholder(q.device, torch.int32) if kv_lists is None else kv_lists, dq,
+        placeholder(q.device, torch.int32) if walk is None else walk, dq,
     ]
 
     def build():
         mask_strides, bias_strides = broadcast_strides(mask), broadcast_strides(bias)
-        flags = (mask is not None, bias is not None, WALK_DENSE if kv_lists is None else WALK_BLOCKS, head_dim, _DQ_KV_STAGES[head_dim])
+        flags = (mask is not None, bias is not None, walk_flag, head_dim, _DQ_KV_STAGES[head_dim])
         args = [
             *tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
             mask_strides[0], mask_strides[1], mask_strides[3], bias_strides[0], bias_strides[1], bias_strides[3],
-            *broadcast_strides(kv_lists)[:3], 0 if kv_lists is None else kv_lists.shape[-1],
+            *broadcast_strides(walk)[:3], 0 if walk is None else walk.shape[-1],
             batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, num_heads // num_kv_heads, items, row_blocks,
-            head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(kv_lists, num_heads),
+            head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(walk, num_heads),
             list_block_q, list_block_k, *diagonal_band(window_left, window_right, seqlen_q, seqlen_k),
             softmax_scale, softmax_scale * tiles.LOG2E.value, *flags,
         ]
         return args, (q.dtype, dq.dtype, *flags)
 
     layout = (
-        common_layout(q, k, v, mask, bias, kv_lists, None), dout.stride(), tensor_layout(dq), list_block_q, list_block_k,
+        common_layout(q, k, v, mask, bias, walk, None), dout.stride(), tensor_layout(dq), list_block_q, list_block_k,
         softmax_scale, window_left, window_right,
     )
     hopper_dq_launcher.launch(

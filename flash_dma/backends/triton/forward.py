@@ -355,7 +355,9 @@ def attention_forward(
         num_splits == 1 and not pack_gqa and sequences is None and cache is None
         and hopper_forward_supported(q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softcap)
     ):
-        hopper_forward(q, k, v, mask, bias, kv_lists, list_block_q, list_block_k, softmax_scale, window_left, window_right, out, lse)
+        hopper_forward(
+            q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softmax_scale, window_left, window_right, out, lse,
+        )
         return out, lse
     if num_splits > 1:
         out_target = torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device)

@@ -8,7 +8,8 @@ waiting. Here the roles run side by side, as in FlashAttention-3:
 - a *loader* warp walks each work item's tile list (the walk of ``tiles.key_walk``, PARTIAL
   tiles first) and copies Q, K and V with TMA into shared-memory rings, running ahead across
   work items. It alone reads the walk, the mask and the bias: with each K tile it stages the
-  tile's number and its keys' scores (bias in log2 units, -inf where the mask drops a key).
+  span of its keys' positions and their scores (bias in log2 units, -inf where the mask drops
+  a key).
 - two *softmax* warpgroups each own 64 of a work item's 128 query rows. They issue the next
   tile's ``S = Q K^T`` before this tile's softmax, so that ``O += P V`` runs during it, check
   only the tiles that the band or the end of the keys cuts, and write the output and LSE.
@@ -17,9 +18,11 @@ The grid is persistent: one program per multiprocessor takes work items (row blo
 head) in turn, the last row blocks first (under a causal band they hold the most tiles).
 
 It serves the prefill/training forward of the common case (``hopper_forward_supported``): Hopper,
-fp16/bf16, D = 64 or 128, a dense walk or a block summary with per-key mask and bias (or none),
-any causal/window band, GQA. Everything else takes ``forward.py``. Outputs are those of
-``forward.attention_forward``, so the backward is shared.
+fp16/bf16, D = 64 or 128, a dense walk, a block summary with per-key mask and bias (or none), or
+a key list, any causal/window band, GQA. A key list's kept keys are gathered once per call
+(``key_list.gather_kept_keys``), so that TMA copies whole tiles of them; the loader then also
+stages each tile's key positions, for the band checks. Everything else takes ``forward.py``.
+Outputs are those of ``forward.attention_forward``, so the backward is shared.
 """
 
 # No `from __future__ import annotations`: the aggregates below need their field types as objects.
@@ -34,10 +37,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.language.core import _aggregate as aggregate
 
 from flash_dma.backends.triton import configs, tiles
+from flash_dma.backends.triton.key_list import gather_kept_keys
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
-    WALK_BLOCKS,
-    WALK_DENSE,
+    WALK_KEYS,
     broadcast_strides,
     common_layout,
     diagonal_band,
@@ -46,6 +49,7 @@ from flash_dma.backends.triton.layout import (
     placeholder,
     tensor_layout,
     tma_aligned,
+    walk_kind,
 )
 from flash_dma.block_mask import cdiv
 
@@ -142,14 +146,15 @@ class _Problem:
 @_record
 class _Buffers:
     """Shared memory: two Q tiles (this item's and the next's) with their tile counts, a ring of
-    K/V tiles with their tile numbers and key scores (bias, -inf where masked), the barriers.
-    Only the loader reads the walk, mask and bias in global memory."""
+    K/V tiles with the spans and (key lists) positions of their keys and their key scores (bias,
+    -inf where masked), the barriers. Only the loader reads the walk, mask and bias in global memory."""
 
     q: gl.shared_memory_descriptor
     k: gl.shared_memory_descriptor
     v: gl.shared_memory_descriptor
     counts: gl.shared_memory_descriptor
-    tiles: gl.shared_memory_descriptor
+    spans: gl.shared_memory_descriptor
+    positions: gl.shared_memory_descriptor
     key_scores: gl.shared_memory_descriptor
     q_ready: gl.shared_memory_descriptor
     q_empty: gl.shared_memory_descriptor
@@ -163,13 +168,15 @@ class _Buffers:
 class _Item:
     """One work item: a row block of one (batch, head), and where its key tiles lie in its walk
     (``tiles.key_walk``): PARTIAL tiles at positions ``[partial_lo, partial_hi)`` of the summary's
-    PARTIAL list, the others at ``[lo, hi)`` of the FULL list (or of every tile, dense)."""
+    PARTIAL list, the others at ``[lo, hi)`` of the FULL list (or of every tile, dense, or of the
+    key list's first ``key_limit`` slots)."""
 
     row_block: gl.tensor
     batch: gl.tensor
     head: gl.tensor
     lists: gl.tensor
     tiles_per_block: gl.tensor
+    key_limit: gl.tensor
     partial_lo: gl.tensor
     partial_hi: gl.tensor
     lo: gl.tensor
@@ -217,11 +224,11 @@ def _item(p, index):
     q_lo = row_block * p.BLOCK_M
     walk = p.Walk + batch.to(gl.int64) * p.stride_wb + (head // p.walk_head_div).to(gl.int64) * p.stride_wh
     row_offset = _summary_row(row_block, p.list_block_q, p.BLOCK_M).to(gl.int64) * p.stride_wr
-    lists, tiles_per_block, _, partial_lo, partial_hi, lo, _, _, hi = _key_walk(
+    lists, tiles_per_block, key_limit, partial_lo, partial_hi, lo, _, _, hi = _key_walk(
         walk, p.walk_width, row_offset, p.seqlen_k, q_lo, gl.minimum(q_lo + p.BLOCK_M, p.seqlen_q) - 1,
         p.band_lo, p.band_hi, p.list_block_k, 0, 1, p.WALK, p.BLOCK_N,
     )
-    return _Item(row_block, batch, head, lists, tiles_per_block, partial_lo, partial_hi, lo, hi)
+    return _Item(row_block, batch, head, lists, tiles_per_block, key_limit, partial_lo, partial_hi, lo, hi)
 
 
 @gluon.jit
@@ -255,14 +262,21 @@ def _get(slot):
 
 @gluon.jit
 def _load_key_tile(p, bufs, it, j, loaded, bias_row, mask_row, kv_head):
-    """The j-th key tile of work item ``it`` into ring position ``loaded``: its number, its key
-    scores (bias in log2 units, -inf for keys masked out or past the end), K and V."""
-    SCORED: gl.constexpr = p.HAS_BIAS or p.HAS_MASK
+    """The j-th key tile of work item ``it`` into ring position ``loaded``: the span of its keys'
+    positions (with a key list also the positions), its key scores (bias in log2 units, -inf for
+    keys masked out or past the end), K and V."""
+    KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
+    SCORED: gl.constexpr = p.HAS_BIAS or p.HAS_MASK or KEYS
     key_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_N // 32], [32], [1], [0])
     tile, partial = _tile_at(p, it, j)
+    first_key = tile * p.BLOCK_N
     if SCORED:  # read before waiting for the buffer: the loads overlap the wait
-        keys = tile * p.BLOCK_N + gl.arange(0, p.BLOCK_N, key_layout)  # [BLOCK_N]
+        keys = first_key + gl.arange(0, p.BLOCK_N, key_layout)  # [BLOCK_N]
         key_ok = keys < p.seqlen_k
+        if KEYS:  # slots of the key list: kept positions (ascending) up to its kept count
+            key_ok = keys < it.key_limit
+            keys = gl.load(it.lists + keys, mask=key_ok, other=0)
+            first_key = gl.min(gl.where(key_ok, keys, p.seqlen_k), 0)
         scores = gl.full([p.BLOCK_N], 0.0, gl.float32, key_layout)
         if p.HAS_BIAS:
             scores = gl.load(bias_row + keys * p.stride_bk, mask=key_ok, other=0.0).to(gl.float32) * tiles.LOG2E
@@ -275,7 +289,11 @@ def _load_key_tile(p, bufs, it, j, loaded, bias_row, mask_row, kv_head):
     # S = Q K^T is done, a tile before V.
     kv_bytes: gl.constexpr = p.k_desc.block_type.nbytes
     mbarrier.wait(bufs.k_empty.index(stage), phase)
-    _put(bufs.tiles.index(stage), tile)
+    # The span of the tile's key positions: a key list's first and last kept ones, else the tile number.
+    _put(bufs.spans.index(stage), first_key if KEYS else tile)
+    if KEYS:
+        _put(bufs.spans.index(p.KV_STAGES + stage), gl.max(keys, 0))
+        bufs.positions.index(stage).store(keys)
     if SCORED:
         bufs.key_scores.index(stage).store(scores)
     mbarrier.expect(bufs.k_ready.index(stage), kv_bytes)
@@ -334,17 +352,24 @@ def _row_statistics(p, row_offset, rows):
 @gluon.jit
 def _visible_scores(p, bufs, qk, stage, first_row, rows, keys_layout: gl.constexpr, ROWS: gl.constexpr):
     """Log2-domain scores of a product tile ``qk`` ``[ROWS, BLOCK_N]`` with the tile's key scores
-    added, and -inf where the band or the end of the keys cuts it (only edge tiles are checked)."""
-    first_key = _get(bufs.tiles.index(stage)) * p.BLOCK_N
+    added, and -inf where the band or the end of the keys cuts it (only edge tiles are checked:
+    those whose span of key positions the band or the end cuts)."""
+    KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
+    if KEYS:
+        first_key = _get(bufs.spans.index(stage))
+        last_key = _get(bufs.spans.index(p.KV_STAGES + stage))
+    else:  # the tile's own BLOCK_N keys
+        first_key = _get(bufs.spans.index(stage)) * p.BLOCK_N
+        last_key = first_key + p.BLOCK_N - 1
     s = qk * p.scale_log2
-    if p.HAS_BIAS or p.HAS_MASK:
+    if p.HAS_BIAS or p.HAS_MASK or KEYS:
         s = s + bufs.key_scores.index(stage).load(keys_layout)[None, :]
-    edge = (
-        (first_key - first_row - ROWS + 1 < p.band_lo) | (first_key + p.BLOCK_N - 1 - first_row > p.band_hi)
-        | (first_key + p.BLOCK_N > p.seqlen_k)
-    )
+    edge = (first_key - first_row - ROWS + 1 < p.band_lo) | (last_key - first_row > p.band_hi) | (last_key >= p.seqlen_k)
     if edge:
-        keys = first_key + gl.arange(0, p.BLOCK_N, keys_layout)  # [BLOCK_N]
+        if KEYS:
+            keys = bufs.positions.index(stage).load(keys_layout)  # [BLOCK_N]
+        else:
+            keys = first_key + gl.arange(0, p.BLOCK_N, keys_layout)
         offset = keys[None, :] - rows[:, None]
         visible = (keys < p.seqlen_k)[None, :] & (offset >= p.band_lo) & (offset <= p.band_hi)
         s = gl.where(visible, s, float("-inf"))
@@ -485,7 +510,8 @@ def _attn_fwd_hopper_kernel(
         gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout),
         gl.allocate_shared_memory(v_desc.dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout),
         gl.allocate_shared_memory(gl.int32, [2, 1], _PLAIN),
-        gl.allocate_shared_memory(gl.int32, [KV_STAGES, 1], _PLAIN),
+        gl.allocate_shared_memory(gl.int32, [2 * KV_STAGES, 1], _PLAIN),  # spans: first keys, then last keys
+        gl.allocate_shared_memory(gl.int32, [KV_STAGES, BLOCK_N], _PLAIN),
         gl.allocate_shared_memory(gl.float32, [KV_STAGES, BLOCK_N], _PLAIN),
         gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
         gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
@@ -524,9 +550,9 @@ def hopper_forward_supported(q, k, v, mask, bias, kv_lists, key_list, list_block
         return False
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if q.shape[3] not in HEAD_DIMS or key_list is not None or softcap > 0:
+    if q.shape[3] not in HEAD_DIMS or softcap > 0:
         return False
-    # A mask is read per key, on the PARTIAL tiles of a summary; a bias per key.
+    # A mask is read per key, on the PARTIAL tiles of a summary (a key list replaces its mask); a bias per key.
     if mask is not None and (kv_lists is None or mask.shape[2] != 1):
         return False
     if bias is not None and bias.shape[2] != 1:
@@ -534,6 +560,15 @@ def hopper_forward_supported(q, k, v, mask, bias, kv_lists, key_list, list_block
     if list_block_q % TILE.kwargs["BLOCK_M"] or list_block_k % TILE.kwargs["BLOCK_N"] or q.numel() == 0 or k.numel() == 0:
         return False
     return tma_aligned(q, k, v)
+
+
+def walked_keys(k, v, kv_lists, key_list) -> tuple:
+    """``(k, v, walk, WALK)`` as the Hopper forward and dQ kernels read them: with a key list, its
+    kept keys gathered (``key_list.gather_kept_keys``) and the list walked; else the summary's
+    lists (or none)."""
+    if key_list is None:
+        return k, v, kv_lists, walk_kind(kv_lists, None)
+    return *gather_kept_keys(k, v, key_list), key_list, WALK_KEYS
 
 
 hopper_launcher = Launcher(_attn_fwd_hopper_kernel, tensors=("Q", "K", "V", "Out", "Lse", "Mask", "Bias", "Walk"), specialized=())
@@ -546,6 +581,7 @@ def hopper_forward(
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
     kv_lists: torch.Tensor | None,
+    key_list: torch.Tensor | None,
     list_block_q: int,
     list_block_k: int,
     softmax_scale: float,
@@ -557,34 +593,36 @@ def hopper_forward(
     """Write ``out`` ``[B, Sq, H, D]`` and ``lse`` ``[B, H, Sq]`` float32, as ``attention_forward`` would.
 
     q: ``[B, Sq, H, D]``; k, v: ``[B, Sk, Hkv, D]``; mask, bias: per key, ``[1|B, 1|Hkv|H, 1, Sk]``
-    or None; kv_lists: the summary's ``[Bl, Hl, NQB, 2, 2, NKB + 1]`` or None (``forward.py``).
+    or None; kv_lists: the summary's ``[Bl, Hl, NQB, 2, 2, NKB + 1]`` or None; key_list: a per-key
+    mask's ``[Bm, Hm, 2, Sk + 1]`` (then mask is None) or None (``forward.py``).
     """
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     row_blocks = cdiv(seqlen_q, TILE.kwargs["BLOCK_M"])
     items = row_blocks * batch * num_heads
+    k, v, walk, walk_flag = walked_keys(k, v, kv_lists, key_list)
     tensors = [
         q, k, v, out, lse, placeholder(q.device, torch.uint8) if mask is None else kernel_view(mask),
-        placeholder(q.device, q.dtype) if bias is None else bias, placeholder(q.device, torch.int32) if kv_lists is None else kv_lists,
+        placeholder(q.device, q.dtype) if bias is None else bias, placeholder(q.device, torch.int32) if walk is None else walk,
     ]
 
     def build():
         mask_strides, bias_strides = broadcast_strides(mask), broadcast_strides(bias)
-        flags = (mask is not None, bias is not None, WALK_DENSE if kv_lists is None else WALK_BLOCKS, head_dim, _KV_STAGES[head_dim])
+        flags = (mask is not None, bias is not None, walk_flag, head_dim, _KV_STAGES[head_dim])
         args = [
             *tensors, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1), mask_strides[0], mask_strides[1], mask_strides[3],
             bias_strides[0], bias_strides[1], bias_strides[3],
-            *broadcast_strides(kv_lists)[:3], 0 if kv_lists is None else kv_lists.shape[-1],
+            *broadcast_strides(walk)[:3], 0 if walk is None else walk.shape[-1],
             batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, num_heads // num_kv_heads, items, row_blocks,
-            head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(kv_lists, num_heads),
+            head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(walk, num_heads),
             list_block_q, list_block_k, *diagonal_band(window_left, window_right, seqlen_q, seqlen_k), softmax_scale * tiles.LOG2E.value,
             *flags,
         ]
         return args, (q.dtype, *flags)
 
     layout = (
-        common_layout(q, k, v, mask, bias, kv_lists, None), tensor_layout(out), tensor_layout(lse), list_block_q, list_block_k,
+        common_layout(q, k, v, mask, bias, walk, None), tensor_layout(out), tensor_layout(lse), list_block_q, list_block_k,
         softmax_scale, window_left, window_right,
     )
     hopper_launcher.launch(

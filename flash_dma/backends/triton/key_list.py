@@ -15,6 +15,10 @@ The kernels then attend over ``ceil(count / BLOCK_N)`` tiles of kept keys only, 
 keys are scattered: a token-level mask keeping 1/8 of the keys costs 1/8 of the work. Two
 launches over chunks of every row build it (:func:`build_key_list`), with no host
 synchronisation, so it can be captured in a CUDA graph.
+
+The Triton kernels gather each tile's rows of K and V through the order as they go. The Hopper
+kernels copy whole tiles with TMA instead, so :func:`gather_kept_keys` first gathers the kept
+keys' K and V once per call, in list order, into dense tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from flash_dma.backends.triton.layout import broadcast_strides, kernel_view, ten
 
 _CHUNK = 1024  # keys per program
 _MAX_CHUNKS = 1024  # chunks per row that the list kernel sums over in one step
+GATHER_BLOCK = 128  # list slots per gather program: the largest key tile that reads the gathered rows
 
 
 @triton.jit(do_not_specialize=["stride_mb", "stride_mh", "stride_mk", "seqlen_k", "num_heads"])
@@ -80,8 +85,47 @@ def _key_list_kernel(
         tl.store(rank + seqlen_k, tl.sum(counts, 0))
 
 
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_k", "num_kv_heads"])
+def _gather_kept_kernel(
+    K, V, KeyList, KeptK, KeptV,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh, seqlen_k, num_kv_heads, head_dim,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Slots ``[BLOCK * program_id(0), +BLOCK)`` of one (batch, kv head)'s list:
+    ``KeptK[b, slot, h] = K[b, order[slot], h]``, and V alike.
+
+    Only tiles that hold a kept key are written, and they are written whole: their slots past
+    the kept count gather dropped keys, which are finite, so that a kernel masking their scores
+    never multiplies a probability of 0 by an unwritten (possibly NaN) row.
+    """
+    b = tl.program_id(1) // num_kv_heads
+    h = tl.program_id(1) % num_kv_heads
+    order = KeyList + b.to(tl.int64) * stride_lb + h * stride_lh
+    kept = tl.load(order + 2 * seqlen_k + 1)  # rank[Sk]: the kept count
+    first = tl.program_id(0) * BLOCK
+    if first < kept:
+        slots = first + tl.arange(0, BLOCK)  # [BLOCK]
+        cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+        real = (slots < seqlen_k)[:, None] & (cols < head_dim)[None, :]  # [BLOCK, BLOCK_D]
+        keys = tl.load(order + slots, mask=slots < seqlen_k, other=0).to(tl.int64)
+        kept_rows = b.to(tl.int64) * stride_ob + h * stride_oh + slots.to(tl.int64)[:, None] * stride_os + cols[None, :]
+        k_rows = b.to(tl.int64) * stride_kb + h * stride_kh + keys[:, None] * stride_ks + cols[None, :]
+        tl.store(KeptK + kept_rows, tl.load(K + k_rows, mask=real), mask=real)
+        v_rows = b.to(tl.int64) * stride_vb + h * stride_vh + keys[:, None] * stride_vs + cols[None, :]
+        tl.store(KeptV + kept_rows, tl.load(V + v_rows, mask=real), mask=real)
+
+
 count_launcher = Launcher(_kept_count_kernel, tensors=("Mask", "Counts"), specialized=())
 key_list_launcher = Launcher(_key_list_kernel, tensors=("Mask", "Counts", "KeyList"), specialized=())
+# Strides divisible by 16 let whole rows move as 16-byte vectors.
+gather_launcher = Launcher(
+    _gather_kept_kernel, tensors=("K", "V", "KeyList", "KeptK", "KeptV"),
+    specialized=(
+        "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
+        "stride_ob", "stride_os", "stride_oh", "head_dim",
+    ),
+)
 
 
 def build_key_list(mask: torch.Tensor, seqlen_k: int) -> torch.Tensor:
@@ -121,3 +165,33 @@ def build_key_list(mask: torch.Tensor, seqlen_k: int) -> torch.Tensor:
         configs.single_program_config, grid,
     )
     return key_list
+
+
+def gather_kept_keys(k: torch.Tensor, v: torch.Tensor, key_list: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the kept keys, in list order, for kernels that copy whole tiles of them.
+
+    Args:
+        k, v: ``[B, Sk, Hkv, D]`` (last dimension contiguous).
+        key_list: ``[1|B, 1|Hkv, 2, Sk + 1]`` from :func:`build_key_list`.
+
+    Returns:
+        ``(kept_k, kept_v)``, contiguous ``[B, Sk, Hkv, D]``: slot ``j`` of (b, h) holds the key at
+        ``order[j]``. Written are the tiles of :data:`GATHER_BLOCK` slots that hold a kept key;
+        the rest is never read (the list's tiles end with its kept count).
+    """
+    batch, seqlen_k, num_kv_heads, head_dim = k.shape
+    kept_k = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    kept_v = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    tensors = [k, v, key_list, kept_k, kept_v]
+    block_d = configs.next_power_of_2(head_dim)
+    list_strides = broadcast_strides(key_list)
+
+    def build():
+        args = [*tensors, *k.stride()[:3], *v.stride()[:3], *kept_k.stride()[:3], *list_strides[:2], seqlen_k, num_kv_heads, head_dim]
+        return args + [GATHER_BLOCK, block_d], (k.dtype, block_d)
+
+    gather_launcher.launch(
+        (tensor_layout(k), tensor_layout(v), tensor_layout(key_list)), tensors, build, configs.single_program_config,
+        lambda meta: (triton.cdiv(seqlen_k, GATHER_BLOCK), batch * num_kv_heads),
+    )
+    return kept_k, kept_v

@@ -23,7 +23,7 @@ from flash_dma.backends.triton.backward import DBIAS_FULL, DBIAS_NONE, DBIAS_PER
 from flash_dma.backends.triton.forward import forward_launcher
 from flash_dma.backends.triton.forward_hopper import TILE as HOPPER_TILE
 from flash_dma.backends.triton.forward_hopper import hopper_launcher
-from flash_dma.backends.triton.key_list import count_launcher, key_list_launcher
+from flash_dma.backends.triton.key_list import count_launcher, gather_launcher, key_list_launcher
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import SEQ_CACHE, SEQ_FIXED, SEQ_PACKED, WALK_BLOCKS, WALK_DENSE, WALK_KEYS
 
@@ -116,6 +116,7 @@ VARIANTS = [
     *_gluon_variants(
         "forward-hopper", hopper_launcher, HOPPER_TILE,
         ("per-key-blocks", _HOPPER),
+        ("key-list", dict(_HOPPER, HAS_MASK=False, WALK=WALK_KEYS)),
         ("dense-d64", dict(_HOPPER, HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
     ),
     Variant("dkdv-key-list", dkdv_launcher, 4, 3, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
@@ -133,6 +134,7 @@ VARIANTS = [
     *_gluon_variants(
         "dq-hopper", hopper_dq_launcher, HOPPER_DQ_TILE,
         ("per-key-blocks", _HOPPER),
+        ("key-list", dict(_HOPPER, HAS_MASK=False, WALK=WALK_KEYS)),
         ("dense-d64", dict(_HOPPER, HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
     ),
     Variant("dq-key-list", dq_launcher, 8, 2, {**_KEYS, **_DQ}),
@@ -142,6 +144,7 @@ VARIANTS = [
     Variant("dq-dense-mask", dq_launcher, 4, 3, {**_FULL_MASK, **_DQ, "WALK": WALK_DENSE, "BLOCK_M": 64, "BLOCK_N": 64}),
     Variant("kept-count", count_launcher, 4, 1, dict(CHUNK=1024)),
     Variant("key-list", key_list_launcher, 4, 1, dict(CHUNK=1024, CHUNKS=1024)),
+    Variant("gather-kept-keys", gather_launcher, 4, 1, dict(BLOCK=128, BLOCK_D=128)),
     Variant("block-state", state_launcher, 4, 1, dict(ROWS=16, COLS=128)),
     Variant("block-lists", lists_launcher, 4, 1, dict(CHUNK=1024)),
 ]

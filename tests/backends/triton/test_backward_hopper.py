@@ -46,7 +46,16 @@ CASES = [
     Case(seqlen_q=63, seqlen_k=90, head_dim=128, bias=PER_KEY, window=(5000, 5000), causal=True),
     # Many work items per program: the queue wraps around several times.
     Case(batch=3, seqlen_q=2048, seqlen_k=2048, heads=16, kv_heads=4, head_dim=128, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
+    # Key lists (token-level per-key masks): dQ gathers the kept keys as the forward does.
+    Case(seqlen_q=300, seqlen_k=777, head_dim=128, mask=PER_KEY, bias=PER_KEY, causal=True, listed=True),
+    Case(seqlen_q=500, seqlen_k=700, heads=6, kv_heads=2, head_dim=64, mask="1,1,1,Sk", bias="1,H,1,Sk", window=(100, 3), listed=True),
 ]
+
+
+def _hopper_kernels(case: Case) -> list[str]:
+    """The Hopper kernels the case's backward takes: dK/dV unless it walks a key list; dQ walks
+    the forward's tiles, so a mask reaches it only through a summary or a key list."""
+    return (["dkdv"] if not case.listed else []) + (["dq"] if case.mask is None or case.block_size or case.listed else [])
 
 
 @pytest.fixture
@@ -70,8 +79,7 @@ def test_hopper_gradients_match_reference(case, dtype, chunks, hopper_calls, mon
     out = triton_call(case, inputs)
     dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
     out.backward(dout)
-    # dQ walks the forward's tiles: the Hopper kernel reads a mask only through a summary.
-    assert hopper_calls == (["dkdv", "dq"] if case.mask is None or case.block_size else ["dkdv"])
+    assert hopper_calls == _hopper_kernels(case)
     _, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
     _, _, baseline = reference_outputs(case, inputs, dout, dtype)
     assert_gradients_close(inputs, oracle, baseline)

@@ -11,6 +11,7 @@ from flash_dma import build_block_mask
 from flash_dma.backends.triton import forward as forward_module
 from flash_dma.backends.triton.forward import attention_forward
 from flash_dma.backends.triton.forward_hopper import hopper_forward, hopper_forward_supported
+from flash_dma.backends.triton.key_list import build_key_list
 from tests.helpers import DTYPE_IDS, HOPPER_ONLY, KERNEL_DTYPES, Case, assert_close, make_inputs, reference_outputs
 
 pytestmark = HOPPER_ONLY
@@ -39,6 +40,19 @@ CASES = [
 ]
 
 
+# Per-key masks walked as key lists: kept keys scattered one by one, so every tile gathers them.
+KEY_LIST_CASES = [
+    Case(seqlen_q=130, seqlen_k=239, head_dim=64, mask=PER_KEY, bias=PER_KEY, causal=True),
+    Case(seqlen_q=1023, seqlen_k=1023, heads=6, kv_heads=2, head_dim=128, mask="1,1,1,Sk", bias="1,H,1,Sk", causal=True),
+    Case(seqlen_q=300, seqlen_k=777, head_dim=128, mask=PER_KEY, bias="B,1,1,Sk", bias_fp32=True),
+    Case(seqlen_q=500, seqlen_k=700, head_dim=64, mask=PER_KEY, window=(100, 3)),
+    # Causal with Sq > Sk: the top rows see nothing; windows wider than the keys.
+    Case(seqlen_q=300, seqlen_k=63, heads=3, kv_heads=1, head_dim=128, mask=PER_KEY, bias=PER_KEY, causal=True),
+    Case(seqlen_q=63, seqlen_k=90, head_dim=128, mask=PER_KEY, bias=PER_KEY, window=(5000, 5000), causal=True),
+    Case(batch=3, seqlen_q=2048, seqlen_k=2048, heads=16, kv_heads=4, head_dim=128, mask=PER_KEY, bias=PER_KEY, causal=True),
+]
+
+
 def _summary(case: Case, mask: torch.Tensor | None):
     if mask is None or case.block_size is None:
         return None, 0, 0
@@ -59,12 +73,33 @@ def test_hopper_forward_matches_reference(case, dtype):
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
     before = [t.clone() for t in (q, k, v) + ((bias,) if bias is not None else ())]
-    hopper_forward(q, k, v, mask, bias, lists, block_q, block_k, case.head_dim**-0.5, *window, out, lse)
+    hopper_forward(q, k, v, mask, bias, lists, None, block_q, block_k, case.head_dim**-0.5, *window, out, lse)
     oracle_out, oracle_lse, _ = reference_outputs(case, inputs, None, torch.float64)
     baseline_out, baseline_lse, _ = reference_outputs(case, inputs, None, dtype)
     assert_close("out", out, oracle_out, baseline_out)
     assert_close("lse", lse, oracle_lse, baseline_lse)
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v) + ((bias,) if bias is not None else ())))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", KEY_LIST_CASES, ids=str)
+def test_hopper_forward_gathers_kept_keys(case, dtype, poison_outputs):
+    """A key list: K and V of the kept keys gathered (into NaN-poisoned buffers: a slot read but
+    not written shows up), positions checked against the band on edge tiles."""
+    inputs = make_inputs(case, dtype)
+    q, k, v, mask, bias = (inputs[n] for n in ("query", "key", "value", "attn_mask", "attn_bias"))
+    if mask.shape[0] * mask.shape[1] > 1:
+        mask[0, 0] = False  # a (batch, kv head) that keeps no key: its rows are empty (out 0, lse -inf)
+    keys = build_key_list(mask, case.seqlen_k)
+    assert hopper_forward_supported(q, k, v, None, bias, None, keys, 0, 0, 0.0)
+    window = (case.window[0], 0) if case.causal else case.window
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
+    hopper_forward(q, k, v, None, bias, None, keys, 0, 0, case.head_dim**-0.5, *window, out, lse)
+    oracle_out, oracle_lse, _ = reference_outputs(case, inputs, None, torch.float64)
+    baseline_out, baseline_lse, _ = reference_outputs(case, inputs, None, dtype)
+    assert_close("out", out, oracle_out, baseline_out)
+    assert_close("lse", lse, oracle_lse, baseline_lse)
 
 
 def test_packed_query_view_is_read_through_its_strides():
@@ -76,22 +111,24 @@ def test_packed_query_view_is_read_through_its_strides():
     out = torch.empty_like(inputs["query"])
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
     assert hopper_forward_supported(q, k, v, None, inputs["attn_bias"], None, None, 0, 0, 0.0)
-    hopper_forward(q, k, v, None, inputs["attn_bias"], None, 0, 0, case.head_dim**-0.5, -1, 0, out, lse)
+    hopper_forward(q, k, v, None, inputs["attn_bias"], None, None, 0, 0, case.head_dim**-0.5, -1, 0, out, lse)
     oracle_out, _, _ = reference_outputs(case, inputs, None, torch.float64)
     baseline_out, _, _ = reference_outputs(case, inputs, None, KERNEL_DTYPES[0])
     assert_close("out", out, oracle_out, baseline_out)
 
 
 def test_forward_dispatch(monkeypatch):
-    """Large plain forwards take the Hopper kernel; FLASH_DMA_HOPPER=0, softcap and full masks do not."""
+    """Large plain forwards take the Hopper kernel, with a key list too; FLASH_DMA_HOPPER=0 and softcap do not."""
     case = Case(batch=1, seqlen_q=4096, seqlen_k=4096, heads=16, kv_heads=4, head_dim=128, bias=PER_KEY, causal=True)
     inputs = make_inputs(case, KERNEL_DTYPES[0])
     calls = []
     monkeypatch.setattr(forward_module, "hopper_forward", lambda *args: calls.append(args))
     args = (inputs["query"], inputs["key"], inputs["value"], None, inputs["attn_bias"], None, None, 0, 0, 0.1, -1, 0)
     attention_forward(*args, 0.0)
-    assert len(calls) == 1
+    keys = build_key_list(torch.rand(1, 4, 1, 4096, device=inputs["query"].device) < 0.1, 4096)
+    attention_forward(*args[:6], keys, *args[7:], 0.0)
+    assert len(calls) == 2 and calls[1][6] is keys
     attention_forward(*args, 5.0)  # softcap
     monkeypatch.setenv("FLASH_DMA_HOPPER", "0")
     attention_forward(*args, 0.0)
-    assert len(calls) == 1
+    assert len(calls) == 2

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flash_dma.backends.triton.key_list import build_key_list
+from flash_dma.backends.triton.key_list import GATHER_BLOCK, build_key_list, gather_kept_keys
 from tests.helpers import DEVICE
 
 
@@ -39,3 +39,32 @@ def test_integer_masks_and_broadcast_views():
     mask = (torch.rand(1, 2, 1, 300, generator=gen) < 0.3).to(DEVICE)
     view = mask.to(torch.int32).expand(3, 2, 1, 300)  # a batch broadcast through a zero stride
     _check(build_key_list(view, 300), view[:, :, 0] != 0)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 130, 1, 16), (2, 300, 3, 40), (1, 257, 2, 128)],
+    ids=lambda s: "B{}xSk{}xHkv{}xD{}".format(*s),
+)
+@pytest.mark.parametrize("list_heads", ["1", "Hkv"])
+def test_gathered_kept_keys(shape, list_heads):
+    """Slot j of every (batch, kv head) holds K and V at the list's order[j], for every slot of
+    each tile of ``GATHER_BLOCK`` slots up to the last kept key, through strided views."""
+    batch, seqlen_k, kv_heads, head_dim = shape
+    gen = torch.Generator().manual_seed(seqlen_k)
+    packed = torch.randn(batch, seqlen_k, 2, kv_heads, head_dim, generator=gen).to(DEVICE)
+    k, v = packed.unbind(2)  # strided views of a packed K/V projection
+    mask = (torch.rand(batch, kv_heads if list_heads == "Hkv" else 1, 1, seqlen_k, generator=gen) < 0.3).to(DEVICE)
+    mask[0, 0, 0, :] = False  # a row with no kept key: nothing of it is read
+    key_list = build_key_list(mask, seqlen_k)
+    before = (k.clone(), v.clone())
+    kept_k, kept_v = gather_kept_keys(k, v, key_list)
+    assert torch.equal(k, before[0]) and torch.equal(v, before[1])
+    order = key_list[:, :, 0, :seqlen_k].long().expand(batch, kv_heads, seqlen_k)
+    count = key_list[:, :, 1, seqlen_k].expand(batch, kv_heads)
+    for b in range(batch):
+        for h in range(kv_heads):
+            written = min(-(-int(count[b, h]) // GATHER_BLOCK) * GATHER_BLOCK, seqlen_k)
+            rows = order[b, h, :written]
+            assert torch.equal(kept_k[b, :written, h], k[b, rows, h])
+            assert torch.equal(kept_v[b, :written, h], v[b, rows, h])
