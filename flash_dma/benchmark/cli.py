@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a few rows per suite (about one Flex compilation each): a sanity run")
     parser.add_argument("--flex-decode", action="store_true",
                         help="also run Flex on the decode rows (38-300 ms a call there)")
-    parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up budget per row (default: 25)")
+    parser.add_argument("--warmup-ms", type=int, default=250, help="do_bench warm-up budget per row (default: 250)")
     parser.add_argument("--rep-ms", type=int, default=100,
                         help="do_bench measuring budget per row, raised to 10 calls for long ones (default: 100)")
     parser.add_argument("--host-calls", type=int, default=1000,

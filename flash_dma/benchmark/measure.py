@@ -17,13 +17,15 @@ class TimingOptions:
     """How rows are timed.
 
     Attributes:
-        warmup_ms, rep_ms: ``triton.testing.do_bench``'s warm-up and measuring budgets.
+        warmup_ms, rep_ms: ``triton.testing.do_bench``'s warm-up and measuring budgets. The
+            warm-up is long because the GPU clocks down while a row's setup compiles: after 25 ms
+            the first rows of a process read up to 1.5x high (H100, the same kernel measured twice).
         min_repeats: calls timed at least, whatever ``rep_ms`` allows: a 100 ms call (llm 128K
             forward + backward, a Llama step) would otherwise be timed once.
         host_calls: calls issued back to back per host row.
     """
 
-    warmup_ms: int = 25
+    warmup_ms: int = 250
     rep_ms: int = 100
     min_repeats: int = 10
     host_calls: int = 1000

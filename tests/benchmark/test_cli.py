@@ -17,7 +17,7 @@ def _parse(*argv):
 def test_defaults():
     args = _parse()
     assert (args.suite, args.mode, args.methods, args.out) == ("all", "both", None, Path("benchmarks/results"))
-    assert (args.quick, args.flex_decode, args.warmup_ms, args.rep_ms, args.host_calls) == (False, False, 25, 100, 1000)
+    assert (args.quick, args.flex_decode, args.warmup_ms, args.rep_ms, args.host_calls) == (False, False, 250, 100, 1000)
 
 
 @pytest.mark.parametrize("suite", ["llm", "topkq", "token", "seed", "host", "llama", "firstcall", "all"])

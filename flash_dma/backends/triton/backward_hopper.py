@@ -46,6 +46,7 @@ from flash_dma.backends.triton.forward_hopper import (
     _put,
     _record,
     _row_statistics,
+    _rows_descriptor,
     _store_rows,
     _summary_row,
     _take_rows,
@@ -526,9 +527,7 @@ def _dq_rows(p, bufs, HALF: gl.constexpr):
             dq = warpgroup_mma_wait(0, deps=[dq])
             mbarrier.arrive(bufs.k_empty.index(stage), count=1)
             consumed += 1
-        mbarrier.arrive(bufs.q_empty.index(q_slot), count=1)
-
-        _store_rows(p, batch, head, rows, dq * p.scale)  # dS is the gradient of scale * q.k
+        _store_rows(p, bufs, q_slot, HALF, batch, first_row, head, dq * p.scale)  # dS is the gradient of scale * q.k
         items_done += 1
 
 
@@ -561,6 +560,7 @@ def _dq_hopper_kernel(
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(kv_block, K.dtype.element_ty)
     q_desc = tma.make_tensor_descriptor(Q, [batch, seqlen_q, num_heads, HEAD_DIM], [stride_qb, stride_qs, stride_qh, 1], q_block, q_layout)
     do_desc = tma.make_tensor_descriptor(DO, [batch, seqlen_q, num_heads, HEAD_DIM], [stride_dob, stride_dos, stride_doh, 1], q_block, q_layout)
+    dq_desc = _rows_descriptor(DQ, batch, seqlen_q, num_heads, stride_dqb, stride_dqs, stride_dqh, HEAD_DIM, BLOCK_M)
     k_desc = tma.make_tensor_descriptor(K, [batch, seqlen_k, num_kv_heads, HEAD_DIM], [stride_kb, stride_ks, stride_kh, 1], kv_block, kv_layout)
     v_desc = tma.make_tensor_descriptor(V, [batch, seqlen_k, num_kv_heads, HEAD_DIM], [stride_vb, stride_vs, stride_vh, 1], kv_block, kv_layout)
     barrier: gl.constexpr = mbarrier.MBarrierLayout()
@@ -591,7 +591,7 @@ def _dq_hopper_kernel(
         mbarrier.init(bufs.k_empty.index(i), count=2)
         mbarrier.init(bufs.v_empty.index(i), count=2)
     p = _Problem(
-        q_desc, k_desc, v_desc, do_desc, DQ, Delta, Lse, Mask, Bias, Walk, stride_dqb, stride_dqs, stride_dqh,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, Delta, Lse, Mask, Bias, Walk, stride_dqb, stride_dqs, stride_dqh,
         seqlen_q * num_heads, seqlen_q, stride_mb, stride_mh, stride_mk, stride_bb, stride_bh, stride_bk, stride_wb, stride_wh, stride_wr, walk_width,
         seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,

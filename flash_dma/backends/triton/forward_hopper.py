@@ -33,7 +33,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.language.core import _aggregate as aggregate
 
 from flash_dma.backends.triton import configs, tiles
@@ -58,8 +58,9 @@ _key_walk = gluon.jit(tiles.key_walk.fn)
 _summary_row = gluon.jit(tiles.summary_row.fn)
 _summary_list = gluon.jit(tiles.summary_list.fn)
 _tile_start = gluon.jit(tiles.tile_start.fn)
-# Triton 3.9 renamed the TMA load (and refuses the old name).
+# Triton 3.9 renamed the TMA copies (and refuses the old names).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 # Query rows per work item (64 per softmax warpgroup: wgmma's M) and keys per tile.
 TILE = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=4, num_stages=1, maxnreg=168)
@@ -90,13 +91,15 @@ def _record(cls):
 @_record
 class _Problem:
     """What every partition reads: descriptors, pointers, strides, sizes and constexprs. The
-    Hopper dQ kernel (``backward_hopper.py``) fills it too: its output is ``Out``, and with
-    GRADIENT its loader also reads ``do_desc`` and ``Delta``."""
+    Hopper dQ kernel (``backward_hopper.py``) fills it too: its output is ``Out`` (``o_desc``
+    the descriptor of it, of one warpgroup's rows), and with GRADIENT its loader also reads
+    ``do_desc`` and ``Delta``."""
 
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
     v_desc: tma.tensor_descriptor
     do_desc: tma.tensor_descriptor
+    o_desc: tma.tensor_descriptor
     Out: gl.tensor
     Delta: gl.tensor
     Lse: gl.tensor
@@ -205,16 +208,31 @@ def _take_rows(p, bufs, index, items_done, HALF: gl.constexpr, rows_layout: gl.c
 
 
 @gluon.jit
-def _store_rows(p, batch, head, rows, values):
-    """``values`` ``[ROWS, D]`` (an accumulator) into rows ``rows`` of ``p.Out`` ``[B, Sq, H, D]``."""
-    layout: gl.constexpr = values.type.layout
-    out_rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
-    cols = gl.arange(0, p.HEAD_DIM, gl.SliceLayout(0, layout))
-    ptrs = (
-        p.Out + batch.to(gl.int64) * p.stride_ob + head.to(gl.int64) * p.stride_oh
-        + (out_rows.to(gl.int64) * p.stride_os)[:, None] + cols[None, :]
-    )
-    gl.store(ptrs, values.to(p.Out.dtype.element_ty), mask=(out_rows < p.seqlen_q)[:, None])
+def _store_rows(p, bufs, q_slot, HALF: gl.constexpr, batch, first_row, head, values):
+    """A warpgroup's output rows, ``values`` ``[ROWS, D]`` from ``first_row`` on, into ``p.Out``
+    ``[B, Sq, H, D]`` (rows past Sq are clipped), then its half of Q slot ``q_slot`` released.
+
+    They leave through that half of the Q tile, whose last product is done, and a TMA store:
+    stored from registers, the rows took about 4 us per work item at D = 128, a fifth of a
+    16K keep-1/8 item. The loader refills the slot once the store has read it.
+    """
+    ROWS: gl.constexpr = p.BLOCK_M // 2
+    if p.Out.dtype.element_ty == p.q_desc.dtype:
+        q_tile = bufs.q.index(q_slot)  # [1, BLOCK_M, 1, D]
+        q_tile.reshape([p.BLOCK_M, p.HEAD_DIM]).slice(HALF * ROWS, ROWS).store(values.to(p.q_desc.dtype))
+        fence_async_shared()
+        _tma_store(p.o_desc, [batch, first_row, head, 0], q_tile.slice(HALF * ROWS, ROWS, dim=1))
+        tma.store_wait(0)
+    else:  # float32 (a dQ summed over several calls): too wide for Q's tile
+        layout: gl.constexpr = values.type.layout
+        rows = first_row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+        cols = gl.arange(0, p.HEAD_DIM, gl.SliceLayout(0, layout))
+        ptrs = (
+            p.Out + batch.to(gl.int64) * p.stride_ob + head.to(gl.int64) * p.stride_oh
+            + (rows.to(gl.int64) * p.stride_os)[:, None] + cols[None, :]
+        )
+        gl.store(ptrs, values.to(p.Out.dtype.element_ty), mask=(rows < p.seqlen_q)[:, None])
+    mbarrier.arrive(bufs.q_empty.index(q_slot), count=1)
 
 
 @gluon.jit
@@ -447,16 +465,26 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(bufs.v_empty.index(stage), count=1)
             consumed += 1
-        mbarrier.arrive(bufs.q_empty.index(q_slot), count=1)
 
         # Rows with no visible key: out = 0, lse = -inf.
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.convert_layout(l_safe, rows_of_o)[:, None]
         lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * tiles.LN2)
-        _store_rows(p, batch, head, rows, out)
+        _store_rows(p, bufs, q_slot, HALF, batch, first_row, head, out)
         lse_row = p.Lse + batch.to(gl.int64) * p.stride_lse_b + head.to(gl.int64) * p.stride_lse_h
         gl.store(lse_row + rows, lse, mask=rows < p.seqlen_q)
         items_done += 1
+
+
+@gluon.jit
+def _rows_descriptor(Out, batch, seqlen_q, num_heads, stride_ob, stride_os, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The TMA descriptor of ``Out`` ``[B, Sq, H, D]`` that ``_store_rows`` writes: tiles of one
+    warpgroup's rows, in Q's shared layout."""
+    block: gl.constexpr = [1, BLOCK_M // 2, 1, HEAD_DIM]
+    return tma.make_tensor_descriptor(
+        Out, [batch, seqlen_q, num_heads, HEAD_DIM], [stride_ob, stride_os, stride_oh, 1], block,
+        gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, 1, HEAD_DIM], Out.dtype.element_ty),
+    )
 
 
 def _jit_with_runtime_scalars(fn):
@@ -505,6 +533,7 @@ def _attn_fwd_hopper_kernel(
         V, [batch, seqlen_k, num_kv_heads, HEAD_DIM], [stride_vb, stride_vs, stride_vh, 1], kv_block,
         gl.NVMMASharedLayout.get_default_for(kv_block, V.dtype.element_ty),
     )
+    o_desc = _rows_descriptor(Out, batch, seqlen_q, num_heads, stride_ob, stride_os, stride_oh, HEAD_DIM, BLOCK_M)
     bufs = _Buffers(
         gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout),
         gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout),
@@ -529,7 +558,7 @@ def _attn_fwd_hopper_kernel(
         mbarrier.init(bufs.k_empty.index(i), count=2)
         mbarrier.init(bufs.v_empty.index(i), count=2)
     p = _Problem(
-        q_desc, k_desc, v_desc, q_desc, Out, Lse, Lse, Mask, Bias, Walk,  # no dO, no delta
+        q_desc, k_desc, v_desc, q_desc, o_desc, Out, Lse, Lse, Mask, Bias, Walk,  # no dO, no delta
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
         stride_mb, stride_mh, stride_mk, stride_bb, stride_bh, stride_bk,
         stride_wb, stride_wh, stride_wr, walk_width,

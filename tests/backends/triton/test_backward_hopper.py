@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from flash_dma.backends.triton import backward as backward_module
+from flash_dma.backends.triton.backward import attention_backward
+from flash_dma.backends.triton.forward import attention_forward
 from flash_dma.block_mask import FULL
 from flash_dma.masks import topk_block_mask
 from tests.helpers import (
@@ -15,6 +17,7 @@ from tests.helpers import (
     HOPPER_ONLY,
     KERNEL_DTYPES,
     Case,
+    assert_close,
     assert_gradients_close,
     make_inputs,
     reference_outputs,
@@ -108,6 +111,26 @@ def test_hopper_walks_a_per_query_block_summary(dtype, hopper_calls, monkeypatch
     _, _, oracle = reference_outputs(case, as_elements, dout, torch.float64)
     _, _, baseline = reference_outputs(case, as_elements, dout, dtype)
     assert_gradients_close(inputs, oracle, baseline)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_float32_gradients(dtype, hopper_calls, poison_outputs):
+    """Gradients asked for in float32 (context parallelism sums several calls' before rounding):
+    the Hopper dQ stores them from registers (they are too wide for its Q tile in shared memory)."""
+    case = Case(seqlen_q=300, seqlen_k=300, heads=4, kv_heads=2, head_dim=128, bias=PER_KEY, causal=True)
+    inputs = make_inputs(case, dtype, requires_grad=True)
+    q, k, v, bias = (inputs[name].detach() for name in ("query", "key", "value", "attn_bias"))
+    scale = case.head_dim**-0.5
+    out, lse = attention_forward(q, k, v, None, bias, None, None, 0, 0, scale, -1, 0, 0.0)
+    dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
+    grads = attention_backward(
+        dout, q, k, v, out, lse, None, bias, None, None, None, 0, 0, scale, -1, 0, 0.0, False, True, grad_dtype=torch.float32,
+    )
+    assert hopper_calls == ["dkdv", "dq"] and all(g.dtype == torch.float32 for g in grads[:3])
+    _, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
+    _, _, baseline = reference_outputs(case, inputs, dout, dtype)
+    for name, grad in zip(("query", "key", "value", "attn_bias"), grads):
+        assert_close(name, grad, oracle[name], baseline[name])
 
 
 def test_backward_dispatch(hopper_calls, monkeypatch):
