@@ -39,6 +39,7 @@ from flash_dma.backends.triton.forward_hopper import (
     _Item,
     _Problem,
     _get,
+    _init_barriers,
     _jit_with_runtime_scalars,
     _key_walk,
     _PLAIN,
@@ -46,12 +47,12 @@ from flash_dma.backends.triton.forward_hopper import (
     _put,
     _record,
     _row_statistics,
-    _rows_descriptor,
     _store_rows,
     _summary_row,
     _take_rows,
     _tile_at,
     _tile_count,
+    _tile_descriptor,
     _tma_load,
     _visible_scores,
     walked_keys,
@@ -412,22 +413,18 @@ def _dkdv_hopper_kernel(
     HEAD_DIM: gl.constexpr, Q_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
-    q_block: gl.constexpr = [1, BLOCK_M, 1, HEAD_DIM]
-    kv_block: gl.constexpr = [1, BLOCK_N, 1, HEAD_DIM]
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(q_block, Q.dtype.element_ty)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(kv_block, K.dtype.element_ty)
-    q_desc = tma.make_tensor_descriptor(Q, [batch, seqlen_q, num_heads, HEAD_DIM], [stride_qb, stride_qs, stride_qh, 1], q_block, q_layout)
-    do_desc = tma.make_tensor_descriptor(DO, [batch, seqlen_q, num_heads, HEAD_DIM], [stride_dob, stride_dos, stride_doh, 1], q_block, q_layout)
-    k_desc = tma.make_tensor_descriptor(K, [batch, seqlen_k, num_kv_heads, HEAD_DIM], [stride_kb, stride_ks, stride_kh, 1], kv_block, kv_layout)
-    v_desc = tma.make_tensor_descriptor(V, [batch, seqlen_k, num_kv_heads, HEAD_DIM], [stride_vb, stride_vs, stride_vh, 1], kv_block, kv_layout)
+    q_desc = _tile_descriptor(Q, batch, seqlen_q, num_heads, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    do_desc = _tile_descriptor(DO, batch, seqlen_q, num_heads, stride_dob, stride_dos, stride_doh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    k_desc = _tile_descriptor(K, batch, seqlen_k, num_kv_heads, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    v_desc = _tile_descriptor(V, batch, seqlen_k, num_kv_heads, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
     barrier: gl.constexpr = mbarrier.MBarrierLayout()
     bufs = _DkdvBuffers(
         gl.allocate_shared_memory(gl.int32, [2, 1], _PLAIN),
         gl.allocate_shared_memory(gl.int32, [2, 1], _PLAIN),
-        gl.allocate_shared_memory(K.dtype.element_ty, [2] + kv_block, kv_layout),
-        gl.allocate_shared_memory(V.dtype.element_ty, [2] + kv_block, kv_layout),
-        gl.allocate_shared_memory(Q.dtype.element_ty, [Q_STAGES] + q_block, q_layout),
-        gl.allocate_shared_memory(DO.dtype.element_ty, [Q_STAGES] + q_block, q_layout),
+        gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout),
+        gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout),
+        gl.allocate_shared_memory(q_desc.dtype, [Q_STAGES] + q_desc.block_type.shape, q_desc.layout),
+        gl.allocate_shared_memory(do_desc.dtype, [Q_STAGES] + do_desc.block_type.shape, do_desc.layout),
         gl.allocate_shared_memory(gl.int32, [Q_STAGES, 1], _PLAIN),
         gl.allocate_shared_memory(gl.int32, [Q_STAGES, 1], _PLAIN),
         gl.allocate_shared_memory(gl.float32, [Q_STAGES, BLOCK_M], _PLAIN),
@@ -554,21 +551,17 @@ def _dq_hopper_kernel(
     HAS_MASK: gl.constexpr, HAS_BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
-    q_block: gl.constexpr = [1, BLOCK_M, 1, HEAD_DIM]
-    kv_block: gl.constexpr = [1, BLOCK_N, 1, HEAD_DIM]
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(q_block, Q.dtype.element_ty)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(kv_block, K.dtype.element_ty)
-    q_desc = tma.make_tensor_descriptor(Q, [batch, seqlen_q, num_heads, HEAD_DIM], [stride_qb, stride_qs, stride_qh, 1], q_block, q_layout)
-    do_desc = tma.make_tensor_descriptor(DO, [batch, seqlen_q, num_heads, HEAD_DIM], [stride_dob, stride_dos, stride_doh, 1], q_block, q_layout)
-    dq_desc = _rows_descriptor(DQ, batch, seqlen_q, num_heads, stride_dqb, stride_dqs, stride_dqh, HEAD_DIM, BLOCK_M)
-    k_desc = tma.make_tensor_descriptor(K, [batch, seqlen_k, num_kv_heads, HEAD_DIM], [stride_kb, stride_ks, stride_kh, 1], kv_block, kv_layout)
-    v_desc = tma.make_tensor_descriptor(V, [batch, seqlen_k, num_kv_heads, HEAD_DIM], [stride_vb, stride_vs, stride_vh, 1], kv_block, kv_layout)
+    q_desc = _tile_descriptor(Q, batch, seqlen_q, num_heads, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    do_desc = _tile_descriptor(DO, batch, seqlen_q, num_heads, stride_dob, stride_dos, stride_doh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    dq_desc = _tile_descriptor(DQ, batch, seqlen_q, num_heads, stride_dqb, stride_dqs, stride_dqh, BLOCK_M // 2, BLOCK_M, HEAD_DIM)
+    k_desc = _tile_descriptor(K, batch, seqlen_k, num_kv_heads, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    v_desc = _tile_descriptor(V, batch, seqlen_k, num_kv_heads, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
     barrier: gl.constexpr = mbarrier.MBarrierLayout()
     bufs = _DqBuffers(
-        gl.allocate_shared_memory(Q.dtype.element_ty, [2] + q_block, q_layout),
-        gl.allocate_shared_memory(DO.dtype.element_ty, [2] + q_block, q_layout),
-        gl.allocate_shared_memory(K.dtype.element_ty, [KV_STAGES] + kv_block, kv_layout),
-        gl.allocate_shared_memory(V.dtype.element_ty, [KV_STAGES] + kv_block, kv_layout),
+        gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout),
+        gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout),
+        gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout),
+        gl.allocate_shared_memory(v_desc.dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout),
         gl.allocate_shared_memory(gl.int32, [2, 1], _PLAIN),
         gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], _PLAIN),
         gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], _PLAIN),
@@ -582,14 +575,7 @@ def _dq_hopper_kernel(
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
     )
-    for i in gl.static_range(2):
-        mbarrier.init(bufs.q_ready.index(i), count=1)
-        mbarrier.init(bufs.q_empty.index(i), count=2)
-    for i in gl.static_range(KV_STAGES):
-        mbarrier.init(bufs.k_ready.index(i), count=1)
-        mbarrier.init(bufs.v_ready.index(i), count=1)
-        mbarrier.init(bufs.k_empty.index(i), count=2)
-        mbarrier.init(bufs.v_empty.index(i), count=2)
+    _init_barriers(bufs, KV_STAGES)
     p = _Problem(
         q_desc, k_desc, v_desc, do_desc, dq_desc, DQ, Delta, Lse, Mask, Bias, Walk, stride_dqb, stride_dqs, stride_dqh,
         seqlen_q * num_heads, seqlen_q, stride_mb, stride_mh, stride_mk, stride_bb, stride_bh, stride_bk, stride_wb, stride_wh, stride_wr, walk_width,

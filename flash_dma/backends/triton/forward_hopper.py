@@ -477,14 +477,31 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _rows_descriptor(Out, batch, seqlen_q, num_heads, stride_ob, stride_os, stride_oh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """The TMA descriptor of ``Out`` ``[B, Sq, H, D]`` that ``_store_rows`` writes: tiles of one
-    warpgroup's rows, in Q's shared layout."""
-    block: gl.constexpr = [1, BLOCK_M // 2, 1, HEAD_DIM]
+def _tile_descriptor(
+    T, batch, length, heads, stride_b, stride_s, stride_h,
+    ROWS: gl.constexpr, LAYOUT_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+):
+    """The TMA descriptor of a whole ``[B, S, heads, D]`` tensor, in tiles of ``ROWS`` rows of one
+    head, laid out in shared memory as tiles of ``LAYOUT_ROWS`` rows are (``_store_rows`` writes
+    a warpgroup's half of a Q tile)."""
     return tma.make_tensor_descriptor(
-        Out, [batch, seqlen_q, num_heads, HEAD_DIM], [stride_ob, stride_os, stride_oh, 1], block,
-        gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, 1, HEAD_DIM], Out.dtype.element_ty),
+        T, [batch, length, heads, HEAD_DIM], [stride_b, stride_s, stride_h, 1], [1, ROWS, 1, HEAD_DIM],
+        gl.NVMMASharedLayout.get_default_for([1, LAYOUT_ROWS, 1, HEAD_DIM], T.dtype.element_ty),
     )
+
+
+@gluon.jit
+def _init_barriers(bufs, KV_STAGES: gl.constexpr):
+    """The barriers of the two Q slots and of the K/V ring (the forward's and the dQ kernel's):
+    the loader's copies fill a slot, and both math warpgroups release it."""
+    for i in gl.static_range(2):
+        mbarrier.init(bufs.q_ready.index(i), count=1)
+        mbarrier.init(bufs.q_empty.index(i), count=2)
+    for i in gl.static_range(KV_STAGES):
+        mbarrier.init(bufs.k_ready.index(i), count=1)
+        mbarrier.init(bufs.v_ready.index(i), count=1)
+        mbarrier.init(bufs.k_empty.index(i), count=2)
+        mbarrier.init(bufs.v_empty.index(i), count=2)
 
 
 def _jit_with_runtime_scalars(fn):
@@ -519,21 +536,10 @@ def _attn_fwd_hopper_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
-    q_block: gl.constexpr = [1, BLOCK_M, 1, HEAD_DIM]
-    kv_block: gl.constexpr = [1, BLOCK_N, 1, HEAD_DIM]
-    q_desc = tma.make_tensor_descriptor(
-        Q, [batch, seqlen_q, num_heads, HEAD_DIM], [stride_qb, stride_qs, stride_qh, 1], q_block,
-        gl.NVMMASharedLayout.get_default_for(q_block, Q.dtype.element_ty),
-    )
-    k_desc = tma.make_tensor_descriptor(
-        K, [batch, seqlen_k, num_kv_heads, HEAD_DIM], [stride_kb, stride_ks, stride_kh, 1], kv_block,
-        gl.NVMMASharedLayout.get_default_for(kv_block, K.dtype.element_ty),
-    )
-    v_desc = tma.make_tensor_descriptor(
-        V, [batch, seqlen_k, num_kv_heads, HEAD_DIM], [stride_vb, stride_vs, stride_vh, 1], kv_block,
-        gl.NVMMASharedLayout.get_default_for(kv_block, V.dtype.element_ty),
-    )
-    o_desc = _rows_descriptor(Out, batch, seqlen_q, num_heads, stride_ob, stride_os, stride_oh, HEAD_DIM, BLOCK_M)
+    q_desc = _tile_descriptor(Q, batch, seqlen_q, num_heads, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    k_desc = _tile_descriptor(K, batch, seqlen_k, num_kv_heads, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    v_desc = _tile_descriptor(V, batch, seqlen_k, num_kv_heads, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    o_desc = _tile_descriptor(Out, batch, seqlen_q, num_heads, stride_ob, stride_os, stride_oh, BLOCK_M // 2, BLOCK_M, HEAD_DIM)
     bufs = _Buffers(
         gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout),
         gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout),
@@ -549,14 +555,7 @@ def _attn_fwd_hopper_kernel(
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout()),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout()),
     )
-    for i in gl.static_range(2):
-        mbarrier.init(bufs.q_ready.index(i), count=1)
-        mbarrier.init(bufs.q_empty.index(i), count=2)  # both softmax warpgroups release it
-    for i in gl.static_range(KV_STAGES):
-        mbarrier.init(bufs.k_ready.index(i), count=1)
-        mbarrier.init(bufs.v_ready.index(i), count=1)
-        mbarrier.init(bufs.k_empty.index(i), count=2)
-        mbarrier.init(bufs.v_empty.index(i), count=2)
+    _init_barriers(bufs, KV_STAGES)
     p = _Problem(
         q_desc, k_desc, v_desc, q_desc, o_desc, Out, Lse, Lse, Mask, Bias, Walk,  # no dO, no delta
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
