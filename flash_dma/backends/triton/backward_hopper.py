@@ -47,6 +47,7 @@ from flash_dma.backends.triton.forward_hopper import (
     _put,
     _record,
     _row_statistics,
+    _staged_keys,
     _store_rows,
     _summary_row,
     _take_rows,
@@ -515,7 +516,7 @@ def _dq_rows(p, bufs, HALF: gl.constexpr):
             mbarrier.wait(bufs.v_ready.index(stage), phase)
             dp = warpgroup_mma(do, bufs.v.index(stage).reshape([p.BLOCK_N, D]).permute((1, 0)), zeros, use_acc=False, is_async=True)
             qk = warpgroup_mma_wait(1, deps=[qk])
-            s = _visible_scores(p, bufs, qk, stage, first_row, rows, keys_of_s, ROWS)  # [ROWS, BLOCK_N]
+            s = _visible_scores(p, bufs, qk, _staged_keys(p, bufs, stage, keys_of_s), stage, first_row, rows, keys_of_s, ROWS)  # [ROWS, BLOCK_N]
             probs = gl.exp2(s - lse2[:, None])
             dp = warpgroup_mma_wait(0, deps=[dp])
             mbarrier.arrive(bufs.v_empty.index(stage), count=1)

@@ -368,10 +368,9 @@ def _row_statistics(p, row_offset, rows):
 
 
 @gluon.jit
-def _visible_scores(p, bufs, qk, stage, first_row, rows, keys_layout: gl.constexpr, ROWS: gl.constexpr):
-    """Log2-domain scores of a product tile ``qk`` ``[ROWS, BLOCK_N]`` with the tile's key scores
-    added, and -inf where the band or the end of the keys cuts it (only edge tiles are checked:
-    those whose span of key positions the band or the end cuts)."""
+def _staged_keys(p, bufs, stage, keys_layout: gl.constexpr):
+    """What the loader staged with the K tile at ring position ``stage``: ``(first_key, last_key,
+    key_scores)``, the span of its key positions and its key scores ``[BLOCK_N]``."""
     KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
     if KEYS:
         first_key = _get(bufs.spans.index(stage))
@@ -379,9 +378,23 @@ def _visible_scores(p, bufs, qk, stage, first_row, rows, keys_layout: gl.constex
     else:  # the tile's own BLOCK_N keys
         first_key = _get(bufs.spans.index(stage)) * p.BLOCK_N
         last_key = first_key + p.BLOCK_N - 1
+    key_scores = gl.zeros([p.BLOCK_N], gl.float32, keys_layout)  # unread where there are none
+    if p.HAS_BIAS or p.HAS_MASK or KEYS:
+        key_scores = bufs.key_scores.index(stage).load(keys_layout)
+    return first_key, last_key, key_scores
+
+
+@gluon.jit
+def _visible_scores(p, bufs, qk, staged, stage, first_row, rows, keys_layout: gl.constexpr, ROWS: gl.constexpr):
+    """Log2-domain scores of a product tile ``qk`` ``[ROWS, BLOCK_N]`` with the tile's key scores
+    added, and -inf where the band or the end of the keys cuts it (only edge tiles are checked:
+    those whose span of key positions the band or the end cuts). ``staged`` is
+    ``_staged_keys(p, bufs, stage, keys_layout)``."""
+    KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
+    first_key, last_key, key_scores = staged
     s = qk * p.scale_log2
     if p.HAS_BIAS or p.HAS_MASK or KEYS:
-        s = s + bufs.key_scores.index(stage).load(keys_layout)[None, :]
+        s = s + key_scores[None, :]
     edge = (first_key - first_row - ROWS + 1 < p.band_lo) | (last_key - first_row > p.band_hi) | (last_key >= p.seqlen_k)
     if edge:
         if KEYS:
@@ -395,14 +408,27 @@ def _visible_scores(p, bufs, qk, stage, first_row, rows, keys_layout: gl.constex
 
 
 @gluon.jit
+def _thread_row_sums(x):
+    """Row sums of a wgmma tile ``x`` ``[ROWS, N]`` over each thread's own columns only: ``[ROWS, 4]``.
+
+    The tile gives each thread of a row's quad the columns ``8 j + 2 t + e`` (thread ``t``), so
+    these sums need no shuffles; the quad's four partial sums are added once per work item.
+    """
+    ROWS: gl.constexpr = x.shape[0]
+    N: gl.constexpr = x.shape[1]
+    return gl.sum(gl.sum(x.reshape([ROWS, N // 8, 4, 2]), 3), 1)
+
+
+@gluon.jit
 def _online_softmax(s, m_i, l_i):
-    """One tile of the online softmax: ``(probs, m_new, alpha, l_new)``."""
+    """One tile of the online softmax: ``(probs, m_new, alpha, l_new)``, with ``l`` the rows'
+    sums per thread (``_thread_row_sums``)."""
     m_new = gl.maximum(m_i, gl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead, so p = 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
     probs = gl.exp2(s - m_shift[:, None])
     alpha = gl.exp2(m_i - m_shift)
-    return probs, m_new, alpha, l_i * alpha + gl.sum(probs, 1)
+    return probs, m_new, alpha, l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + _thread_row_sums(probs)
 
 
 @gluon.jit
@@ -423,6 +449,10 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
     keys_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_of_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = p.q_desc.dtype
+    # Whether a tile's staged keys are read before its product is waited for (their shared-memory
+    # latency then overlaps it), chosen by measurement (llm shape, keep 1/8): 3.6% faster at D = 64
+    # (16K); 4-6% slower at D = 128 (16K-128K), where ptxas issues the loads between the two products.
+    READ_KEYS_EARLY: gl.constexpr = D == 64
 
     consumed = 0  # K/V tiles so far: the ring position, as in the loader
     items_done = 0
@@ -431,15 +461,19 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
         q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
 
         m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_of_s)
-        l_i = gl.full([ROWS], 0.0, gl.float32, rows_of_s)
+        l_i = _thread_row_sums(gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout))
         acc = gl.zeros([ROWS, D], gl.float32, o_layout)
         if count > 0:
             stage = consumed % p.KV_STAGES
             mbarrier.wait(bufs.k_ready.index(stage), (consumed // p.KV_STAGES) & 1)
             k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
+            if READ_KEYS_EARLY:
+                staged = _staged_keys(p, bufs, stage, keys_of_s)
             qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             qk = warpgroup_mma_wait(0, deps=[qk])
-            s = _visible_scores(p, bufs, qk, stage, first_row, rows, keys_of_s, ROWS)
+            if not READ_KEYS_EARLY:
+                staged = _staged_keys(p, bufs, stage, keys_of_s)
+            s = _visible_scores(p, bufs, qk, staged, stage, first_row, rows, keys_of_s, ROWS)
             mbarrier.arrive(bufs.k_empty.index(stage), count=1)
             probs, m_i, _, l_i = _online_softmax(s, m_i, l_i)
             for _ in range(1, count):
@@ -450,8 +484,12 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
                 mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
                 v = bufs.v.index(stage).reshape([p.BLOCK_N, D])
                 acc = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), v, acc, is_async=True)
+                if READ_KEYS_EARLY:
+                    staged = _staged_keys(p, bufs, following, keys_of_s)
                 qk = warpgroup_mma_wait(1, deps=[qk])  # the product of the next tile; P V may still run
-                s = _visible_scores(p, bufs, qk, following, first_row, rows, keys_of_s, ROWS)  # [ROWS, BLOCK_N]
+                if not READ_KEYS_EARLY:
+                    staged = _staged_keys(p, bufs, following, keys_of_s)
+                s = _visible_scores(p, bufs, qk, staged, following, first_row, rows, keys_of_s, ROWS)  # [ROWS, BLOCK_N]
                 mbarrier.arrive(bufs.k_empty.index(following), count=1)
                 probs, m_i, alpha, l_i = _online_softmax(s, m_i, l_i)
                 acc = warpgroup_mma_wait(0, deps=[acc])
@@ -467,6 +505,7 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
             consumed += 1
 
         # Rows with no visible key: out = 0, lse = -inf.
+        l_i = gl.convert_layout(gl.sum(l_i, 1), rows_of_s)
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.convert_layout(l_safe, rows_of_o)[:, None]
         lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * tiles.LN2)
