@@ -461,7 +461,7 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
         q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
 
         m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_of_s)
-        l_i = _thread_row_sums(gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout))
+        l_i = _thread_row_sums(gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout))  # zeros, in the sums' layout
         acc = gl.zeros([ROWS, D], gl.float32, o_layout)
         if count > 0:
             stage = consumed % p.KV_STAGES
