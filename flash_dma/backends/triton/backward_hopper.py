@@ -47,7 +47,6 @@ from flash_dma.backends.triton.forward_hopper import (
     _put,
     _record,
     _row_statistics,
-    _staged_keys,
     _store_rows,
     _summary_row,
     _take_rows,
@@ -56,6 +55,7 @@ from flash_dma.backends.triton.forward_hopper import (
     _tile_descriptor,
     _tma_load,
     _visible_scores,
+    _wait_for_scores,
     walked_keys,
 )
 from flash_dma.backends.triton.launch import Launcher
@@ -497,8 +497,8 @@ def _dq_rows(p, bufs, HALF: gl.constexpr):
     keys_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = p.q_desc.dtype
     # Staged key scores are read while the two products run (ptxas issues the loads between them),
-    # not after S is waited for: up to 3% off the backward with a bias (docs/benchmarks.md, "dQ
-    # key scores"). Without key scores there is nothing to read early.
+    # not after S is waited for: up to 3% off the backward with a bias (docs/benchmarks.md,
+    # "Backward profile"). Without key scores there is nothing to read early.
     READ_KEYS_EARLY: gl.constexpr = p.HAS_BIAS or p.HAS_MASK or p.WALK == tiles.WALK_KEYS
 
     consumed = 0  # K/V tiles so far: the ring position, as in the loader
@@ -519,11 +519,7 @@ def _dq_rows(p, bufs, HALF: gl.constexpr):
             qk = warpgroup_mma(q, k.permute((1, 0)), zeros, use_acc=False, is_async=True)  # [ROWS, BLOCK_N]
             mbarrier.wait(bufs.v_ready.index(stage), phase)
             dp = warpgroup_mma(do, bufs.v.index(stage).reshape([p.BLOCK_N, D]).permute((1, 0)), zeros, use_acc=False, is_async=True)
-            if READ_KEYS_EARLY:
-                staged = _staged_keys(p, bufs, stage, keys_of_s)
-            qk = warpgroup_mma_wait(1, deps=[qk])
-            if not READ_KEYS_EARLY:
-                staged = _staged_keys(p, bufs, stage, keys_of_s)
+            qk, staged = _wait_for_scores(p, bufs, qk, 1, stage, keys_of_s, READ_KEYS_EARLY)
             s = _visible_scores(p, bufs, qk, staged, stage, first_row, rows, keys_of_s, ROWS)  # [ROWS, BLOCK_N]
             probs = gl.exp2(s - lse2[:, None])
             dp = warpgroup_mma_wait(0, deps=[dp])

@@ -385,6 +385,20 @@ def _staged_keys(p, bufs, stage, keys_layout: gl.constexpr):
 
 
 @gluon.jit
+def _wait_for_scores(p, bufs, qk, pending: gl.constexpr, stage, keys_layout: gl.constexpr, READ_KEYS_EARLY: gl.constexpr):
+    """Wait for the product ``qk`` (``pending`` later products may still run) and read what the
+    loader staged with its K tile (``_staged_keys``): ``(qk, staged)``. With ``READ_KEYS_EARLY``
+    the shared-memory reads are issued before the wait, so their latency overlaps the product;
+    whether that pays depends on where ptxas then places them (the callers say)."""
+    if READ_KEYS_EARLY:
+        staged = _staged_keys(p, bufs, stage, keys_layout)
+    qk = warpgroup_mma_wait(pending, deps=[qk])
+    if not READ_KEYS_EARLY:
+        staged = _staged_keys(p, bufs, stage, keys_layout)
+    return qk, staged
+
+
+@gluon.jit
 def _visible_scores(p, bufs, qk, staged, stage, first_row, rows, keys_layout: gl.constexpr, ROWS: gl.constexpr):
     """Log2-domain scores of a product tile ``qk`` ``[ROWS, BLOCK_N]`` with the tile's key scores
     added, and -inf where the band or the end of the keys cuts it (only edge tiles are checked:
@@ -467,12 +481,8 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
             stage = consumed % p.KV_STAGES
             mbarrier.wait(bufs.k_ready.index(stage), (consumed // p.KV_STAGES) & 1)
             k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
-            if READ_KEYS_EARLY:
-                staged = _staged_keys(p, bufs, stage, keys_of_s)
             qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-            qk = warpgroup_mma_wait(0, deps=[qk])
-            if not READ_KEYS_EARLY:
-                staged = _staged_keys(p, bufs, stage, keys_of_s)
+            qk, staged = _wait_for_scores(p, bufs, qk, 0, stage, keys_of_s, READ_KEYS_EARLY)
             s = _visible_scores(p, bufs, qk, staged, stage, first_row, rows, keys_of_s, ROWS)
             mbarrier.arrive(bufs.k_empty.index(stage), count=1)
             probs, m_i, _, l_i = _online_softmax(s, m_i, l_i)
@@ -484,11 +494,8 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
                 mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
                 v = bufs.v.index(stage).reshape([p.BLOCK_N, D])
                 acc = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), v, acc, is_async=True)
-                if READ_KEYS_EARLY:
-                    staged = _staged_keys(p, bufs, following, keys_of_s)
-                qk = warpgroup_mma_wait(1, deps=[qk])  # the product of the next tile; P V may still run
-                if not READ_KEYS_EARLY:
-                    staged = _staged_keys(p, bufs, following, keys_of_s)
+                # The product of the next tile; P V may still run.
+                qk, staged = _wait_for_scores(p, bufs, qk, 1, following, keys_of_s, READ_KEYS_EARLY)
                 s = _visible_scores(p, bufs, qk, staged, following, first_row, rows, keys_of_s, ROWS)  # [ROWS, BLOCK_N]
                 mbarrier.arrive(bufs.k_empty.index(following), count=1)
                 probs, m_i, alpha, l_i = _online_softmax(s, m_i, l_i)
