@@ -5,15 +5,19 @@ Public API (see ``docs/api.md``):
 - :func:`flash_dma_func`: attention with a broadcastable mask and a trainable bias.
 - :func:`flash_dma_varlen_func`: the same over packed sequences of different lengths.
 - :func:`flash_dma_with_kvcache`: decoding over a contiguous or paged KV cache with a per-key bias.
-- :func:`build_block_mask` / :class:`BlockMask`: a reusable block summary of a mask.
-- :mod:`flash_dma.masks`: dynamic masks from a learned bias (:func:`create_mask`, :func:`topk_block_mask`).
+- :func:`build_block_mask` / :class:`BlockMask`: a reusable block summary of a mask
+  (:func:`block_mask_from_state` from block states).
+- :func:`pack_mask` / :class:`BitMask`: a per-query mask stored one bit per pair, with its summary.
+- :mod:`flash_dma.masks`: dynamic masks from a learned bias (:func:`create_mask`, :func:`topk_block_mask`)
+  or from chosen keys (:func:`indices_to_mask`).
 - :class:`DynamicMaskAttention`: the trainable dynamic-mask attention layer.
 - :func:`get_available_backends`, :func:`flash_dma_func_auto`: backend selection.
 - :func:`flash_dmattn_func`, :func:`flash_sparse_attn_func`: v1-compatible entry points.
 """
 
 from flash_dma.backends import get_available_backends
-from flash_dma.block_mask import BlockMask, build_block_mask
+from flash_dma.bit_mask import BitMask
+from flash_dma.block_mask import BlockMask
 from flash_dma.interface import (
     flash_dma_func,
     flash_dma_func_auto,
@@ -22,15 +26,18 @@ from flash_dma.interface import (
     flash_dmattn_func,
     flash_sparse_attn_func,
 )
-from flash_dma.masks import attended_fraction, create_mask, topk_block_mask
+from flash_dma.masks import attended_fraction, create_mask, indices_to_mask, topk_block_mask
 from flash_dma.modules import DynamicMaskAttention
+from flash_dma.summaries import block_mask_from_state, build_block_mask, pack_mask
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BitMask",
     "BlockMask",
     "DynamicMaskAttention",
     "attended_fraction",
+    "block_mask_from_state",
     "build_block_mask",
     "create_mask",
     "flash_dma_func",
@@ -40,5 +47,7 @@ __all__ = [
     "flash_dmattn_func",
     "flash_sparse_attn_func",
     "get_available_backends",
+    "indices_to_mask",
+    "pack_mask",
     "topk_block_mask",
 ]

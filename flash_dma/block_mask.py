@@ -12,6 +12,9 @@ usual per-key mask ``[B, Hkv, 1, Sk]`` has one row of ``Sk / block_k`` blocks.
 
 Causal and window limits are not part of the summary: kernels apply them analytically, so one
 summary serves causal and non-causal calls, every layer, and the forward and backward passes.
+
+This module holds the type and its plain-torch construction; ``flash_dma/summaries.py`` builds
+summaries (on CUDA through the Triton kernels).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flash_dma.integers import cdiv
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 DEFAULT_BLOCK_SIZE = (128, 128)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -27,12 +32,7 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 _SUMMARY_CHUNK_ELEMENTS = 1 << 26
 
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative ints."""
-    return -(-a // b)
-
-
-def _block_lists(state: torch.Tensor) -> torch.Tensor:
+def block_lists(state: torch.Tensor) -> torch.Tensor:
     """``[..., R, C]`` block states -> ``[..., R, 2, 2, C + 1]`` int32 lists.
 
     Per row, ``[0]`` describes the PARTIAL blocks and ``[1]`` the FULL ones, each as two arrays:
@@ -57,14 +57,15 @@ def _block_lists(state: torch.Tensor) -> torch.Tensor:
 class BlockMask:
     """Reusable block summary of a ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` mask.
 
-    Build it with :func:`build_block_mask` (from an element-wise mask) or
-    :func:`flash_dma.masks.topk_block_mask` (directly from a bias), then pass it as
+    Build it with :func:`flash_dma.build_block_mask` (from an element-wise mask),
+    :func:`flash_dma.masks.topk_block_mask` (directly from a bias) or
+    :func:`flash_dma.block_mask_from_state` (from block states), then pass it as
     ``flash_dma_func(..., block_mask=...)`` to every layer that shares the mask.
 
     Attributes:
         state: ``[Bm, Hm, NQB, NKB]`` int8, EMPTY (0), PARTIAL (1) or FULL (2) per block.
         kv_lists: ``[Bm, Hm, NQB, 2, 2, NKB + 1]`` int32, per query block the partial and full
-            key blocks (see ``_block_lists``); walked by the forward and dQ kernels.
+            key blocks (see ``block_lists``); walked by the forward and dQ kernels.
         q_lists: ``[Bm, Hm, NKB, 2, 2, NQB + 1]`` int32, the transpose; walked by the dK/dV kernel.
         mask_shape: ``(Bm, Hm, Sqm, Skm)``, the shape of the mask it summarises.
         block_size: ``(block_q, block_k)``. A broadcast axis (size 1) is one block.
@@ -78,45 +79,6 @@ class BlockMask:
     mask_shape: tuple[int, int, int, int]
     block_size: tuple[int, int]
     needs_mask: bool
-
-    @classmethod
-    def from_block_state(
-        cls,
-        state: torch.Tensor,
-        mask_shape: tuple[int, int, int, int],
-        block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
-        needs_mask: bool | None = None,
-    ) -> "BlockMask":
-        """Make a summary from per-block states ``[Bm, Hm, NQB, NKB]`` (EMPTY/PARTIAL/FULL)."""
-        check_block_size(block_size)
-        expected = (
-            mask_shape[0],
-            mask_shape[1],
-            1 if mask_shape[2] == 1 else cdiv(mask_shape[2], block_size[0]),
-            1 if mask_shape[3] == 1 else cdiv(mask_shape[3], block_size[1]),
-        )
-        if tuple(state.shape) != expected:
-            raise ValueError(
-                f"state: expected shape {expected} for a mask of shape {tuple(mask_shape)} in blocks of "
-                f"{tuple(block_size)}, got {tuple(state.shape)}"
-            )
-        state = state.to(torch.int8)
-        if needs_mask is None:
-            needs_mask = bool((state == PARTIAL).any())
-        if state.is_cuda:
-            from flash_dma.backends.triton.ops import summary_lists  # the backend imports this module
-
-            kv_lists, q_lists = summary_lists(state, False), summary_lists(state, True)
-        else:
-            kv_lists, q_lists = _block_lists(state), _block_lists(state.transpose(-1, -2))
-        return cls(
-            state=state,
-            kv_lists=kv_lists,
-            q_lists=q_lists,
-            mask_shape=tuple(int(s) for s in mask_shape),
-            block_size=tuple(block_size),
-            needs_mask=needs_mask,
-        )
 
     @property
     def device(self) -> torch.device:
@@ -152,18 +114,20 @@ def _match_heads(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     return a, b.repeat_interleave(ha // hb, dim=1)
 
 
-def effective_mask_rows(
-    attn_mask: torch.Tensor | None, block_mask: "BlockMask | None", start: int, stop: int, seqlen_k: int
-) -> torch.Tensor | None:
+def effective_mask_rows(attn_mask, block_mask: "BlockMask | None", start: int, stop: int, seqlen_k: int) -> torch.Tensor | None:
     """What the kernels attend for query rows ``[start, stop)``, before causal/window limits.
 
-    Bool ``[1|B, 1|Hkv|H, rows or 1, Sk]``, or None when there is no mask at all. With a summary,
-    FULL blocks attend everywhere, EMPTY blocks nowhere, and PARTIAL blocks follow ``attn_mask``.
+    ``attn_mask`` is a bool or 0/1 tensor, a :class:`~flash_dma.bit_mask.BitMask` (whose own
+    summary then applies), or None. Returns bool ``[1|B, 1|Hkv|H, rows or 1, Sk]``, or None when
+    there is no mask at all. With a summary, FULL blocks attend everywhere, EMPTY blocks nowhere,
+    and PARTIAL blocks follow the mask.
     """
     mask = None
-    if attn_mask is not None:
+    if isinstance(attn_mask, torch.Tensor):
         mask = attn_mask[:, :, start:stop] if attn_mask.shape[2] > 1 else attn_mask
         mask = mask if mask.dtype == torch.bool else mask != 0
+    elif attn_mask is not None:  # a BitMask (which imports this module): its bits, through its summary
+        mask, block_mask = attn_mask.rows(start, stop), attn_mask.summary
     if block_mask is None:
         return mask
     state = block_mask.dense_rows(start, stop, seqlen_k)
@@ -182,7 +146,7 @@ def check_block_size(block_size) -> None:
         raise ValueError(f"block_size: expected a pair of values from {SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
 
 
-def _summarize(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
+def summarize_mask(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
     """Per-block EMPTY/PARTIAL/FULL states of a 4-D mask, reading it once in bounded chunks."""
     nb, nh, sq, sk = mask.shape
     block_q = block_q if sq > 1 else 1
@@ -202,47 +166,3 @@ def _summarize(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
         no_false = blocks.amin(dim=(3, 5)) >= 0
         states.append((any_true.to(torch.int8) + no_false.to(torch.int8)))  # EMPTY 0, PARTIAL 1, FULL 2
     return torch.cat(states, dim=2) if len(states) > 1 else states[0]
-
-
-def build_block_mask(
-    attn_mask: torch.Tensor,
-    *,
-    block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_k: int | None = None,
-) -> BlockMask:
-    """Summarise a boolean mask into a reusable :class:`BlockMask`.
-
-    Args:
-        attn_mask: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` bool (True = attend) or 0/1 integer mask.
-        block_size: ``(block_q, block_k)``, each a power of two from 16 to 256. The kernels' tiles
-            divide the blocks, so smaller blocks skip finer but cost longer lists.
-        cu_seqlens_k, max_seqlen_k: packed sequences (``flash_dma_varlen_func``): then
-            ``attn_mask`` is per key, packed ``[1|Hkv|H, total_k]`` or per sequence ``[1|N,
-            1|Hkv|H, 1|max_seqlen_k]``, and the summary has one entry per sequence.
-
-    Returns:
-        A :class:`BlockMask` on the mask's device. The mask is read once and no ``[Sq, Sk]``
-        temporary is made; on a CUDA device it takes three kernel launches and no host
-        synchronisation, so it can run inside a CUDA graph.
-    """
-    if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(attn_mask).__name__}")
-    if cu_seqlens_k is not None:
-        from flash_dma.packed import packed_rows  # packed imports inputs, which imports this module
-
-        attn_mask, _ = packed_rows("attn_mask", attn_mask, cu_seqlens_k, max_seqlen_k, False)
-    if attn_mask.dim() != 4:
-        raise ValueError(
-            f"attn_mask: expected a 4-D mask [1|B, 1|Hkv|H, 1|Sq, 1|Sk], got shape {tuple(attn_mask.shape)}"
-        )
-    if attn_mask.dtype.is_floating_point or attn_mask.dtype.is_complex:
-        raise TypeError(f"attn_mask: expected a bool or 0/1 integer tensor, got {attn_mask.dtype}")
-    check_block_size(block_size)
-    if attn_mask.is_cuda:
-        from flash_dma.backends.triton.ops import summary_state  # the backend imports this module
-
-        state = summary_state(attn_mask, *block_size)
-    else:
-        state = _summarize(attn_mask, *block_size)
-    return BlockMask.from_block_state(state, tuple(attn_mask.shape), block_size, needs_mask=True)

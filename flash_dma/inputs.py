@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import BlockMask
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -32,7 +33,7 @@ class AttentionProblem:
     query: torch.Tensor  # [B, Sq, H, D]
     key: torch.Tensor  # [B, Sk, Hkv, D]
     value: torch.Tensor  # [B, Sk, Hkv, D]
-    attn_mask: torch.Tensor | None  # [1|B, 1|Hkv|H, 1|Sq, 1|Sk], bool or 0/1 integer
+    attn_mask: torch.Tensor | BitMask | None  # [1|B, 1|Hkv|H, 1|Sq, 1|Sk], bool, 0/1 integer or packed bits
     attn_bias: torch.Tensor | None  # [1|B, 1|Hkv|H, 1|Sq, 1|Sk], fp32 or query.dtype
     block_mask: BlockMask | None
     softmax_scale: float
@@ -96,8 +97,9 @@ def _check_qkv(query, key, value, same_batch: bool = True) -> None:
         )
 
 
-def check_broadcastable(name: str, t: torch.Tensor, shape: tuple[int, int, int, int, int, int]) -> None:
-    """Check that ``t`` is ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` for ``shape = (B, Sq, Sk, H, Hkv, D)``."""
+def check_broadcastable(name: str, t, shape: tuple[int, int, int, int, int, int]) -> None:
+    """Check that ``t`` (a tensor or a :class:`BitMask`) is ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` for
+    ``shape = (B, Sq, Sk, H, Hkv, D)``."""
     batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, _ = shape
     if t.dim() == 4:
         b, h, q, k = t.shape
@@ -125,9 +127,14 @@ def check_broadcastable(name: str, t: torch.Tensor, shape: tuple[int, int, int, 
             )
 
 
-def check_mask(mask: torch.Tensor, query: torch.Tensor, shape) -> None:
+def check_mask(mask, query: torch.Tensor, shape) -> None:
+    if isinstance(mask, BitMask):
+        if mask.device != query.device:
+            raise ValueError(f"attn_mask: expected device {query.device} (the device of query), got {mask.device}")
+        check_broadcastable("attn_mask", mask, shape)
+        return
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"attn_mask: expected a torch.Tensor or None, got {type(mask).__name__}")
+        raise TypeError(f"attn_mask: expected a torch.Tensor, a flash_dma.BitMask or None, got {type(mask).__name__}")
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
         raise TypeError(
             f"attn_mask: expected a bool (True = attend) or 0/1 integer tensor, got {mask.dtype}; "
@@ -200,6 +207,11 @@ def _check_block_mask(block_mask, attn_mask, query, shape) -> None:
                 f"block_mask: it was built for a mask of shape {block_mask.mask_shape}, whose {label} "
                 f"must be {options} for this call, got {got}"
             )
+    if isinstance(attn_mask, BitMask):
+        raise ValueError(
+            "block_mask: attn_mask is a BitMask, which carries its own summary; expected block_mask=None, "
+            f"got {block_mask!r}"
+        )
     if attn_mask is None and block_mask.needs_mask:
         raise ValueError(
             "block_mask: it was built from an element-wise mask and may hold partial blocks; "

@@ -20,18 +20,12 @@ from __future__ import annotations
 import torch
 
 from flash_dma.backends.reference import visible_positions
-from flash_dma.block_mask import (
-    DEFAULT_BLOCK_SIZE,
-    EMPTY,
-    FULL,
-    PARTIAL,
-    BlockMask,
-    cdiv,
-    check_block_size,
-    effective_mask_rows,
-)
+from flash_dma.bit_mask import BitMask, pack_words
+from flash_dma.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, FULL, PARTIAL, BlockMask, check_block_size, effective_mask_rows
 from flash_dma.inputs import UNBOUNDED, check_choice, check_int
-from flash_dma.packed import packed_rows
+from flash_dma.integers import cdiv
+from flash_dma.packed import packed_rows, values_checkable
+from flash_dma.summaries import bit_mask_from_words, block_mask_from_state, check_bit_block_size
 
 MASK_KINDS = ("topk", "relu")
 BLOCK_REDUCTIONS = ("max", "mean")
@@ -175,7 +169,8 @@ def create_mask(
     block_size: int | None = None,
     *,
     kind: str = "topk",
-) -> torch.Tensor:
+    packed: bool = False,
+) -> torch.Tensor | BitMask:
     """A token-level dynamic mask: the keys with the largest bias, per row of the bias.
 
     The arguments are those of the earlier Flash-DMA ``create_mask``, except that its ``type`` is the
@@ -202,10 +197,14 @@ def create_mask(
             whole tiles can be skipped; masked keys stay unselected.
         kind: ``"topk"``: the ``window_size`` largest-bias keys per row; ``"relu"``: the keys whose
             bias is > 0.
+        packed: return a :class:`~flash_dma.BitMask` (one bit per pair, with its block summary),
+            selected and packed a chunk of query rows at a time, so that no ``[Sq, Sk]`` bool
+            tensor exists at once: the form to pass for a per-pair bias's per-query selection.
 
     Returns:
         bool, the broadcast shape of ``attention_bias`` and the (aligned) ``attention_mask``;
-        True = attend. Pass it as ``flash_dma_func(attn_mask=...)`` together with the bias.
+        True = attend (with ``packed``, that mask as a ``BitMask``). Pass it as
+        ``flash_dma_func(attn_mask=...)`` together with the bias.
     """
     _check_bias(attention_bias, "[1|B, 1|Hkv|H, 1|Sq, Sk]")
     for name, value, minimum in (("batch_size", batch_size, 1), ("query_len", query_len, 1), ("key_len", key_len, 0)):
@@ -223,22 +222,74 @@ def create_mask(
         raise TypeError(f"min_dtype: expected a float or None, got {type(min_dtype).__name__} {min_dtype!r}")
     if block_size is not None:
         check_int("block_size", block_size, 1)
+    if not isinstance(packed, bool):
+        raise TypeError(f"packed: expected a bool, got {type(packed).__name__} {packed!r}")
     allowed = _allowed_keys(attention_mask, key_len, query_len, batch_size, attention_bias.device)
 
     with torch.no_grad():
         bias = attention_bias.detach()
         if allowed is None:
             allowed = torch.ones((), dtype=torch.bool, device=bias.device)
-        bias, allowed = _broadcast("attention_mask", bias, allowed)
-        if min_dtype is not None:
-            allowed = allowed & (bias > min_dtype)
-        if kind == "topk":
-            keep = _keep_largest(bias, allowed, window_size)
-        else:
-            keep = allowed & (bias > 0)
-        if block_size is not None and block_size > 1:
-            keep = _majority_per_block(keep, block_size) & allowed
-    return keep
+        bias, allowed = _broadcast("attention_mask", bias, allowed)  # views: nothing is copied
+
+        def select(start: int, stop: int) -> torch.Tensor:
+            """The selection of rows ``[start, stop)`` (the one row, if the inputs broadcast over rows)."""
+            rows_bias, rows_allowed = (t[:, :, start:stop] if t.shape[2] > 1 else t for t in (bias, allowed))
+            if min_dtype is not None:
+                rows_allowed = rows_allowed & (rows_bias > min_dtype)
+            if kind == "topk":
+                keep = _keep_largest(rows_bias, rows_allowed, window_size)
+            else:
+                keep = rows_allowed & (rows_bias > 0)
+            if block_size is not None and block_size > 1:
+                keep = _majority_per_block(keep, block_size) & rows_allowed
+            return keep
+
+        rows = bias.shape[2]
+        if not packed:
+            return select(0, rows)
+        shape = (*bias.shape[:2], rows, key_len)
+        return bit_mask_from_words(pack_words(select, shape, bias.device), shape)
+
+
+def indices_to_mask(
+    indices: torch.Tensor, key_len: int, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE
+) -> BitMask:
+    """The :class:`~flash_dma.BitMask` of keys chosen per query: for callers who select keys themselves.
+
+    Args:
+        indices: ``[B, H, Sq, W]`` integer, the keys each query attends (``H`` is 1, Hkv or H, as
+            for a mask); entries < 0 mean none (``-1`` pads rows that choose fewer than W keys).
+            Repeated entries count once. Every entry must be < ``key_len``.
+        key_len: Sk.
+        block_size: ``(block_q, block_k)`` of the summary; ``block_k >= 32``.
+
+    Returns:
+        A :class:`~flash_dma.BitMask` of shape ``[B, H, Sq, key_len]``, built a chunk of query rows at
+        a time (no ``[Sq, Sk]`` tensor at once). The values are checked on the host (one
+        synchronisation), except inside a CUDA graph capture or ``torch.compile``.
+    """
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices: expected a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+        raise TypeError(f"indices: expected an integer tensor, got {indices.dtype}")
+    if indices.dim() != 4:
+        raise ValueError(f"indices: expected a 4-D tensor [B, H, Sq, W], got shape {tuple(indices.shape)}")
+    check_int("key_len", key_len, 1)
+    check_bit_block_size(block_size)
+    if values_checkable(indices) and indices.numel() and int(indices.max()) >= key_len:
+        raise ValueError(f"indices: every entry must be < key_len = {key_len}, got {int(indices.max())}")
+    batch, heads, rows, _ = indices.shape
+
+    def select(start: int, stop: int) -> torch.Tensor:
+        chosen = indices[:, :, start:stop].long()
+        # Entries < 0 go to a spare column past the keys, cut off after: every write is True.
+        chosen = torch.where(chosen < 0, key_len, chosen)
+        keep = torch.zeros(batch, heads, stop - start, key_len + 1, dtype=torch.bool, device=indices.device)
+        return keep.scatter_(-1, chosen, True)[..., :key_len]
+
+    shape = (batch, heads, rows, key_len)
+    return bit_mask_from_words(pack_words(select, shape, indices.device), shape, block_size)
 
 
 def _query_block_layout(
@@ -396,7 +447,7 @@ def topk_block_mask(
         forced = forced & eligible
         selected = forced | _keep_largest(score, eligible & ~forced, cdiv(window_size, block_k))
         state = torch.where(selected, torch.where(fully_allowed, FULL, PARTIAL), EMPTY).to(torch.int8)
-    return BlockMask.from_block_state(state, mask_shape, block_size)
+    return block_mask_from_state(state, mask_shape, block_size)
 
 
 def attended_fraction(

@@ -43,7 +43,8 @@ class Case:
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     # "random": each element kept with probability 1/2; "blocks": 16x16 blocks that are empty,
-    # full or random; "rows": random, with about a quarter of the query rows fully masked.
+    # full or random ("tiles": 128x128 blocks, whole kernel tiles); "rows": random, with about a
+    # quarter of the query rows fully masked.
     mask_kind: str = "random"
     bias_fp32: bool = False
     # Block summary passed explicitly (small blocks make short sequences span many blocks);
@@ -52,6 +53,8 @@ class Case:
     # Without a summary, small problems read the mask on every tile; "listed" makes the backend
     # walk them as it walks large ones (key lists, or a summary it builds).
     listed: bool = False
+    # The mask passed packed, as a BitMask (with its own summary, in blocks of block_size).
+    packed: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
     def __str__(self) -> str:
@@ -72,6 +75,8 @@ class Case:
             parts.append(f"blk{self.block_size[0]}x{self.block_size[1]}")
         if self.listed:
             parts.append("listed")
+        if self.packed:
+            parts.append("packed")
         return "-".join(parts)
 
     def with_(self, **changes) -> "Case":
@@ -108,11 +113,12 @@ def make_mask(case: Case, gen: torch.Generator, device=DEVICE) -> torch.Tensor |
         return None
     shape = case.dims(case.mask)
     mask = torch.rand(shape, generator=gen) < 0.5
-    if case.mask_kind == "blocks":
-        # 16x16 blocks: empty, full or left random, so that whole tiles are skipped or taken.
-        nq, nk = -(-shape[2] // 16), -(-shape[3] // 16)
+    if case.mask_kind in ("blocks", "tiles"):
+        # Blocks empty, full or left random, so that whole tiles are skipped or taken.
+        block = 16 if case.mask_kind == "blocks" else 128
+        nq, nk = -(-shape[2] // block), -(-shape[3] // block)
         kind = torch.randint(0, 3, (*shape[:2], nq, nk), generator=gen)
-        kind = kind.repeat_interleave(16, 2).repeat_interleave(16, 3)[..., : shape[2], : shape[3]]
+        kind = kind.repeat_interleave(block, 2).repeat_interleave(block, 3)[..., : shape[2], : shape[3]]
         mask = torch.where(kind == 0, False, torch.where(kind == 1, True, mask))
     elif case.mask_kind == "rows":
         dead = torch.rand(*shape[:3], 1, generator=gen) < 0.25
@@ -173,9 +179,11 @@ def call_kwargs(case: Case) -> dict:
 def triton_call(case: Case, inputs: dict, **kwargs):
     """``flash_dma_func`` on the Triton backend, with the case's block summary if it names one."""
     import flash_dma.backends.triton as triton_backend
-    from flash_dma import build_block_mask, flash_dma_func
+    from flash_dma import build_block_mask, flash_dma_func, pack_mask
 
-    if case.block_size and inputs["attn_mask"] is not None:
+    if case.packed:
+        inputs = {**inputs, "attn_mask": pack_mask(inputs["attn_mask"], block_size=case.block_size)}
+    elif case.block_size and inputs["attn_mask"] is not None:
         kwargs.setdefault("block_mask", build_block_mask(inputs["attn_mask"], block_size=case.block_size))
     small = triton_backend.SMALL_PROBLEM
     triton_backend.SMALL_PROBLEM = 0 if case.listed else small
@@ -185,9 +193,43 @@ def triton_call(case: Case, inputs: dict, **kwargs):
         triton_backend.SMALL_PROBLEM = small
 
 
+def kernel_call(
+    inputs: dict, summary=None, key_list=None, *, softmax_scale: float, window=(-1, -1), softcap: float = 0.0,
+    deterministic: bool = False, mask=None,
+):
+    """The Triton backend's :class:`~flash_dma.backends.triton.layout.Call` of ``inputs``, walked by
+    ``summary`` (a ``BlockMask``) or ``key_list``, for tests that launch kernels directly. ``mask``
+    overrides the inputs' (a BitMask's words make the call read bits)."""
+    from flash_dma.backends.triton.layout import Call
+    from flash_dma.bit_mask import BitMask
+
+    mask = inputs["attn_mask"] if mask is None else mask
+    bits = isinstance(mask, BitMask)
+    if bits:
+        mask, summary = mask.words, mask.summary
+    lists, block_q, block_k = (None, None), 0, 0
+    if summary is not None:
+        lists = (summary.kv_lists, summary.q_lists)
+        block_q = summary.block_size[0] if summary.state.shape[2] > 1 else 0
+        block_k = summary.block_size[1] if summary.state.shape[3] > 1 else 0
+    return Call(
+        inputs["query"], inputs["key"], inputs["value"], None if key_list is not None else mask, inputs["attn_bias"],
+        *lists, key_list, None, None, block_q, block_k, softmax_scale, *window, softcap, deterministic, 0, 0, bits,
+    )
+
+
 def listed_variants(cases: list[Case]) -> list[Case]:
     """The cases with a mask and no summary again, walked as large problems are."""
     return [case.with_(listed=True) for case in cases if case.mask and not case.block_size]
+
+
+def packed_variants(cases: list[Case]) -> list[Case]:
+    """The cases with a mask again, the mask packed into a BitMask (whose key blocks hold whole words)."""
+    return [
+        case.with_(packed=True, block_size=((case.block_size or (16, 32))[0], max(32, (case.block_size or (16, 32))[1])))
+        for case in cases
+        if case.mask
+    ]
 
 
 def reference_outputs(case: Case, inputs: dict, dout: torch.Tensor | None, compute_dtype: torch.dtype, **kwargs):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flash_dma import BlockMask, build_block_mask, flash_dma_func
+from flash_dma import BlockMask, block_mask_from_state, build_block_mask, flash_dma_func
 from flash_dma.block_mask import EMPTY, FULL, PARTIAL
 from tests.helpers import DEVICE, SUMMARY_BLOCK_SIZES, SUMMARY_CASES, Case, make_inputs, make_mask
 
@@ -59,7 +59,7 @@ def test_block_size_is_validated():
     with pytest.raises(ValueError, match=r"block_size: expected a pair of values from \(16, 32, 64, 128, 256\), got \(128, 100\)"):
         build_block_mask(torch.ones(1, 1, 4, 4, dtype=torch.bool), block_size=(128, 100))
     with pytest.raises(ValueError, match=r"state: expected shape \(1, 1, 1, 2\)"):
-        BlockMask.from_block_state(torch.zeros(1, 1, 1, 3), (1, 1, 1, 200))
+        block_mask_from_state(torch.zeros(1, 1, 1, 3), (1, 1, 1, 200))
 
 
 @pytest.mark.parametrize("block_size", [(16, 16), (32, 16)], ids=lambda b: f"block{b[0]}x{b[1]}")
@@ -75,7 +75,7 @@ def test_reference_with_summary_equals_reference_with_mask(block_size):
 def test_block_level_summary_without_element_mask():
     # A summary made of EMPTY/FULL blocks is a mask on its own.
     state = torch.tensor([[[[FULL, EMPTY, FULL]]]], dtype=torch.int8, device=DEVICE)
-    summary = BlockMask.from_block_state(state, (1, 1, 1, 40), block_size=(16, 16))
+    summary = block_mask_from_state(state, (1, 1, 1, 40), block_size=(16, 16))
     assert not summary.needs_mask
     case = Case(batch=1, heads=2, kv_heads=1, seqlen_q=5, seqlen_k=40)
     inputs = make_inputs(case, torch.float32)

@@ -21,7 +21,9 @@ import importlib.util
 
 import torch
 
-from flash_dma.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, FULL, PARTIAL, build_block_mask, cdiv
+from flash_dma.bit_mask import WORD_BITS, BitMask
+from flash_dma.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, FULL, PARTIAL, summarize_mask
+from flash_dma.integers import cdiv
 
 # Flex's default sparse block: its kernels' tiles divide it for every head dim.
 FLEX_BLOCK = 128
@@ -100,7 +102,11 @@ def _mask_mod(problem):
     _, seqlen_q, seqlen_k, num_heads, _, _ = problem.shape
     lowest, highest = _band(seqlen_q, seqlen_k, problem.window)
     mask, summary = problem.attn_mask, problem.block_mask
-    mask_index = None if mask is None else _broadcast_index(mask.shape, num_heads)
+    bits = isinstance(mask, BitMask)
+    if bits:  # its words, one per 32 keys; its own summary
+        mask, summary = mask.words, mask.summary
+    mask_index = None if mask is None else _broadcast_index(mask.shape, num_heads, (1, WORD_BITS if bits else 1))
+    keys_broadcast = mask is not None and problem.attn_mask.shape[3] == 1
     is_bool = mask is None or mask.dtype == torch.bool
     state = None if summary is None else summary.state
     state_index = None if summary is None else _broadcast_index(state.shape, num_heads, summary.block_size)
@@ -114,6 +120,8 @@ def _mask_mod(problem):
         kept = None
         if mask is not None:
             kept = mask[mask_index(b, h, q_idx, kv_idx)]
+            if bits:
+                kept = (kept >> (0 if keys_broadcast else kv_idx % WORD_BITS)) & 1
             kept = kept if is_bool else kept != 0
         if state is not None:
             block = state[state_index(b, h, q_idx, kv_idx)]
@@ -184,15 +192,19 @@ def _band_state(seqlen_q: int, seqlen_k: int, window: tuple[int, int], device: t
 def _block_state(problem) -> torch.Tensor | None:
     """``[1|B, 1|H, NQB, NKB]`` states over Flex's blocks, or None when nothing is masked."""
     batch, seqlen_q, seqlen_k, num_heads, _, _ = problem.shape
-    summary = problem.block_mask
-    if summary is None and problem.attn_mask is not None:
-        summary = build_block_mask(problem.attn_mask, block_size=DEFAULT_BLOCK_SIZE)
-    if summary is None and problem.window == (-1, -1):
+    mask_state, block_size = None, DEFAULT_BLOCK_SIZE
+    if problem.block_mask is not None:
+        mask_state, block_size = problem.block_mask.state, problem.block_mask.block_size
+    elif isinstance(problem.attn_mask, BitMask):
+        mask_state, block_size = problem.attn_mask.summary.state, problem.attn_mask.summary.block_size
+    elif problem.attn_mask is not None:
+        mask_state = summarize_mask(problem.attn_mask, *block_size)
+    if mask_state is None and problem.window == (-1, -1):
         return None
     state = _band_state(seqlen_q, seqlen_k, problem.window, problem.query.device)[None, None]
-    if summary is not None:
-        block_q, block_k = summary.block_size
-        mask_state = _reblocked(_reblocked(summary.state, 2, block_q, seqlen_q), 3, block_k, seqlen_k)
+    if mask_state is not None:
+        block_q, block_k = block_size
+        mask_state = _reblocked(_reblocked(mask_state, 2, block_q, seqlen_q), 3, block_k, seqlen_k)
         if mask_state.shape[1] not in (1, num_heads):  # Hkv heads -> their query heads
             mask_state = mask_state.repeat_interleave(num_heads // mask_state.shape[1], dim=1)
         # EMPTY < PARTIAL < FULL: a block holds work only where both do, and is FULL where both are.
@@ -238,7 +250,7 @@ def _flex_block_mask(problem):
     owner = summary if summary is not None else mask
     _, seqlen_q, seqlen_k, num_heads, _, _ = problem.shape
     key = (
-        None if mask is None else (id(mask), mask._version),
+        None if mask is None else (id(mask), getattr(mask, "_version", 0)),  # a BitMask is never written
         seqlen_q, seqlen_k, num_heads, problem.window, problem.query.device,
     )  # fmt: skip
     made = _MADE_OF_BANDS if owner is None else _MADE.setdefault(owner, {})

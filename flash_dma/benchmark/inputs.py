@@ -21,7 +21,8 @@ from flash_dma.benchmark.suites import (
     Case,
     kept_block_count,
 )
-from flash_dma.block_mask import EMPTY, BlockMask, cdiv
+from flash_dma.block_mask import EMPTY, BlockMask
+from flash_dma.integers import cdiv
 from flash_dma.masks import create_mask, topk_block_mask
 
 DTYPE = torch.bfloat16
@@ -94,7 +95,7 @@ def document_topk_block_mask(scores: torch.Tensor, documents: tuple[int, ...], k
         result = topk_block_mask(packed, (kept - 1) * MASK_BLOCK, block_size=(MASK_BLOCK, MASK_BLOCK), sink_blocks=1,
                                  cu_seqlens_k=cu_seqlens, max_seqlen_k=longest)
         rows.append(result.state[i])
-    return BlockMask.from_block_state(torch.stack(rows), result.mask_shape, result.block_size)
+    return block_mask_from_state(torch.stack(rows), result.mask_shape, result.block_size)
 
 
 def document_key_mask(block_mask: BlockMask, documents: tuple[int, ...]) -> torch.Tensor:

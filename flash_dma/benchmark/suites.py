@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from flash_dma.benchmark.llama import GENERATE_NEW_TOKENS, describe_llama
-from flash_dma.block_mask import cdiv
+from flash_dma.integers import cdiv
 
 MASK_BLOCK = 128  # keys per block of the top-k masks: the default block of flash-dma and Flex
 # Run order: the llm suite holds most targets, so a run cut short has them first.

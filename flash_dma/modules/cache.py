@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_dma.block_mask import cdiv
+from flash_dma.integers import cdiv
 from flash_dma.inputs import check_int
 
 

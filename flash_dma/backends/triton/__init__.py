@@ -8,6 +8,9 @@ How the kernels walk a mask's sparsity is chosen here, from shapes alone (no hos
   :data:`SMALL_PROBLEM` scores this costs less than one more launch to prepare a walk;
 - a per-key mask alone (``[., 1|Hkv, 1, Sk]``): a key list, so that tiles hold only kept keys,
   however scattered (``key_list.py``);
+- a per-pair mask that the Hopper kernels serve (``dispatch.py``): packed into bits (a
+  ``BitMask``'s words, 1/8 of its bytes), walked by the summary given or one of the bits;
+  a ``BitMask`` passed in is walked by its own summary;
 - any other mask alone: the lists of a summary built here;
 - no mask: every tile inside the causal/window band.
 """
@@ -17,8 +20,11 @@ from __future__ import annotations
 import torch
 
 from flash_dma.backends.triton.backward import attention_backward
-from flash_dma.backends.triton.ops import attention_op, key_list, kvcache_forward, launch_forward, packed_sequences
-from flash_dma.block_mask import build_block_mask
+from flash_dma.backends.triton.dispatch import hopper_takes_bits
+from flash_dma.backends.triton.layout import Call
+from flash_dma.backends.triton.ops import attention_op, key_list, kvcache_forward, launch_forward, summary_lists, summary_state
+from flash_dma.bit_mask import BitMask, block_states, pack_words
+from flash_dma.block_mask import DEFAULT_BLOCK_SIZE
 
 SMALL_PROBLEM = 1 << 24  # B x H x Sq x Sk
 # A decode reads every key's K and V to serve a few query rows, so below SMALL_PROBLEM scores it
@@ -32,41 +38,64 @@ def _per_key(mask, num_heads: int, num_kv_heads: int) -> bool:
     return mask.shape[2] == 1 and (mask.shape[1] in (1, num_kv_heads) or num_heads == num_kv_heads)
 
 
-def _kernel_inputs(problem) -> tuple:
-    """The inputs of ``forward_op`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
-    mask, block_mask = problem.attn_mask, problem.block_mask
-    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, _ = problem.entries
-    kv_lists = q_lists = keys = None
-    list_block_q = list_block_k = 0
-    if block_mask is None and mask is not None and batch * num_heads * seqlen_q * seqlen_k > SMALL_PROBLEM:
-        if _per_key(mask, num_heads, num_kv_heads):
-            keys, mask = key_list(mask, seqlen_k), None
-        else:
-            block_mask = build_block_mask(mask)
-    if block_mask is not None:
-        kv_lists, q_lists = block_mask.kv_lists, block_mask.q_lists
-        # An axis of one summary block spans the whole axis (broadcast or short): size 0 says so.
-        list_block_q = block_mask.block_size[0] if block_mask.state.shape[2] > 1 else 0
-        list_block_k = block_mask.block_size[1] if block_mask.state.shape[3] > 1 else 0
-        # Without PARTIAL blocks the element-wise mask is never read.
-        mask = mask if block_mask.needs_mask else None
-    left, right = problem.window
-    return (
-        problem.query, problem.key, problem.value, mask, problem.attn_bias, kv_lists, q_lists, keys,
-        problem.cu_seqlens_q, problem.cu_seqlens_k, list_block_q, list_block_k, problem.softmax_scale, left, right,
-        problem.softcap, problem.deterministic, problem.max_seqlen_q, problem.max_seqlen_k,
+def _walk_fields(state: torch.Tensor, block_size, kv_lists=None, q_lists=None) -> dict:
+    """The walk fields of a :class:`Call` for a summary's block states ``[Bm, Hm, NQB, NKB]`` and
+    lists (built here when not given). An axis of one summary block spans the whole axis
+    (broadcast or short), which a block size of 0 says."""
+    return dict(
+        kv_lists=summary_lists(state, False) if kv_lists is None else kv_lists,
+        q_lists=summary_lists(state, True) if q_lists is None else q_lists,
+        list_block_q=block_size[0] if state.shape[2] > 1 else 0,
+        list_block_k=block_size[1] if state.shape[3] > 1 else 0,
     )
+
+
+def _call(problem) -> Call:
+    """The :class:`~flash_dma.backends.triton.layout.Call` of a validated
+    :class:`~flash_dma.inputs.AttentionProblem`, with the walk of its mask chosen (module doc)."""
+    mask, summary = problem.attn_mask, problem.block_mask
+    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, _ = problem.entries
+    bits = isinstance(mask, BitMask)
+    if bits and (mask.shape[2] == 1 or mask.shape[3] == 1):
+        mask, bits = mask.dense(), False  # per key or per row: as small as one row or column of bools
+    elif bits:
+        mask, summary = mask.words, mask.summary
+    left, right = problem.window
+    call = Call(
+        problem.query, problem.key, problem.value, mask, problem.attn_bias, None, None, None,
+        problem.cu_seqlens_q, problem.cu_seqlens_k, 0, 0, problem.softmax_scale, left, right,
+        problem.softcap, problem.deterministic, problem.max_seqlen_q, problem.max_seqlen_k, bits,
+    )
+    if summary is not None:
+        call = call._replace(**_walk_fields(summary.state, summary.block_size, summary.kv_lists, summary.q_lists))
+        if not (bits or summary.needs_mask):
+            return call._replace(mask=None)  # without PARTIAL blocks the mask is never read
+    large = batch * num_heads * seqlen_q * seqlen_k > SMALL_PROBLEM
+    if mask is None or bits or not large:
+        return call
+    if mask.shape[2] > 1 and mask.shape[3] > 1 and hopper_takes_bits(call):
+        # The Hopper kernels read a per-pair mask as bits (1/8 of its bytes), walked by a summary.
+        shape = tuple(mask.shape)
+        words = pack_words(lambda start, stop: mask[:, :, start:stop] != 0, shape, mask.device)
+        if summary is None:
+            call = call._replace(**_walk_fields(block_states(words, shape, DEFAULT_BLOCK_SIZE), DEFAULT_BLOCK_SIZE))
+        return call._replace(mask=words, mask_bits=True)
+    if summary is not None:
+        return call
+    if _per_key(mask, num_heads, num_kv_heads):
+        return call._replace(mask=None, key_list=key_list(mask, seqlen_k))
+    return call._replace(**_walk_fields(summary_state(mask, *DEFAULT_BLOCK_SIZE), DEFAULT_BLOCK_SIZE))
 
 
 def attention(problem):
     """Backend entry point: ``(out, lse)`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
-    return attention_op(*_kernel_inputs(problem))
+    return attention_op(_call(problem))
 
 
 def partial_forward(problem):
     """``(out, lse)`` without autograd: for callers that drive the backward themselves
     (context parallelism merges the results of several calls, then differentiates each)."""
-    return launch_forward(*_kernel_inputs(problem))
+    return launch_forward(*_call(problem))
 
 
 def partial_backward(problem, dout, out, lse, bias_requires_grad: bool):
@@ -76,12 +105,8 @@ def partial_backward(problem, dout, out, lse, bias_requires_grad: bool):
     ``out`` and ``lse`` ``[B, H, Sq]`` may be those of a larger attention that this problem is part
     of (its keys a subset of that one's): the gradients are then this part's share of its gradients.
     """
-    q, k, v, mask, bias, kv_lists, q_lists, keys, cu_q, cu_k, *settings, deterministic, max_q, max_k = _kernel_inputs(problem)
     # float32 gradients: the caller sums several calls' before rounding once.
-    return attention_backward(
-        dout, q, k, v, out, lse.contiguous(), mask, bias, kv_lists, q_lists, keys, *settings, deterministic,
-        bias_requires_grad, sequences=packed_sequences(cu_q, cu_k, max_q, max_k), grad_dtype=torch.float32,
-    )
+    return attention_backward(dout, _call(problem), out, lse, bias_requires_grad, grad_dtype=torch.float32)
 
 
 def attention_with_cache(cached):

@@ -17,7 +17,7 @@ Three launches (dQ never needs atomics):
 A bias broadcast over keys (``[., ., ., 1]``) shifts whole rows of scores, which the softmax
 ignores: its gradient is exactly zero and takes no work.
 
-On sm90, launches 2 and 3 run the Gluon kernels of ``backward_hopper.py`` where they serve the call.
+On sm90, launches 2 and 3 run the Gluon kernels of ``hopper/`` where ``dispatch.py``'s table says they serve the call.
 """
 
 from __future__ import annotations
@@ -27,11 +27,18 @@ import triton
 import triton.language as tl
 
 from flash_dma.backends.triton import configs
-from flash_dma.backends.triton.backward_hopper import hopper_dkdv, hopper_dkdv_supported, hopper_dq, hopper_dq_supported
+from flash_dma.backends.triton.dispatch import HOPPER, form_of, route
+from flash_dma.backends.triton.forward import packed_sequences
+from flash_dma.backends.triton.hopper.dkdv import hopper_dkdv
+from flash_dma.backends.triton.hopper.dq import hopper_dq
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
+    CALL_TENSORS,
+    DBIAS_FULL,
+    DBIAS_NONE,
+    DBIAS_PER_KEY,
     SPECIALIZED,
-    Sequences,
+    Call,
     broadcast_strides,
     common_arguments,
     common_layout,
@@ -53,6 +60,7 @@ from flash_dma.backends.triton.tiles import (
     band_tiles,
     key_pointers,
     key_walk,
+    mask_columns,
     listed_tiles,
     load_rows,
     load_tile,
@@ -68,10 +76,8 @@ from flash_dma.backends.triton.tiles import (
     visible_scores,
     walk_position,
 )
-from flash_dma.block_mask import cdiv
+from flash_dma.integers import cdiv
 
-# Kinds of bias gradient.
-DBIAS_NONE, DBIAS_PER_KEY, DBIAS_FULL = 0, 1, 2
 MAX_QUERY_CHUNKS = 8
 _QUERIES_PER_CHUNK = 2048
 _QUERIES_PER_ATOMIC_CHUNK = 512
@@ -140,7 +146,7 @@ def _dkdv_tiles(
     STAGE: tl.constexpr, WALK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr,
     DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DBIAS_HEAD_SHARED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_BITS: tl.constexpr,
 ):
     """Accumulate dK, dV (and the bias gradient) over the query tiles at walk positions
     ``[lo, hi)`` less ``[gap_lo, gap_hi)``. Tiles are ``[keys, queries]``."""
@@ -161,8 +167,8 @@ def _dkdv_tiles(
         s = visible_scores(
             scores, offs_m[None, :], keys[:, None], key_ok[:, None], band_lo, band_hi,
             key_pointers(bias_rows, keys, stride_bk, BIAS_PER_KEY, True),
-            key_pointers(mask_rows, keys, stride_mk, MASK_PER_KEY, True),
-            HAS_BIAS, STAGE,
+            key_pointers(mask_rows, mask_columns(keys, MASK_BITS), stride_mk, MASK_PER_KEY, True),
+            HAS_BIAS, STAGE, MASK_BITS,
         )
         dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         p, ds, dqk = _softmax_grad(s, lse2, delta, dp, 1, scale, softcap_log2, SOFTCAP, scores)
@@ -216,7 +222,7 @@ def _dkdv_kernel(
     stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk, dbias_head_div,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SEQ: tl.constexpr, DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DBIAS_HEAD_SHARED: tl.constexpr,
+    SEQ: tl.constexpr, MASK_BITS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DBIAS_HEAD_SHARED: tl.constexpr,
     CHUNKS_IN_ORDER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     chunk = tl.program_id(0)
@@ -318,7 +324,7 @@ def _dkdv_kernel(
                     tiles, tiles_per_block, stage_lo, stage_hi, gap_lo, gap_hi,
                     seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
                     stage, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
-                    DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION,
+                    DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION, MASK_BITS,
                 )
             if DBIAS == 1:
                 if not DBIAS_HEAD_SHARED:
@@ -376,7 +382,7 @@ def _dq_tiles(
     band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
     STAGE: tl.constexpr, WALK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_BITS: tl.constexpr,
 ):
     """Accumulate dQ over the key tiles at walk positions ``[lo, hi)`` less ``[gap_lo, gap_hi)``."""
     count = (hi - lo) - (gap_hi - gap_lo)
@@ -387,7 +393,7 @@ def _dq_tiles(
         k, scores, s = row_tile_scores(  # [BLOCK_N, BLOCK_D], then [BLOCK_M, BLOCK_N]
             q, offs_m, k_source, tile * BLOCK_N, keys, keys, key_ok, stride_ks, head_dim, band_lo, band_hi,
             bias_rows, stride_bk, mask_rows, stride_mk, scale_log2, softcap_log2, scale_over_cap,
-            STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, TMA, BLOCK_D, DOT_PRECISION,
+            STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, TMA, BLOCK_D, DOT_PRECISION, MASK_BITS,
         )
         v = load_rows(v_source, tile * BLOCK_N, keys, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, TMA, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
@@ -417,7 +423,8 @@ def _dq_kernel(
     stride_dqb, stride_dqs, stride_dqh,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SEQ: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEQ: tl.constexpr, MASK_BITS: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) row tiles first, as in the forward
     b = tl.program_id(1) // num_heads
@@ -467,7 +474,7 @@ def _dq_kernel(
             dq, q, do, lse2, delta, offs_m, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
             tiles, tiles_per_block, key_limit, stage_lo, stage_hi, gap_lo, gap_hi,
             band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-            stage, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            stage, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION, MASK_BITS,
         )
     offs_d = tl.arange(0, BLOCK_D)
     dq_ptrs = DQ + b_tokens * stride_dqb + head * stride_dqh + (q_offset + offs_m)[:, None] * stride_dqs + offs_d[None, :]
@@ -495,8 +502,10 @@ dq_launcher = Launcher(
 )
 
 
-def bias_gradient_buffer(bias, batch, num_heads, num_kv_heads, seqlen_k, deterministic, query_chunks):
-    """The fp32 buffer the dK/dV kernel accumulates the bias gradient in, and how to read it.
+def bias_gradient_buffer(
+    bias, batch, num_heads, num_kv_heads, seqlen_k, deterministic, query_chunks, hopper=False, per_head_walk=False,
+):
+    """The buffer the dK/dV kernel makes the bias gradient in, and how to read it.
 
     Returns ``(buffer, kind, atomic, head_shared)``; the buffer is ``[chunks, Bd, Hd, Sqb, Sk]``.
     Programs own one (query chunk, batch, kv head). Where the bias is shared across programs
@@ -504,6 +513,10 @@ def bias_gradient_buffer(bias, batch, num_heads, num_kv_heads, seqlen_k, determi
     (extra memory: B or Hkv times the bias) and sums them afterwards; the default path
     accumulates with fp32 atomics. A per-key bias also gets one slice per query chunk (summed
     afterwards); a full bias needs none, as chunks own disjoint query rows.
+
+    The ``hopper`` kernel writes each element of a per-pair gradient once, in the bias's dtype
+    (it adds a group's heads in registers), unless programs share it; a walk that differs per
+    query head (``per_head_walk``) keeps a group's heads apart, so they add by atomics too.
     """
     bb, bh, bq, bk = bias.shape
     # A bias broadcast over several keys shifts whole rows, which the softmax ignores. Over one
@@ -513,13 +526,14 @@ def bias_gradient_buffer(bias, batch, num_heads, num_kv_heads, seqlen_k, determi
         return None, DBIAS_NONE, False, False
     shared_batch = bb == 1 and batch > 1
     shared_kv = bh == 1 and num_kv_heads > 1
-    atomic = (shared_batch or shared_kv) and not deterministic
+    full = bq > 1
+    atomic = (shared_batch or shared_kv or (hopper and full and per_head_walk and bh != num_heads)) and not deterministic
     rows_b = batch if shared_batch and deterministic else bb
     rows_h = num_kv_heads if shared_kv and deterministic else bh
-    chunks = query_chunks if bq == 1 else 1
-    buffer = torch.zeros(chunks, rows_b, rows_h, bq, bk, dtype=torch.float32, device=bias.device)
-    kind = DBIAS_PER_KEY if bq == 1 else DBIAS_FULL
-    return buffer, kind, atomic, rows_h != num_heads
+    chunks = 1 if full else query_chunks
+    dtype = bias.dtype if hopper and full and not atomic else torch.float32
+    buffer = torch.zeros(chunks, rows_b, rows_h, bq, bk, dtype=dtype, device=bias.device)
+    return buffer, DBIAS_FULL if full else DBIAS_PER_KEY, atomic, rows_h != num_heads
 
 
 def query_chunks(
@@ -568,16 +582,15 @@ def query_chunks(
     return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_ATOMIC_CHUNK, wanted))
 
 
-def _launch_dkdv(
-    q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, in_order, sequences,
-):
+def _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, in_order, sequences):
     """The dK/dV launch of ``attention_backward``, with its fp32 scratch for query chunks (added
     up in chunk order when ``in_order``, else by atomics)."""
+    q, k = call.q, call.k
     batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
     num_heads, head_dim, num_kv_heads = q.shape[2], q.shape[3], k.shape[2]
     device = q.device
     block_d = configs.head_dim_block(head_dim)
-    list_block_q, list_block_k = settings[:2]
+    list_block_q, list_block_k = call.list_block_q, call.list_block_k
     no_floats = placeholder(device, torch.float32)
     # Chunks add up in fp32 scratch; one turn (or arrival) counter per key tile (any BLOCK_N).
     scratch_k, scratch_v, turns = no_floats, no_floats, placeholder(device, torch.int32)
@@ -586,11 +599,11 @@ def _launch_dkdv(
         scratch_k = scratch(dk, dtype=torch.float32)
         scratch_v = scratch(dv, dtype=torch.float32)
         turns = torch.zeros(batch * num_kv_heads * cdiv(seqlen_k, _SMALLEST_BLOCK_N), dtype=torch.int32, device=device)
-    walk = key_list if key_list is not None else q_lists
+    walk = call.key_list if call.key_list is not None else call.q_lists
     own = [dout, lse, delta, dk, dv, no_floats if dbias_acc is None else dbias_acc, scratch_k, scratch_v, turns]
 
     def build():
-        runtime, flags = common_arguments(q, k, v, mask, bias, q_lists, key_list, *settings, sequences=sequences)
+        runtime, flags = common_arguments(call, call.q_lists, sequences=sequences)
         dbias_slice = None if dbias_acc is None else dbias_acc[0]
         args = [
             *runtime, *own, *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
@@ -606,40 +619,53 @@ def _launch_dkdv(
         return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dkdv"), seqlen_q, list_block_q, list_block_k)
 
     layout = (
-        common_layout(q, k, v, mask, bias, walk, sequences), key_list is not None, *settings, dout.stride(),
+        common_layout(call, walk, sequences), call.key_list is not None, *call[CALL_TENSORS:], dout.stride(),
         chunks, in_order, *dbias_flags, tensor_layout(dbias_acc), dk.dtype,
     )
     dkdv_launcher.launch(
-        layout, [*common_tensors(q, k, v, mask, bias, walk, sequences), *own], build, candidates,
+        layout, [*common_tensors(call, walk, sequences), *own], build, candidates,
         lambda meta: (chunks, cdiv(seqlen_k, meta["BLOCK_N"]), batch * num_kv_heads),
+    )
+
+
+def _launch_dq(call, dout, lse, delta, dq, sequences):
+    """The Triton dQ launch of ``attention_backward``."""
+    q, k = call.q, call.k
+    batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
+    num_heads, head_dim = q.shape[2], q.shape[3]
+    device = q.device
+    block_d = configs.head_dim_block(head_dim)
+    walk = call.key_list if call.key_list is not None else call.kv_lists
+
+    def build():
+        runtime, flags = common_arguments(call, call.kv_lists, sequences=sequences)
+        tma = copy_engine_reads(block_d, seqlen_k, k, call.v)
+        args = [*runtime, dout, lse, delta, dq, *dout.stride()[:3], *dq.stride()[:3], *flags, tma, block_d]
+        key = (q.dtype, *flags, tma, block_d, configs.length_bucket(seqlen_q), configs.length_bucket(seqlen_k),
+               call.list_block_q, call.list_block_k)
+        return args, key
+
+    def candidates():
+        return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dq"), seqlen_q, call.list_block_q, call.list_block_k)
+
+    dq_launcher.launch(
+        (common_layout(call, walk, sequences), call.key_list is not None, *call[CALL_TENSORS:], dout.stride(), dq.dtype),
+        [*common_tensors(call, walk, sequences), dout, lse, delta, dq], build, candidates,
+        lambda meta: (cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_heads),
     )
 
 
 def attention_backward(
     dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    call: Call,
     out: torch.Tensor,
     lse: torch.Tensor,
-    mask: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    kv_lists: torch.Tensor | None,
-    q_lists: torch.Tensor | None,
-    key_list: torch.Tensor | None,
-    list_block_q: int,
-    list_block_k: int,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    deterministic: bool,
     bias_requires_grad: bool,
     num_query_chunks: int | None = None,
-    sequences: Sequences | None = None,
     grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch the backward kernels; arguments as for ``attention_forward`` plus the forward's outputs.
+    """Launch the backward kernels of ``call`` (see ``forward.attention_forward``) for the
+    forward's ``out`` ``[B, Sq, H, D]`` and ``lse`` ``[B, H, Sq]``.
 
     ``num_query_chunks`` overrides ``query_chunks`` (for tests).
 
@@ -647,11 +673,14 @@ def attention_backward(
     the inputs' dtype) and layout, and the bias gradient in the bias's shape and dtype (None when
     not asked for).
     """
+    q, k, bias = call.q, call.k, call.bias
+    sequences = packed_sequences(call)
     batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
     num_heads, head_dim = q.shape[2], q.shape[3]
     device = q.device
     block_d = configs.head_dim_block(head_dim)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    lse = lse.contiguous()
     # Delta is per token: packed sequences need no bounds for it.
     token_rows = q.shape[1]
     delta = torch.empty(q.shape[0], num_heads, token_rows, dtype=torch.float32, device=device)
@@ -664,55 +693,26 @@ def attention_backward(
     dk = torch.empty(k.shape, dtype=grad_dtype, device=device)
     dv = torch.empty_like(dk)
     num_kv_heads = k.shape[2]
-    queued = sequences is None and hopper_dkdv_supported(
-        q, k, v, dout, lse, mask, bias, key_list, list_block_q, list_block_k, softcap, deterministic
-    )
-    masked = mask is not None or q_lists is not None or key_list is not None
-    chunks = num_query_chunks or query_chunks(seqlen_q, seqlen_k, batch * num_kv_heads, deterministic, device, queued, masked)
+    queued = route("dkdv", form_of("dkdv", call, sequences, dout=dout)) == HOPPER
+    masked = call.mask is not None or call.q_lists is not None or call.key_list is not None
+    chunks = num_query_chunks or query_chunks(seqlen_q, seqlen_k, batch * num_kv_heads, call.deterministic, device, queued, masked)
     dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = None, DBIAS_NONE, False, False
     if bias is not None and bias_requires_grad:
+        per_head_walk = call.q_lists is not None and call.q_lists.shape[1] == num_heads and num_heads > num_kv_heads
         dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = bias_gradient_buffer(
-            bias, batch, num_heads, num_kv_heads, seqlen_k, deterministic, chunks
+            bias, batch, num_heads, num_kv_heads, seqlen_k, call.deterministic, chunks, queued, per_head_walk,
         )
-    settings = (list_block_q, list_block_k, softmax_scale, window_left, window_right, softcap)
     dbias_flags = (dbias_kind, dbias_atomic, dbias_head_shared)
     if queued:
-        hopper_dkdv(
-            q, k, v, dout, lse, delta, mask, bias, q_lists, list_block_q, list_block_k, softmax_scale,
-            window_left, window_right, dk, dv, dbias_acc, dbias_flags, chunks,
-        )
+        hopper_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks)
     else:
-        _launch_dkdv(
-            q, k, v, mask, bias, q_lists, key_list, settings, dout, lse, delta, dk, dv,
-            dbias_acc, dbias_flags, chunks, deterministic, sequences,
-        )
+        _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, call.deterministic, sequences)
     # dQ is allocated once the dK/dV scratch is released, so the two never add up in the peak.
     dq = torch.empty(q.shape, dtype=grad_dtype, device=device)
-    dq_walk = key_list if key_list is not None else kv_lists
-
-    def build_dq():
-        runtime, flags = common_arguments(q, k, v, mask, bias, kv_lists, key_list, *settings, sequences=sequences)
-        tma = copy_engine_reads(block_d, seqlen_k, k, v)
-        args = [*runtime, dout, lse, delta, dq, *dout.stride()[:3], *dq.stride()[:3], *flags, tma, block_d]
-        key = (q.dtype, *flags, tma, block_d, configs.length_bucket(seqlen_q), configs.length_bucket(seqlen_k), list_block_q, list_block_k)
-        return args, key
-
-    def dq_candidates():
-        return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dq"), seqlen_q, list_block_q, list_block_k)
-
-    if sequences is None and hopper_dq_supported(
-        q, k, v, dout, lse, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softcap
-    ):
-        hopper_dq(
-            q, k, v, dout, lse, delta, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softmax_scale,
-            window_left, window_right, dq,
-        )
+    if route("dq", form_of("dq", call, sequences, dout=dout)) == HOPPER:
+        hopper_dq(call, dout, lse, delta, dq)
     else:
-        dq_launcher.launch(
-            (common_layout(q, k, v, mask, bias, dq_walk, sequences), key_list is not None, *settings, dout.stride(), dq.dtype),
-            [*common_tensors(q, k, v, mask, bias, dq_walk, sequences), dout, lse, delta, dq], build_dq, dq_candidates,
-            lambda meta: (cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_heads),
-        )
+        _launch_dq(call, dout, lse, delta, dq, sequences)
 
     dbias = None
     if bias is not None and bias_requires_grad:

@@ -7,7 +7,7 @@ captured in a CUDA graph; under ``torch.compile`` both steps are custom ops.
 - ``_block_state_kernel``: one program per block reads its ``block_q x block_k`` elements and
   writes EMPTY (none true), PARTIAL or FULL (all true).
 - ``_block_lists_kernel``: one program per row of states writes that row's PARTIAL and FULL
-  lists (``block_mask._block_lists`` defines the layout); run on the states and on their
+  lists (``block_mask.block_lists`` defines the layout); run on the states and on their
   transpose for ``kv_lists`` and ``q_lists``.
 """
 
@@ -20,7 +20,7 @@ import triton.language as tl
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import kernel_view, tensor_layout
-from flash_dma.block_mask import cdiv
+from flash_dma.integers import cdiv
 
 _ROWS, _COLS = 16, 128  # mask elements read per step of a block
 _CHUNK = 1024  # states per step of a row

@@ -25,7 +25,7 @@ candidate's time; 2026-11-23):
 - Decode (few query rows): 16-row tiles and long key tiles, with split-KV supplying the parallelism.
 
 Each list ends with a small tile that fits any head dim's shared memory on any generation.
-On sm90 the calls that ``forward_hopper.py`` and ``backward_hopper.py`` serve run their Gluon
+On sm90 the calls that ``dispatch.py`` routes to ``hopper/`` run its Gluon
 kernels instead, each with its one configuration (``TILE``, ``DQ_TILE``).
 """
 

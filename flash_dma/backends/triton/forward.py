@@ -22,11 +22,13 @@ import triton
 import triton.language as tl
 
 from flash_dma.backends.triton import configs
-from flash_dma.backends.triton.forward_hopper import hopper_forward, hopper_forward_supported
+from flash_dma.backends.triton.dispatch import HOPPER, form_of, route
+from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
     SEQ_PACKED,
     SPECIALIZED,
+    Call,
     Sequences,
     common_arguments,
     common_layout,
@@ -58,7 +60,7 @@ from flash_dma.backends.triton.tiles import (
     tile_start,
     walk_position,
 )
-from flash_dma.block_mask import cdiv
+from flash_dma.integers import cdiv
 
 MAX_SPLITS = 256
 _KEYS_PER_SPLIT = 256  # fewer keys than this per split is not worth a split
@@ -72,7 +74,7 @@ def _attn_fwd_tiles(
     band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
     STAGE: tl.constexpr, WALK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_BITS: tl.constexpr,
 ):
     """Online softmax over the key tiles at walk positions ``[lo, hi)`` less ``[gap_lo, gap_hi)``."""
     count = (hi - lo) - (gap_hi - gap_lo)
@@ -84,7 +86,7 @@ def _attn_fwd_tiles(
         _, _, s = row_tile_scores(  # [BLOCK_M, BLOCK_N]
             q, q_idx, k_source, tile * BLOCK_N, keys, kv_rows, key_ok, stride_ks, head_dim, band_lo, band_hi,
             bias_rows, stride_bk, mask_rows, stride_mk, scale_log2, softcap_log2, scale_over_cap,
-            STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, TMA, BLOCK_D, DOT_PRECISION,
+            STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, TMA, BLOCK_D, DOT_PRECISION, MASK_BITS,
         )
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead, so p = 0, not NaN.
@@ -122,7 +124,7 @@ def _attn_fwd_kernel(
     rows, CacheRows, BlockTable, stride_table, page_size, cache_rows_given, cache_last,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SEQ: tl.constexpr, TMA: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr, PAGED: tl.constexpr,
+    SEQ: tl.constexpr, MASK_BITS: tl.constexpr, TMA: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr, PAGED: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Last row tiles first: under a causal band they hold the most work, so the grid's tail is light.
@@ -219,7 +221,7 @@ def _attn_fwd_kernel(
             acc, l_i, m_i, q, q_idx, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
             table_row, page_size, cache_last, tiles, tiles_per_block, key_limit, stage_lo, stage_hi, gap_lo, gap_hi,
             band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            stage, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            stage, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION, MASK_BITS,
         )
 
     # Rows with no visible key: out = 0, lse = -inf.
@@ -297,41 +299,36 @@ def split_count(programs: int, seqlen_k: int, device: torch.device) -> int:
     return 1 if programs >= sms else max(1, min(2 * sms // programs, seqlen_k // _KEYS_PER_SPLIT, MAX_SPLITS))
 
 
+def packed_sequences(call: Call) -> Sequences | None:
+    """The kernels' description of a call's packed (varlen) sequences, or None for a plain batch."""
+    if call.cu_seqlens_q is None:
+        return None
+    return Sequences(SEQ_PACKED, call.cu_seqlens_q, call.cu_seqlens_k, call.cu_seqlens_q.shape[0] - 1, call.max_seqlen_q, call.max_seqlen_k)
+
+
 def attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    kv_lists: torch.Tensor | None,
-    key_list: torch.Tensor | None,
-    list_block_q: int,
-    list_block_k: int,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    num_splits: int | None = None,
-    sequences: Sequences | None = None,
-    cache: CachePages | None = None,
+    call: Call, num_splits: int | None = None, sequences: Sequences | None = None, cache: CachePages | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel.
+    """Launch the forward kernel of ``call`` (it walks ``kv_lists`` or the key list).
 
     Args:
-        q: ``[B, Sq, H, D]``; k, v: ``[B, Sk, Hkv, D]`` (last dimension contiguous).
-        mask, bias: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` or None. With ``key_list`` the mask is not read.
-        kv_lists: a block summary's ``kv_lists`` ``[Bl, Hl, NQB, 2, 2, NKB + 1]``, or None.
-        key_list: ``[Bm, Hm, 2, Sk + 1]`` int32 kept keys of a per-key mask (``key_list.py``), or None.
-        list_block_q, list_block_k: the summary's block sizes, 0 for an axis of one block.
+        call: q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` (last dimension contiguous), mask
+            and bias ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` or None (with a key list the mask is not read),
+            a summary's ``kv_lists`` ``[Bl, Hl, NQB, 2, 2, NKB + 1]`` with its block sizes (0 for an
+            axis of one block), or a key list ``[Bm, Hm, 2, Sk + 1]`` (``key_list.py``).
         num_splits: split-KV parts; None picks them from the problem and the GPU.
-        sequences: packed (varlen) or cached entries (``layout.Sequences``). Then B, Sq and Sk
-            above are the entries and their longest lengths; masks, biases and lists are per entry.
+        sequences: cached entries (``layout.Sequences``); packed ones come from the call. Then B,
+            Sq and Sk above are the entries and their longest lengths; masks, biases and lists are
+            per entry.
         cache: with cached entries, where their keys are (then the bias, per key, is stored with
             the keys: ``[B_cache, Hm, 1, S_cache]``, or ``[1, Hm, 1, pages * page_size]`` paged).
 
     Returns:
         ``out`` and ``lse`` in the layout of q: ``[B, Sq, H, D]`` in q's dtype and ``[B, H, Sq]`` float32.
     """
+    q, k, key_list, kv_lists = call.q, call.k, call.key_list, call.kv_lists
+    list_block_q, list_block_k = call.list_block_q, call.list_block_k
+    sequences = sequences or packed_sequences(call)
     batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
     num_heads, head_dim = q.shape[2], q.shape[3]
     num_kv_heads = k.shape[2]
@@ -351,13 +348,8 @@ def attention_forward(
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[0], num_heads, q.shape[1], dtype=torch.float32, device=q.device)
-    if (
-        num_splits == 1 and not pack_gqa and sequences is None and cache is None
-        and hopper_forward_supported(q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softcap)
-    ):
-        hopper_forward(
-            q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softmax_scale, window_left, window_right, out, lse,
-        )
+    if route("forward", form_of("forward", call, sequences, split=num_splits > 1 or pack_gqa)) == HOPPER:
+        hopper_forward(call, out, lse)
         return out, lse
     if num_splits > 1:
         out_target = torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device)
@@ -374,11 +366,8 @@ def attention_forward(
     cache_last = k.shape[1] // cache.page_size - 1 if paged else k.shape[0] - 1  # the last page, or cache row
 
     def build():
-        runtime, flags = common_arguments(
-            q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k,
-            softmax_scale, window_left, window_right, softcap, pack_gqa, sequences,
-        )
-        tma = copy_engine_reads(block_d, seqlen_k, q, k, v)
+        runtime, flags = common_arguments(call, kv_lists, pack_gqa, sequences)
+        tma = copy_engine_reads(block_d, seqlen_k, q, k, call.v)
         if num_splits > 1:
             lse_strides = (lse_target.stride(0), lse_target.stride(1), lse_target.stride(3), lse_target.stride(2))
         else:
@@ -397,12 +386,12 @@ def attention_forward(
         return configs.fit_to_problem(configs.forward_candidates(q.device, block_d, decode), rows, list_block_q, list_block_k)
 
     layout = (
-        common_layout(q, k, v, mask, bias, walked, sequences), key_list is not None, list_block_q, list_block_k,
-        softmax_scale, window_left, window_right, softcap, num_splits, tensor_layout(cache_rows), tensor_layout(table),
-        cache.page_size if paged else 0,
+        common_layout(call, walked, sequences), key_list is not None, list_block_q, list_block_k,
+        call.softmax_scale, call.window_left, call.window_right, call.softcap, num_splits, tensor_layout(cache_rows),
+        tensor_layout(table), cache.page_size if paged else 0,
     )
     forward_launcher.launch(
-        layout, [*common_tensors(q, k, v, mask, bias, walked, sequences), out_target, lse_target, cache_rows, table],
+        layout, [*common_tensors(call, walked, sequences), out_target, lse_target, cache_rows, table],
         build, candidates, lambda meta: (cdiv(rows, meta["BLOCK_M"]), batch * heads, num_splits),
     )
     if num_splits > 1:

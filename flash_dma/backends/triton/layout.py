@@ -1,14 +1,20 @@
-"""The launch arguments every kernel shares, built in one place for the forward and the backward.
+"""The record of one attention call as the kernels take it, and the launch arguments every
+Triton kernel shares, built in one place for the forward and the backward.
 
-The three attention kernels (forward, dK/dV, dQ) begin with the same parameters, in this order:
+:class:`Call` is what the backend's entry points fill once per call and every launcher reads:
+the inputs, the walks of the mask and the settings. It is flattened only at the custom-op
+boundary (``ops.py``), where ``torch.library`` wants positional tensors.
+
+The three Triton attention kernels (forward, dK/dV, dQ) begin with the same parameters, in this order:
 
 - runtime: ``Q, K, V, Mask, Bias, Walk, SeqQ, SeqK`` and their strides, the sizes, the head divisors of the
   broadcast inputs, the summary's block sizes, the band and the scales;
-- constexpr: ``HAS_MASK, HAS_BIAS, WALK, MASK_PER_KEY, BIAS_PER_KEY, SOFTCAP, DOT_PRECISION, SEQ``.
+- constexpr: ``HAS_MASK, HAS_BIAS, WALK, MASK_PER_KEY, BIAS_PER_KEY, SOFTCAP, DOT_PRECISION, SEQ, MASK_BITS``.
 
 Each kernel adds its own parameters after each group (outputs, gradients, split and GQA flags),
 then ``BLOCK_D`` and the tile sizes. :func:`common_arguments` returns both groups, so that the
-passes cannot disagree on how an input is read.
+passes cannot disagree on how an input is read. The Hopper kernels share theirs through
+``hopper/common.py``'s ``hopper_arguments``.
 """
 
 from __future__ import annotations
@@ -75,6 +81,10 @@ def diagonal_band(window_left: int, window_right: int, seqlen_q: int, seqlen_k: 
     return band_lo + seqlen_k - seqlen_q, band_hi + seqlen_k - seqlen_q
 
 
+# Kinds of bias gradient the dK/dV kernels make: none, column sums of dS (a bias per key), or dS
+# itself (a bias per pair); ``backward.bias_gradient_buffer`` chooses.
+DBIAS_NONE, DBIAS_PER_KEY, DBIAS_FULL = 0, 1, 2
+
 TMA_MIN_BLOCK_D = 128
 TMA_MIN_KEYS = 16384
 
@@ -110,6 +120,43 @@ def tensor_layout(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.shape, t.stride(), t.dtype)
 
 
+class Call(NamedTuple):
+    """One attention call: inputs, the walks of its mask, and settings. The tensors come first
+    (:data:`CALL_TENSORS` of them), so that ``ops.py`` can save them for the backward.
+
+    ``mask``: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` bool or 0/1 integer; with ``mask_bits``, the int32
+    words of a ``BitMask`` (``bit_mask.py``) ``[Bm, Hm, Sq, W]``, per query and key; with a key
+    list, None. ``kv_lists``/``q_lists``: a block summary's lists (``block_mask.py``);
+    ``key_list``: a per-key mask's kept keys (``key_list.py``); ``cu_seqlens_q``/``cu_seqlens_k``
+    and the two longest lengths: packed sequences (varlen), else None and 0.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    bias: torch.Tensor | None
+    kv_lists: torch.Tensor | None
+    q_lists: torch.Tensor | None
+    key_list: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    list_block_q: int
+    list_block_k: int
+    softmax_scale: float
+    window_left: int
+    window_right: int
+    softcap: float
+    deterministic: bool
+    max_seqlen_q: int
+    max_seqlen_k: int
+    mask_bits: bool
+
+
+CALL_TENSORS = Call._fields.index("list_block_q")
+BIAS_FIELD = Call._fields.index("bias")
+
+
 class Sequences(NamedTuple):
     """Where the batch entries lie in the token tensors, when not one per batch row (``tiles.sequence_span``).
 
@@ -134,9 +181,10 @@ def grid_sizes(q: torch.Tensor, k: torch.Tensor, sequences: Sequences | None) ->
     return sequences.batch, sequences.max_seqlen_q, sequences.max_seqlen_k
 
 
-def common_tensors(q, k, v, mask, bias, walked, sequences: Sequences | None = None) -> list:
+def common_tensors(call: Call, walked, sequences: Sequences | None = None) -> list:
     """The eight pointer arguments the kernels share: q, k, v, mask, bias, the walked lists and
     the two sequence tables."""
+    q, k, v, mask, bias = call[:5]
     device = q.device
     none = placeholder(device, torch.int32)
     seq_q = none if sequences is None or sequences.seq_q is None else sequences.seq_q
@@ -150,42 +198,30 @@ def common_tensors(q, k, v, mask, bias, walked, sequences: Sequences | None = No
     ]
 
 
-def common_layout(q, k, v, mask, bias, walked, sequences: Sequences | None = None) -> tuple:
-    """Everything :func:`common_arguments` reads of its tensors besides their addresses."""
+def common_layout(call: Call, walked, sequences: Sequences | None = None) -> tuple:
+    """Everything :func:`common_arguments` reads of a call's tensors besides their addresses."""
+    q, k, v, mask, bias = call[:5]
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
-        tensor_layout(mask), tensor_layout(bias), tensor_layout(walked),
+        tensor_layout(mask), call.mask_bits, tensor_layout(bias), tensor_layout(walked),
         None if sequences is None else (sequences.kind, sequences.batch, sequences.max_seqlen_q, sequences.max_seqlen_k),
     )
 
 
 def common_arguments(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    lists: torch.Tensor | None,
-    key_list: torch.Tensor | None,
-    list_block_q: int,
-    list_block_k: int,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    pack_gqa: bool = False,
-    sequences: Sequences | None = None,
+    call: Call, lists: torch.Tensor | None, pack_gqa: bool = False, sequences: Sequences | None = None,
 ) -> tuple[list, list]:
     """``(runtime, constexprs)``: the shared parameters of the attention kernels, in order.
 
     Args:
-        q: ``[B, Sq, H, D]``; k, v: ``[B, Sk, Hkv, D]`` (last dimension contiguous).
-        mask, bias: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` or None. With a key list the mask is not read.
+        call: q ``[B, Sq, H, D]``, k and v ``[B, Sk, Hkv, D]`` (last dimension contiguous), the mask
+            and bias ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` or None (with a key list the mask is not read).
         lists: the block summary's lists this kernel walks (``kv_lists`` or ``q_lists``), or None.
-        key_list: ``[Bm, Hm, 2, Sk + 1]`` int32 from ``key_list.build_key_list``, or None.
         pack_gqa: the forward packs a GQA group's heads into one tile's rows.
         sequences: packed (varlen) or cached entries; None when every batch row is one entry.
     """
+    q, k, v, mask, bias, key_list = call.q, call.k, call.v, call.mask, call.bias, call.key_list
+    window_left, window_right, softcap, softmax_scale = call.window_left, call.window_right, call.softcap, call.softmax_scale
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     if sequences is not None and sequences.kind == SEQ_CACHE:
@@ -198,18 +234,19 @@ def common_arguments(
     # A per-key input is one row shared by a tile's query rows, unless packed rows mix heads it varies over.
     per_key = lambda t: t is not None and t.shape[2] == 1 and (not pack_gqa or t.shape[1] != num_heads or group == 1)  # noqa: E731
     runtime = [
-        *common_tensors(q, k, v, mask, bias, walked, sequences),
+        *common_tensors(call, walked, sequences),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *broadcast_strides(mask), *broadcast_strides(bias),
         *walk_strides[:3], 0 if walked is None else walked.shape[-1],
         seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim,
         head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(walked, num_heads),
-        list_block_q, list_block_k, band_lo, band_hi,
+        call.list_block_q, call.list_block_k, band_lo, band_hi,
         softmax_scale, softmax_scale * tiles.LOG2E.value, softcap * tiles.LOG2E.value, softmax_scale / softcap if softcap > 0 else 0.0,
     ]
     constexprs = [
         mask is not None and key_list is None, bias is not None, walk, per_key(mask), per_key(bias), softcap > 0,
         "ieee" if q.dtype == torch.float32 else "tf32",
         SEQ_FIXED if sequences is None else sequences.kind,
+        call.mask_bits,
     ]
     return runtime, constexprs

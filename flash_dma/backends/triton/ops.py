@@ -10,20 +10,15 @@ and backward.
 
 from __future__ import annotations
 
+import typing
+
 import torch
 
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.block_summary import block_lists, block_state
 from flash_dma.backends.triton.forward import CachePages, attention_forward
 from flash_dma.backends.triton.key_list import build_key_list
-from flash_dma.backends.triton.layout import SEQ_CACHE, SEQ_PACKED, Sequences
-
-
-def packed_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> Sequences | None:
-    """The kernels' description of packed (varlen) sequences, or None for a plain batch."""
-    if cu_seqlens_q is None:
-        return None
-    return Sequences(SEQ_PACKED, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k)
+from flash_dma.backends.triton.layout import BIAS_FIELD, CALL_TENSORS, SEQ_CACHE, Call, Sequences
 
 
 @torch.library.custom_op("flash_dma::key_list", mutates_args=())
@@ -77,39 +72,19 @@ def summary_lists(state: torch.Tensor, transpose: bool) -> torch.Tensor:
     return (block_lists_op if torch.compiler.is_compiling() else block_lists)(state, transpose)
 
 
-def launch_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    kv_lists: torch.Tensor | None,
-    q_lists: torch.Tensor | None,
-    key_list: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    list_block_q: int,
-    list_block_k: int,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    deterministic: bool,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)``; ``q_lists`` and ``deterministic`` are carried for the backward.
-
-    With ``cu_seqlens_q``/``cu_seqlens_k`` (varlen), q, k and v are ``[1, total, heads, D]`` and
-    masks, biases and walks hold one row per sequence.
-    """
-    return attention_forward(
-        q, k, v, mask, bias, kv_lists, key_list, list_block_q, list_block_k, softmax_scale, window_left, window_right,
-        softcap, sequences=packed_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-    )
+_SCHEMA_TYPES = {torch.Tensor: "Tensor", torch.Tensor | None: "Tensor?", int: "SymInt", float: "float", bool: "bool"}
+# The custom ops take a Call's fields flat, typed from the record (torch.library wants positional tensors).
+_CALL_SCHEMA = ", ".join(f"{_SCHEMA_TYPES[kind]} {name}" for name, kind in typing.get_type_hints(Call).items())
 
 
-forward_op = torch.library.custom_op("flash_dma::forward", launch_forward, mutates_args=())
+def launch_forward(*fields) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the call whose fields are ``fields``, without autograd."""
+    return attention_forward(Call(*fields))
+
+
+forward_op = torch.library.custom_op(
+    "flash_dma::forward", launch_forward, mutates_args=(), schema=f"({_CALL_SCHEMA}) -> (Tensor, Tensor)"
+)
 
 
 @forward_op.register_fake
@@ -118,69 +93,43 @@ def _forward_fake(q, *_):
     return q.new_empty(batch, seqlen_q, num_heads, head_dim), q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
 
 
-def _backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    mask: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    kv_lists: torch.Tensor | None,
-    q_lists: torch.Tensor | None,
-    key_list: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    list_block_q: int,
-    list_block_k: int,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    deterministic: bool,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    bias_requires_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(dout, *fields_out_lse_and_flag) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dbias)``; dbias is empty when not asked for (custom ops return tensors)."""
-    dq, dk, dv, dbias = attention_backward(
-        dout, q, k, v, out, lse, mask, bias, kv_lists, q_lists, key_list, list_block_q, list_block_k,
-        softmax_scale, window_left, window_right, softcap, deterministic, bias_requires_grad,
-        sequences=packed_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-    )
-    return dq, dk, dv, q.new_empty(0) if dbias is None else dbias
+    *fields, out, lse, bias_requires_grad = fields_out_lse_and_flag
+    call = Call(*fields)
+    dq, dk, dv, dbias = attention_backward(dout, call, out, lse, bias_requires_grad)
+    return dq, dk, dv, call.q.new_empty(0) if dbias is None else dbias
 
 
-backward_op = torch.library.custom_op("flash_dma::backward", _backward, mutates_args=())
+backward_op = torch.library.custom_op(
+    "flash_dma::backward", _backward, mutates_args=(),
+    schema=f"(Tensor dout, {_CALL_SCHEMA}, Tensor out, Tensor lse, bool bias_requires_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+)
 
 
 @backward_op.register_fake
-def _backward_fake(dout, q, k, v, out, lse, mask, bias, *args):
+def _backward_fake(dout, q, k, v, mask, bias, *args):
     bias_requires_grad = args[-1]
     # Contiguous, like the real gradients (not empty_like, which copies an input's strides).
     dbias = bias.new_empty(bias.shape) if bias is not None and bias_requires_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
-_BIAS_INPUT = 4  # position of the bias among the forward's inputs
-
-
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, kv_lists, q_lists, key_list, cu_seqlens_q, cu_seqlens_k, *settings = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, bias, kv_lists, q_lists, key_list, cu_seqlens_q, cu_seqlens_k)
-    ctx.settings = settings
+    ctx.save_for_backward(*inputs[:CALL_TENSORS], out, lse)
+    ctx.settings = inputs[CALL_TENSORS:]
     ctx.mark_non_differentiable(lse)
 
 
 def _gradients(ctx, dout, backward):
-    saved = ctx.saved_tensors
-    bias = saved[6]
-    bias_requires_grad = bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
-    dq, dk, dv, dbias = backward(dout, *saved, *ctx.settings, bias_requires_grad)
-    # One gradient per forward input: q, k, v, mask, bias, the three walks, the sequences, then the settings.
-    return dq, dk, dv, None, dbias if bias_requires_grad else None, *([None] * (5 + len(ctx.settings)))
+    *tensors, out, lse = ctx.saved_tensors
+    bias_requires_grad = tensors[BIAS_FIELD] is not None and ctx.needs_input_grad[BIAS_FIELD]
+    dq, dk, dv, dbias = backward(dout, *tensors, *ctx.settings, out, lse, bias_requires_grad)
+    # One gradient per field of the call: q, k and v, the bias's, and none for the others.
+    grads = [dq, dk, dv, *[None] * (len(Call._fields) - 3)]
+    grads[BIAS_FIELD] = dbias if bias_requires_grad else None
+    return tuple(grads)
 
 
 torch.library.register_autograd(
@@ -207,10 +156,12 @@ def _kvcache_forward(
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` over cached keys (``flash_dma_with_kvcache``); ``num_splits`` 0 chooses."""
+    call = Call(
+        q, k, v, mask, bias, None, None, key_list, None, None, 0, 0, softmax_scale, window_left, window_right, softcap,
+        False, 0, 0, False,
+    )
     return attention_forward(
-        q, k, v, mask, bias, None, key_list, 0, 0, softmax_scale, window_left, window_right, softcap,
-        num_splits=num_splits or None,
-        sequences=Sequences(SEQ_CACHE, None, seqlens_k, q.shape[0], q.shape[1], capacity),
+        call, num_splits=num_splits or None, sequences=Sequences(SEQ_CACHE, None, seqlens_k, q.shape[0], q.shape[1], capacity),
         cache=CachePages(cache_rows, block_table, page_size),
     )
 
@@ -229,25 +180,22 @@ def kvcache_forward(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return (kvcache_forward_op if torch.compiler.is_compiling() else _kvcache_forward)(*inputs)
 
 
-_TENSOR_INPUTS = 10  # q, k, v, mask, bias, the three walks and the two sequence tables; the settings follow
-
-
 class _EagerAttention(torch.autograd.Function):
     # The settings travel as one tuple: apply's host time grows with its argument count.
     @staticmethod
     def forward(ctx, *tensors_and_settings):
-        inputs = (*tensors_and_settings[:_TENSOR_INPUTS], *tensors_and_settings[_TENSOR_INPUTS])
-        output = launch_forward(*inputs)
-        _setup_context(ctx, inputs, output)
+        fields = (*tensors_and_settings[:CALL_TENSORS], *tensors_and_settings[CALL_TENSORS])
+        output = launch_forward(*fields)
+        _setup_context(ctx, fields, output)
         return output
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        return (*_gradients(ctx, dout, _backward)[:_TENSOR_INPUTS], None)
+        return (*_gradients(ctx, dout, _backward)[:CALL_TENSORS], None)
 
 
-def attention_op(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)``, with the arguments of ``forward_op``."""
+def attention_op(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``call``, differentiable: through the custom op when compiling."""
     if torch.compiler.is_compiling():
-        return forward_op(*inputs)
-    return _EagerAttention.apply(*inputs[:_TENSOR_INPUTS], inputs[_TENSOR_INPUTS:])
+        return forward_op(*call)
+    return _EagerAttention.apply(*call[:CALL_TENSORS], call[CALL_TENSORS:])

@@ -338,14 +338,24 @@ def key_pointers(rows, offs_k, stride_k, PER_KEY: tl.constexpr, KEYS_FIRST: tl.c
 
 
 @triton.jit
+def mask_columns(keys, MASK_BITS: tl.constexpr):
+    """Where ``keys`` lie along a mask's last axis: themselves, or with MASK_BITS the 32-bit words
+    of a BitMask that hold them (``bit_mask.py``)."""
+    if MASK_BITS:
+        return keys // 32
+    return keys
+
+
+@triton.jit
 def visible_scores(
     s, q_idx, k_idx, key_ok, band_lo, band_hi, bias_ptrs, mask_ptrs,
-    HAS_BIAS: tl.constexpr, STAGE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STAGE: tl.constexpr, MASK_BITS: tl.constexpr,
 ):
     """Add the bias to log2-domain scores and set the invisible ones to -inf, as ``STAGE`` requires.
 
     ``q_idx``, ``k_idx`` and ``key_ok`` broadcast to the tile's shape (either orientation);
     ``bias_ptrs`` and ``mask_ptrs`` broadcast too (a per-key bias is a single row or column).
+    With MASK_BITS, ``mask_ptrs`` point at the words that hold the keys' bits (``mask_columns``).
     """
     if HAS_BIAS:
         s += tl.load(bias_ptrs, mask=key_ok, other=0.0).to(tl.float32) * LOG2E
@@ -353,7 +363,10 @@ def visible_scores(
         offset = k_idx - q_idx
         visible = key_ok & (offset >= band_lo) & (offset <= band_hi)
         if STAGE == STAGE_PARTIAL:
-            visible = visible & (tl.load(mask_ptrs, mask=key_ok, other=0) != 0)
+            kept = tl.load(mask_ptrs, mask=key_ok, other=0)
+            if MASK_BITS:
+                kept = (kept >> (k_idx % 32)) & 1
+            visible = visible & (kept != 0)
         s = tl.where(visible, s, float("-inf"))
     return s
 
@@ -399,7 +412,7 @@ def row_tile_scores(
     bias_rows, stride_bk, mask_rows, stride_mk, scale_log2, softcap_log2, scale_over_cap,
     STAGE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASK_BITS: tl.constexpr,
 ):
     """The per-tile prologue of the kernels that own query rows (forward, dQ).
 
@@ -412,7 +425,7 @@ def row_tile_scores(
     s = visible_scores(
         scores, q_idx[:, None], keys[None, :], key_ok[None, :], band_lo, band_hi,
         key_pointers(bias_rows, kv_rows, stride_bk, BIAS_PER_KEY, False),
-        key_pointers(mask_rows, keys, stride_mk, MASK_PER_KEY, False),
-        HAS_BIAS, STAGE,
+        key_pointers(mask_rows, mask_columns(keys, MASK_BITS), stride_mk, MASK_PER_KEY, False),
+        HAS_BIAS, STAGE, MASK_BITS,
     )
     return k, scores, s

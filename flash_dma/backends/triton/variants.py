@@ -15,17 +15,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flash_dma.backends.triton.backward import dkdv_launcher, dq_launcher
 from flash_dma.backends.triton.block_summary import lists_launcher, state_launcher
-from flash_dma.backends.triton.backward_hopper import TILE as HOPPER_DKDV_TILE
-from flash_dma.backends.triton.backward_hopper import DQ_TILE as HOPPER_DQ_TILE
-from flash_dma.backends.triton.backward_hopper import hopper_dkdv_launcher, hopper_dq_launcher
-from flash_dma.backends.triton.backward import DBIAS_FULL, DBIAS_NONE, DBIAS_PER_KEY, dkdv_launcher, dq_launcher
 from flash_dma.backends.triton.forward import forward_launcher
-from flash_dma.backends.triton.forward_hopper import TILE as HOPPER_TILE
-from flash_dma.backends.triton.forward_hopper import hopper_launcher
+from flash_dma.backends.triton.hopper import dkdv as hopper_dkdv
+from flash_dma.backends.triton.hopper import dq as hopper_dq
+from flash_dma.backends.triton.hopper import forward as hopper_forward
+from flash_dma.backends.triton.hopper.common import BIAS_KEYS, BIAS_PAIRS, BIAS_ROWS, MASK_BITS, MASK_KEYS, MASK_NONE, MASK_ROWS
 from flash_dma.backends.triton.key_list import count_launcher, gather_launcher, key_list_launcher
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import SEQ_CACHE, SEQ_FIXED, SEQ_PACKED, WALK_BLOCKS, WALK_DENSE, WALK_KEYS
+from flash_dma.backends.triton.layout import (
+    DBIAS_FULL,
+    DBIAS_NONE,
+    DBIAS_PER_KEY,
+    SEQ_CACHE,
+    SEQ_FIXED,
+    SEQ_PACKED,
+    WALK_BLOCKS,
+    WALK_DENSE,
+    WALK_KEYS,
+)
 
 # Pointer parameters (the launcher's named tensors) that do not hold the input dtype; the others do.
 _POINTER_TYPES = {
@@ -46,6 +55,7 @@ class Variant:
     num_stages: int
     constexprs: dict = field(default_factory=dict)
     maxnreg: int | None = None
+    pointers: dict = field(default_factory=dict)  # pointer types other than _POINTER_TYPES's, e.g. a BitMask's words
 
     @property
     def kernel(self):
@@ -65,7 +75,7 @@ class Variant:
             elif name == "Out" and self.constexprs.get("SPLIT"):
                 signature[name] = "*fp32"  # split-KV partial results
             elif name in pointers:
-                signature[name] = _POINTER_TYPES.get(name, f"*{dtype}")
+                signature[name] = self.pointers.get(name, _POINTER_TYPES.get(name, f"*{dtype}")).format(dtype=dtype)
             elif name in _FLOAT_SCALARS:
                 signature[name] = "fp32"
             else:
@@ -75,26 +85,39 @@ class Variant:
 
 _PER_KEY = dict(
     HAS_MASK=True, HAS_BIAS=True, WALK=WALK_BLOCKS, MASK_PER_KEY=True, BIAS_PER_KEY=True, SOFTCAP=False, DOT_PRECISION="tf32",
-    SEQ=SEQ_FIXED,
+    SEQ=SEQ_FIXED, MASK_BITS=False,
 )
 _KEYS = dict(_PER_KEY, HAS_MASK=False, WALK=WALK_KEYS, MASK_PER_KEY=False)
 _DENSE = dict(_PER_KEY, HAS_MASK=False, WALK=WALK_DENSE, MASK_PER_KEY=False, BIAS_PER_KEY=False, SOFTCAP=True)
 _FULL_MASK = dict(_PER_KEY, MASK_PER_KEY=False, BIAS_PER_KEY=False)
+_BITS = dict(_FULL_MASK, MASK_BITS=True)
 # Hopper with aligned inputs: TMA loads (the kernels keep row-by-row loads where rows are gathered).
 _FORWARD = dict(TMA=True, PACK_GQA=False, SPLIT=False, PAGED=False, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
 _DKDV = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=128, DBIAS_HEAD_SHARED=True, DBIAS_ATOMIC=False, CHUNKS_IN_ORDER=False)
 _DQ = dict(TMA=True, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
+_HOPPER = dict(MASK=MASK_KEYS.value, BIAS=BIAS_KEYS.value, WALK=WALK_BLOCKS, HEAD_DIM=128, STAGED_BIAS=False, KV_STAGES=2)
+_HOPPER_PAIRS = dict(_HOPPER, MASK=MASK_BITS.value, BIAS=BIAS_PAIRS.value, HEAD_DIM=64, KV_STAGES=3)
+_HOPPER_ROWS = dict(_HOPPER, MASK=MASK_ROWS.value, BIAS=BIAS_ROWS.value, WALK=WALK_DENSE)
 _HOPPER_DKDV = dict(
-    HAS_MASK=True, HAS_BIAS=True, WALK=WALK_BLOCKS, DBIAS=DBIAS_PER_KEY, DBIAS_ATOMIC=False, DBIAS_HEAD_SHARED=True,
-    HEAD_DIM=128, Q_STAGES=2,
+    MASK=MASK_KEYS.value, BIAS=BIAS_KEYS.value, WALK=WALK_BLOCKS, HEAD_DIM=128, STAGED_BIAS=False, DBIAS=DBIAS_PER_KEY,
+    DBIAS_ATOMIC=False, DBIAS_HEAD_SHARED=True, Q_STAGES=2,
 )
-_HOPPER = dict(HAS_MASK=True, HAS_BIAS=True, WALK=WALK_BLOCKS, HEAD_DIM=128, KV_STAGES=2)
+_HOPPER_DKDV_PAIRS = dict(
+    _HOPPER_DKDV, MASK=MASK_BITS.value, BIAS=BIAS_PAIRS.value, HEAD_DIM=64, Q_STAGES=3, DBIAS=DBIAS_FULL,
+)
+
+
+_WORDS = {"Mask": "*i32"}
 
 
 def _gluon_variants(prefix: str, launcher, tile, *named_flags: tuple[str, dict]) -> list[Variant]:
     """Variants of a Gluon kernel, each with the kernel's one configuration ``tile`` (a ``triton.Config``)."""
     return [
-        Variant(f"{prefix}-{name}", launcher, tile.num_warps, tile.num_stages, {**flags, **tile.kwargs}, tile.maxnreg)
+        Variant(
+            f"{prefix}-{name}", launcher, tile.num_warps, tile.num_stages, {**flags, **tile.kwargs}, tile.maxnreg,
+            {**(_WORDS if flags["MASK"] == MASK_BITS.value else {}),
+             **({"DBias": "*{dtype}"} if flags.get("DBIAS") == DBIAS_FULL and not flags["DBIAS_ATOMIC"] else {})},
+        )
         for name, flags in named_flags
     ]
 
@@ -113,11 +136,16 @@ VARIANTS = [
         {**_KEYS, **_FORWARD, "SEQ": SEQ_CACHE, "PAGED": True, "PACK_GQA": True, "SPLIT": True, "BLOCK_M": 16, "BLOCK_D": 64},
     ),
     Variant("forward-d256", forward_launcher, 8, 2, {**_KEYS, **_FORWARD, "BLOCK_N": 32, "BLOCK_D": 256}),
+    Variant("forward-bits", forward_launcher, 8, 2, {**_BITS, **_FORWARD}, pointers=_WORDS),
     *_gluon_variants(
-        "forward-hopper", hopper_launcher, HOPPER_TILE,
+        "forward-hopper", hopper_forward.hopper_launcher, hopper_forward.TILE,
         ("per-key-blocks", _HOPPER),
-        ("key-list", dict(_HOPPER, HAS_MASK=False, WALK=WALK_KEYS)),
-        ("dense-d64", dict(_HOPPER, HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
+        ("key-list", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_KEYS)),
+        ("dense-d64", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
+        ("pairs-d64", _HOPPER_PAIRS),
+        ("pairs-d64-staged", dict(_HOPPER_PAIRS, STAGED_BIAS=True, KV_STAGES=2)),
+        ("pairs-d128", dict(_HOPPER_PAIRS, HEAD_DIM=128, KV_STAGES=2)),
+        ("rows", _HOPPER_ROWS),
     ),
     Variant("dkdv-key-list", dkdv_launcher, 4, 3, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
     Variant("dkdv-per-key-blocks", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
@@ -126,16 +154,24 @@ VARIANTS = [
     Variant("dkdv-full-bias-atomic", dkdv_launcher, 4, 3, {**_FULL_MASK, **_DKDV, "DBIAS": DBIAS_FULL, "DBIAS_ATOMIC": True}),
     Variant("dkdv-dense-softcap", dkdv_launcher, 4, 3, {**_DENSE, **_DKDV, "DBIAS": DBIAS_NONE}),
     Variant("dkdv-dense-mask", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "WALK": WALK_DENSE, "DBIAS": DBIAS_PER_KEY, "BLOCK_M": 32, "BLOCK_N": 64}),
+    Variant("dkdv-bits-full-bias", dkdv_launcher, 4, 3, {**_BITS, **_DKDV, "DBIAS": DBIAS_FULL}, pointers=_WORDS),
     *_gluon_variants(
-        "dkdv-hopper", hopper_dkdv_launcher, HOPPER_DKDV_TILE,
+        "dkdv-hopper", hopper_dkdv.hopper_dkdv_launcher, hopper_dkdv.TILE,
         ("per-key-blocks", _HOPPER_DKDV),
-        ("dense-d64", dict(_HOPPER_DKDV, HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, Q_STAGES=3, DBIAS=DBIAS_NONE)),
+        ("dense-d64", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, Q_STAGES=3, DBIAS=DBIAS_NONE)),
+        ("pairs-d64", _HOPPER_DKDV_PAIRS),
+        ("pairs-d64-staged", dict(_HOPPER_DKDV_PAIRS, STAGED_BIAS=True)),
+        ("pairs-d128-atomic", dict(_HOPPER_DKDV_PAIRS, HEAD_DIM=128, Q_STAGES=2, DBIAS_ATOMIC=True)),
+        ("rows", dict(_HOPPER_DKDV, MASK=MASK_ROWS.value, BIAS=BIAS_ROWS.value, WALK=WALK_DENSE, DBIAS=DBIAS_NONE)),
     ),
     *_gluon_variants(
-        "dq-hopper", hopper_dq_launcher, HOPPER_DQ_TILE,
+        "dq-hopper", hopper_dq.hopper_dq_launcher, hopper_dq.TILE,
         ("per-key-blocks", _HOPPER),
-        ("key-list", dict(_HOPPER, HAS_MASK=False, WALK=WALK_KEYS)),
-        ("dense-d64", dict(_HOPPER, HAS_MASK=False, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
+        ("key-list", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_KEYS)),
+        ("dense-d64", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
+        ("pairs-d64", _HOPPER_PAIRS),
+        ("pairs-d64-staged", dict(_HOPPER_PAIRS, STAGED_BIAS=True)),
+        ("rows", _HOPPER_ROWS),
     ),
     Variant("dq-key-list", dq_launcher, 8, 2, {**_KEYS, **_DQ}),
     Variant("dq-per-key-blocks", dq_launcher, 8, 2, {**_PER_KEY, **_DQ}),

@@ -11,8 +11,10 @@ from tests.helpers import (
     assert_close,
     assert_gradients_close,
     broadcast_cases,
+    kernel_call,
     listed_variants,
     make_inputs,
+    packed_variants,
     reference_outputs,
     triton_call,
 )
@@ -36,6 +38,8 @@ BACKWARD_CASES = [
     Case(seqlen_q=1, seqlen_k=130, mask="B,Hkv,1,Sk", bias="B,H,Sq,Sk", causal=True),
     Case(seqlen_q=130, seqlen_k=1, bias="1,Hkv,1,Sk"),
 ]
+# BitMasks: every broadcast shape, fully masked rows, a window.
+BACKWARD_CASES += packed_variants(BACKWARD_CASES[:19]) + packed_variants([BACKWARD_CASES[23]])
 BACKWARD_CASES += listed_variants(BACKWARD_CASES)
 
 
@@ -130,17 +134,13 @@ def test_query_chunks_of_a_key_tile_add_up(case, chunks, deterministic, poison_o
     dtype = KERNEL_DTYPES[0]
     inputs = make_inputs(case, dtype, requires_grad=True)
     summary = build_block_mask(inputs["attn_mask"], block_size=BLOCKS)
-    q, k, v, mask, bias = (inputs[n] for n in ("query", "key", "value", "attn_mask", "attn_bias"))
-    block_q = BLOCKS[0] if summary.state.shape[2] > 1 else 0
-    out, lse = attention_forward(q, k, v, mask, bias, summary.kv_lists, None, block_q, BLOCKS[1], 0.25, -1, 0, 0.0)
+    call = kernel_call(inputs, summary, softmax_scale=0.25, window=(-1, 0), deterministic=deterministic)
+    out, lse = attention_forward(call)
     dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
     _, _, oracle = reference_outputs(case, inputs, dout, torch.float64, softmax_scale=0.25)
     _, _, baseline = reference_outputs(case, inputs, dout, dtype, softmax_scale=0.25)
     runs = [
-        attention_backward(
-            dout, q, k, v, out, lse, mask, bias, summary.kv_lists, summary.q_lists, None, block_q, BLOCKS[1],
-            0.25, -1, 0, 0.0, deterministic, True, num_query_chunks=chunks,
-        )
+        attention_backward(dout, call, out, lse, True, num_query_chunks=chunks)
         for _ in range(2)
     ]
     for name, grad, again in zip(("query", "key", "value", "attn_bias"), *runs):

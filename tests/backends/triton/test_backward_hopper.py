@@ -19,6 +19,7 @@ from tests.helpers import (
     Case,
     assert_close,
     assert_gradients_close,
+    kernel_call,
     make_inputs,
     reference_outputs,
     triton_call,
@@ -55,10 +56,39 @@ CASES = [
 ]
 
 
+# Per-query forms (see test_forward_hopper.py); their gradients: a per-pair bias's written per
+# tile, added over a group's heads in registers, or by atomics where programs share it.
+PAIR_CASES = [
+    # The seeds' form: a group's heads share the bias and the walk (their gradients add in registers).
+    # (Sk a multiple of 8 at D = 64: the loader stages the bias with TMA, and dK/dV stores its gradient so.)
+    Case(batch=1, seqlen_q=1000, seqlen_k=1000, heads=2, kv_heads=1, head_dim=64, mask="1,1,Sq,Sk", bias="1,1,Sq,Sk", causal=True, packed=True, block_size=(128, 128)),
+    Case(seqlen_q=904, seqlen_k=1000, heads=4, kv_heads=2, head_dim=64, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),
+    Case(seqlen_q=1023, seqlen_k=1024, heads=2, kv_heads=1, head_dim=64, mask="1,1,Sq,Sk", bias="1,1,Sq,Sk", window=(300, 0), packed=True, block_size=(128, 128)),
+    Case(seqlen_q=700, seqlen_k=900, head_dim=128, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),
+    # A walk per query head under a bias the group shares: its gradient adds by atomics.
+    Case(seqlen_q=500, seqlen_k=700, heads=4, kv_heads=2, head_dim=64, mask="B,H,Sq,Sk", bias="1,Hkv,Sq,Sk", window=(100, 3), packed=True, block_size=(128, 128)),
+    Case(seqlen_q=300, seqlen_k=63, heads=3, kv_heads=1, head_dim=128, mask="B,Hkv,Sq,Sk", bias=PER_KEY, causal=True, packed=True, block_size=(128, 128)),
+    # A bias shared by the key/value heads (atomics), summary blocks of two tiles.
+    Case(seqlen_q=600, seqlen_k=777, head_dim=64, mask="1,Hkv,Sq,Sk", bias="B,1,Sq,Sk", mask_kind="tiles", packed=True, block_size=(256, 256)),
+    Case(seqlen_q=17, seqlen_k=1023, head_dim=64, bias="1,1,Sq,Sk", bias_fp32=True, causal=True),
+    # Masks and biases per query row: the LSEs carry them.
+    Case(seqlen_q=1023, seqlen_k=1023, head_dim=128, mask="B,H,Sq,1", bias="1,Hkv,Sq,1", mask_kind="rows", causal=True),
+    Case(seqlen_q=300, seqlen_k=400, head_dim=64, mask="B,Hkv,1,Sk", bias="B,H,Sq,1", causal=True, block_size=(128, 128)),
+    # A bool per-pair mask on a problem walked as large ones are: packed into bits inside the call.
+    Case(seqlen_q=600, seqlen_k=600, heads=4, kv_heads=2, head_dim=128, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", causal=True, listed=True),
+    Case(batch=2, seqlen_q=2048, seqlen_k=2048, heads=8, kv_heads=2, head_dim=128, mask="B,Hkv,Sq,Sk", bias=PER_KEY, mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),
+    # A bias per pair over a key list: dQ gathers its keys' biases (dK/dV is the Triton kernel's).
+    Case(seqlen_q=400, seqlen_k=500, head_dim=64, mask=PER_KEY, bias="B,H,Sq,Sk", causal=True, listed=True),
+]
+
+
 def _hopper_kernels(case: Case) -> list[str]:
-    """The Hopper kernels the case's backward takes: dK/dV unless it walks a key list; dQ walks
-    the forward's tiles, so a mask reaches it only through a summary or a key list."""
-    return (["dkdv"] if not case.listed else []) + (["dq"] if case.mask is None or case.block_size or case.listed else [])
+    """The Hopper kernels the case's backward takes: dK/dV unless it walks a key list, both
+    unless a per-pair bool mask stays a bool mask (a small problem: the Triton kernels)."""
+    shape = case.dims(case.mask) if case.mask else (1, 1, 1, 1)
+    bool_pairs = shape[2] > 1 and shape[3] > 1 and not case.packed and not case.listed
+    key_list = case.listed and shape[2] == 1
+    return [] if bool_pairs else (["dq"] if key_list else ["dkdv", "dq"])
 
 
 @pytest.fixture
@@ -73,7 +103,7 @@ def hopper_calls(monkeypatch):
 
 @pytest.mark.parametrize("chunks", [1, 3], ids=["chunks1", "chunks3"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", CASES + PAIR_CASES, ids=str)
 def test_hopper_gradients_match_reference(case, dtype, chunks, hopper_calls, monkeypatch, poison_outputs):
     """Written directly (one chunk) or added up in fp32 scratch (three chunks of each key tile's queries)."""
     monkeypatch.setattr(backward_module, "query_chunks", lambda *args: chunks)
@@ -119,13 +149,11 @@ def test_float32_gradients(dtype, hopper_calls, poison_outputs):
     the Hopper dQ stores them from registers (they are too wide for its Q tile in shared memory)."""
     case = Case(seqlen_q=300, seqlen_k=300, heads=4, kv_heads=2, head_dim=128, bias=PER_KEY, causal=True)
     inputs = make_inputs(case, dtype, requires_grad=True)
-    q, k, v, bias = (inputs[name].detach() for name in ("query", "key", "value", "attn_bias"))
-    scale = case.head_dim**-0.5
-    out, lse = attention_forward(q, k, v, None, bias, None, None, 0, 0, scale, -1, 0, 0.0)
+    detached = {name: None if t is None else t.detach() for name, t in inputs.items()}
+    call = kernel_call(detached, softmax_scale=case.head_dim**-0.5, window=(-1, 0))
+    out, lse = attention_forward(call)
     dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
-    grads = attention_backward(
-        dout, q, k, v, out, lse, None, bias, None, None, None, 0, 0, scale, -1, 0, 0.0, False, True, grad_dtype=torch.float32,
-    )
+    grads = attention_backward(dout, call, out, lse, True, grad_dtype=torch.float32)
     assert hopper_calls == ["dkdv", "dq"] and all(g.dtype == torch.float32 for g in grads[:3])
     _, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
     _, _, baseline = reference_outputs(case, inputs, dout, dtype)
@@ -134,8 +162,8 @@ def test_float32_gradients(dtype, hopper_calls, poison_outputs):
 
 
 def test_backward_dispatch(hopper_calls, monkeypatch):
-    """Plain backwards take the Hopper kernels; softcap, full biases and FLASH_DMA_HOPPER=0 take
-    the Triton ones, and deterministic backwards the Triton dK/dV."""
+    """Plain backwards take the Hopper kernels; softcap, a bool per-pair mask and FLASH_DMA_HOPPER=0
+    take the Triton ones, and deterministic backwards the Triton dK/dV."""
     case = Case(seqlen_q=256, seqlen_k=256, heads=4, kv_heads=2, head_dim=128, bias=PER_KEY, causal=True)
 
     def backward(case, **kwargs):
@@ -147,7 +175,7 @@ def test_backward_dispatch(hopper_calls, monkeypatch):
     backward(case, deterministic=True)  # dQ has no atomics: it stays
     assert hopper_calls == ["dkdv", "dq", "dq"]
     backward(case.with_(softcap=5.0))
-    backward(case.with_(bias="B,Hkv,Sq,Sk"))
+    backward(case.with_(mask="B,Hkv,Sq,Sk"))  # a small problem's bool per-pair mask
     monkeypatch.setenv("FLASH_DMA_HOPPER", "0")
     backward(case)
     assert hopper_calls == ["dkdv", "dq", "dq"]

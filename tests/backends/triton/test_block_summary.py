@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from flash_dma.backends.triton.block_summary import block_lists, block_state
-from flash_dma.block_mask import _block_lists, _summarize
+from flash_dma.block_mask import block_lists as torch_block_lists
+from flash_dma.block_mask import summarize_mask
 from tests.helpers import DEVICE, SUMMARY_BLOCK_SIZES, SUMMARY_CASES, Case, make_mask
 
 
@@ -14,14 +15,14 @@ from tests.helpers import DEVICE, SUMMARY_BLOCK_SIZES, SUMMARY_CASES, Case, make
 )
 def test_kernels_match_the_torch_summary(case, block_size):
     mask = make_mask(case, case.generator())
-    expected = _summarize(mask, *block_size)
+    expected = summarize_mask(mask, *block_size)
     state = block_state(mask, *block_size)
     assert torch.equal(state, expected)
-    assert torch.equal(block_lists(state, False), _block_lists(expected))
-    assert torch.equal(block_lists(state, True), _block_lists(expected.transpose(-1, -2)))
+    assert torch.equal(block_lists(state, False), torch_block_lists(expected))
+    assert torch.equal(block_lists(state, True), torch_block_lists(expected.transpose(-1, -2)))
 
 
 def test_integer_masks_and_broadcast_strides():
     gen = torch.Generator().manual_seed(3)
     mask = (torch.rand(1, 2, 50, 70, generator=gen) < 0.5).to(DEVICE, torch.int64).expand(3, 2, 50, 70)
-    assert torch.equal(block_state(mask, 16, 32), _summarize(mask, 16, 32))
+    assert torch.equal(block_state(mask, 16, 32), summarize_mask(mask, 16, 32))

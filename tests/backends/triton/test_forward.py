@@ -12,8 +12,10 @@ from tests.helpers import (
     Case,
     assert_close,
     broadcast_cases,
+    kernel_call,
     listed_variants,
     make_inputs,
+    packed_variants,
     reference_outputs,
     triton_call,
 )
@@ -48,6 +50,8 @@ FORWARD_CASES = [
     # No mask and no bias at all: plain (causal) attention.
     Case(seqlen_q=130, seqlen_k=130, heads=8, kv_heads=2, causal=True),
 ]
+# Every broadcast shape as a BitMask (the kernels read its bits), and the rows-mask cases.
+FORWARD_CASES += packed_variants(FORWARD_CASES[:18]) + packed_variants(FORWARD_CASES[18:27])
 FORWARD_CASES += listed_variants(FORWARD_CASES)
 
 
@@ -91,16 +95,11 @@ def test_split_kv_decode(case, num_splits, poison_outputs):
     dtype = KERNEL_DTYPES[0]
     inputs = make_inputs(case, dtype)
     window = (case.window[0], 0) if case.causal else case.window
-    lists, block_q, block_k = None, 0, 0
+    summary = None
     if inputs["attn_mask"] is not None:
         summary = build_block_mask(inputs["attn_mask"], block_size=case.block_size or (128, 128))
-        lists = summary.kv_lists
-        block_q = summary.block_size[0] if summary.state.shape[2] > 1 else 0
-        block_k = summary.block_size[1] if summary.state.shape[3] > 1 else 0
-    out, lse = attention_forward(
-        inputs["query"], inputs["key"], inputs["value"], inputs["attn_mask"], inputs["attn_bias"], lists, None,
-        block_q, block_k, case.head_dim**-0.5, window[0], window[1], case.softcap, num_splits=num_splits,
-    )
+    call = kernel_call(inputs, summary, softmax_scale=case.head_dim**-0.5, window=window, softcap=case.softcap)
+    out, lse = attention_forward(call, num_splits=num_splits)
     oracle_out, oracle_lse, _ = reference_outputs(case, inputs, None, torch.float64)
     baseline_out, baseline_lse, _ = reference_outputs(case, inputs, None, dtype)
     assert_close("out", out, oracle_out, baseline_out)

@@ -1,0 +1,154 @@
+"""Which kernel serves which problem form: the one routing table of the Triton backend.
+
+Each pass of a call (``"forward"``, ``"dq"``, ``"dkdv"``) has a :class:`Form`, read off its
+:class:`~flash_dma.backends.triton.layout.Call` by :func:`form_of`. :func:`route` answers with
+the kernel of the first row of :data:`ROUTES` that covers the form: ``"hopper"`` (the
+warp-specialised Gluon kernels of ``hopper/``) or ``"triton"`` (``forward.py``, ``backward.py``),
+which covers everything. This module alone reads ``FLASH_DMA_HOPPER`` and asks whether the GPU
+is a Hopper; ``docs/api.md``'s "What runs where" table is :func:`routing_table`, and a test
+keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from flash_dma.backends.triton import configs
+from flash_dma.backends.triton.hopper.common import HEAD_DIMS, TILES
+from flash_dma.backends.triton.layout import SEQ_PACKED, WALK_BLOCKS, WALK_DENSE, Call, Sequences, tma_aligned, walk_kind
+
+HOPPER, TRITON = "hopper", "triton"
+PASSES = ("forward", "dq", "dkdv")
+_WALKS = {WALK_DENSE: "dense", WALK_BLOCKS: "blocks"}
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+class Form(NamedTuple):
+    """What the choice of kernel for one pass depends on."""
+
+    device: str  # "hopper" (sm90, FLASH_DMA_HOPPER not 0), "cuda" (other GPUs, or Hopper turned off), "interpreter"
+    dtype: str  # "fp16" | "bf16" | "fp32"
+    head_dim: int
+    mask: str  # "none" | "keys" [., ., 1, Sk|1] | "rows" [., ., Sq, 1] | "pairs" (bool per pair) | "bits" (a BitMask's words)
+    bias: str  # "none" | "keys" [., ., 1, Sk|1] | "rows" [., ., Sq, 1] | "pairs" [., ., Sq, Sk]
+    walk: str  # "dense" | "blocks" (a block summary's lists) | "keys" (a key list)
+    sequences: str  # "fixed" | "packed" (varlen) | "cache" (a KV cache)
+    split: bool  # split-KV or GQA heads packed into rows (decode-sized calls)
+    deterministic: bool
+    softcap: bool
+    aligned: bool  # TMA-copyable rows, summary blocks the kernel's tiles divide, a per-pair bias's keys consecutive, no empty input
+
+
+@dataclass(frozen=True)
+class Route:
+    """One row of the table: ``kernel`` serves ``passes`` for every form whose fields are all
+    among the row's values (None: any value)."""
+
+    kernel: str
+    passes: tuple[str, ...]
+    device: tuple | None = None
+    dtype: tuple | None = None
+    head_dim: tuple | None = None
+    mask: tuple | None = None
+    bias: tuple | None = None
+    walk: tuple | None = None
+    sequences: tuple | None = None
+    split: tuple | None = None
+    deterministic: tuple | None = None
+    softcap: tuple | None = None
+    aligned: tuple | None = None
+
+    def covers(self, pass_: str, form: Form) -> bool:
+        return pass_ in self.passes and all(
+            getattr(self, field) is None or value in getattr(self, field) for field, value in zip(Form._fields, form)
+        )
+
+
+_HOPPER_FORMS = dict(
+    device=("hopper",), dtype=("fp16", "bf16"), head_dim=HEAD_DIMS, mask=("none", "keys", "rows", "bits"),
+    sequences=("fixed",), split=(False,), softcap=(False,), aligned=(True,),
+)
+ROUTES = (
+    Route(HOPPER, ("forward", "dq"), **_HOPPER_FORMS),
+    # Query chunks add up by fp32 atomics in no fixed order; a key list's columns are the Triton kernel's.
+    Route(HOPPER, ("dkdv",), **_HOPPER_FORMS, walk=("dense", "blocks"), deterministic=(False,)),
+    Route(TRITON, PASSES),
+)
+
+
+def route(pass_: str, form: Form) -> str:
+    """The kernel that serves ``pass_`` of a call of ``form``."""
+    return next(r.kernel for r in ROUTES if r.covers(pass_, form))
+
+
+def device_kind(device: torch.device) -> str:
+    """``Form.device`` for tensors on ``device``; ``FLASH_DMA_HOPPER=0`` is read on every call."""
+    if configs.triton_interpreting():
+        return "interpreter"
+    if os.environ.get("FLASH_DMA_HOPPER", "1") != "0" and configs.is_hopper(device):
+        return "hopper"
+    return "cuda"
+
+
+def _input_form(t: torch.Tensor | None, bits: bool = False) -> str:
+    if t is None:
+        return "none"
+    if bits:
+        return "bits"
+    if t.shape[2] == 1:
+        return "keys"
+    return "rows" if t.shape[3] == 1 else "pairs"
+
+
+def form_of(
+    pass_: str, call: Call, sequences: Sequences | None = None, split: bool = False, dout: torch.Tensor | None = None,
+) -> Form:
+    """The form of ``pass_`` of ``call`` (``dout`` for the backward's alignment)."""
+    q = call.q
+    walked = call.kv_lists if pass_ != "dkdv" else call.q_lists
+    walk = "keys" if call.key_list is not None else _WALKS[walk_kind(walked, None)]
+    block_m, block_n = TILES[pass_]
+    tensors = (q, call.k, call.v) if dout is None else (q, call.k, call.v, dout)
+    bias = call.bias
+    pair_bias = bias is not None and bias.shape[2] > 1 and bias.shape[3] > 1
+    aligned = (
+        call.list_block_q % block_m == 0 and call.list_block_k % block_n == 0 and q.numel() > 0 and call.k.numel() > 0
+        and tma_aligned(*tensors) and not (pair_bias and bias.stride(3) != 1)  # consecutive keys (``hopper/common.pair_offsets``)
+    )
+    return Form(
+        device=device_kind(q.device),
+        dtype=_DTYPES[q.dtype],
+        head_dim=q.shape[3],
+        mask=_input_form(call.mask, call.mask_bits),
+        bias=_input_form(call.bias),
+        walk=walk,
+        sequences="fixed" if sequences is None else ("packed" if sequences.kind == SEQ_PACKED else "cache"),
+        split=split,
+        deterministic=call.deterministic,
+        softcap=call.softcap > 0,
+        aligned=aligned,
+    )
+
+
+def hopper_takes_bits(call: Call) -> bool:
+    """Whether a per-pair bool mask of ``call`` (large: walked by a summary) should be packed into
+    bits: the Hopper forward serves the call with them."""
+    form = form_of("forward", call)._replace(mask="bits", walk="blocks")
+    return route("forward", form) == HOPPER
+
+
+def routing_table() -> str:
+    """``ROUTES`` as the markdown table of ``docs/api.md`` ("What runs where")."""
+    columns = [field for field in Form._fields if any(getattr(r, field) is not None for r in ROUTES)]
+    lines = [
+        "| kernel | passes | " + " | ".join(c.replace("_", " ") for c in columns) + " |",
+        "|---|---|" + "---|" * len(columns),
+    ]
+    for r in ROUTES:
+        cells = [", ".join(map(str, getattr(r, c))) if getattr(r, c) is not None else "any" for c in columns]
+        lines.append(f"| {r.kernel} | {', '.join(r.passes)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,694 @@
+"""Hopper machinery shared by the warp-specialised Gluon kernels (``forward.py``, ``dq.py``, ``dkdv.py``).
+
+The kernels split their roles as FlashAttention-3 does: a *loader* warp walks each work item's
+tiles (the walks of ``tiles.py``) and copies them with TMA into shared-memory rings; two
+warpgroups of 64 rows (or keys) each do the math. What they share lives here:
+
+- records (``record``) and the arguments every Hopper kernel begins with (:func:`hopper_arguments`);
+- the forms of the mask and the bias (``MASK_*``, ``BIAS_*``) and how each is read: per key,
+  staged by the loader with each K tile (``_load_key_tile``); per query row, once per work item
+  (``row_epilogue`` in the forward, ``_row_statistics`` in the backward's LSEs); per pair, by the
+  math warpgroups on the tiles that need it (``pair_offsets``, ``kept_by_bits``);
+- the loader of the kernels that own query rows (forward and dQ: ``load_partition``), its
+  barriers and staging slots, and what their math warpgroups read back (``staged_keys``,
+  ``wait_for_scores``, ``visible_scores``), take (``take_rows``) and store (``store_rows``).
+"""
+
+# No `from __future__ import annotations`: the records below need their field types as objects.
+import inspect
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
+from triton.language.core import _aggregate as aggregate
+
+from flash_dma.backends.triton import tiles
+from flash_dma.backends.triton.key_list import gather_kept_keys
+from flash_dma.backends.triton.layout import (
+    WALK_KEYS,
+    Call,
+    broadcast_strides,
+    diagonal_band,
+    head_divisor,
+    kernel_view,
+    placeholder,
+    walk_kind,
+)
+
+# The walk's index arithmetic is shared with the Triton kernels: scalar code runs as Gluon as is.
+key_walk = gluon.jit(tiles.key_walk.fn)
+summary_row = gluon.jit(tiles.summary_row.fn)
+_summary_list = gluon.jit(tiles.summary_list.fn)
+_tile_start = gluon.jit(tiles.tile_start.fn)
+# Triton 3.9 renamed the TMA copies (and refuses the old names).
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+HEAD_DIMS = (64, 128)
+# (query rows, keys) per tile of each pass: 64 per math warpgroup along the axis the pass owns.
+TILES = {"forward": (128, 128), "dq": (128, 64), "dkdv": (64, 128)}
+# Registers per thread: each math warpgroup 240, the loader 24 (setmaxnreg); a kernel starts with
+# MAX_REGISTERS over its 3 warpgroups, and 2 x 128 x 240 + 128 x 24 <= 168 x 384.
+MATH_REGISTERS = gl.constexpr(240)
+LOADER_REGISTERS = gl.constexpr(24)
+MAX_REGISTERS = 168
+PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rows of small shared arrays
+WORD_BITS = gl.constexpr(32)  # bits per word of a BitMask (``bit_mask.py``)
+
+# How a mask or bias varies, which decides who reads it (module doc). A mask per pair is a
+# BitMask's words; a bool mask per pair takes the Triton kernels (``dispatch.py``).
+MASK_NONE, MASK_KEYS, MASK_ROWS, MASK_BITS = (gl.constexpr(i) for i in range(4))
+BIAS_NONE, BIAS_KEYS, BIAS_ROWS, BIAS_PAIRS = (gl.constexpr(i) for i in range(4))
+
+
+def record(cls):
+    """Triton's ``aggregate`` with a constructor that takes the fields in order (Triton 3.6 wants
+    one written out; later versions make the same one)."""
+    fields = dict(cls.__annotations__)
+
+    def __init__(self, *values):
+        for name, value in zip(fields, values, strict=True):
+            setattr(self, name, gl.constexpr(value) if fields[name] is gl.constexpr else value)
+
+    cls.__init__ = gluon.constexpr_function(__init__)
+    made = aggregate(cls)
+    made.fields = fields
+    return made
+
+
+def jit_with_runtime_scalars(fn):
+    """``gluon.jit`` that never specialises the int and float parameters (lower-case, not
+    constexpr): a value of 1 would become a constant, which the records' tensor fields do not
+    take, and ``launch.Launcher`` wants every int parameter classified."""
+    params = inspect.signature(fn).parameters.items()
+    return gluon.jit(fn, do_not_specialize=[n for n, p in params if n[0].islower() and p.annotation is inspect.Parameter.empty])
+
+
+def input_form(t: torch.Tensor | None, bits: bool = False) -> int:
+    """``MASK_*`` / ``BIAS_*`` of a ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` input (the codes coincide), or
+    of a BitMask's words (``bits``). A bool mask per pair is never here (``dispatch.py``)."""
+    if t is None:
+        return MASK_NONE.value
+    if not bits and t.shape[2] == 1:
+        return MASK_KEYS.value
+    if not bits and t.shape[3] == 1:
+        return MASK_ROWS.value
+    return BIAS_PAIRS.value
+
+
+# The parameters every Hopper kernel begins with, in order (``hopper_arguments``).
+COMMON_TENSORS = ("Q", "K", "V", "Mask", "Bias", "Walk")
+
+
+def stages_pair_bias(call: Call, walk_flag: int) -> bool:
+    """Whether the loader copies a per-pair bias's tiles with TMA (``pair_descriptor``): a 16-bit,
+    contiguous bias of 16-byte rows, keys not gathered, and at D = 64 (where shared memory has
+    room for its ring); otherwise the math warpgroups load it themselves."""
+    bias = call.bias
+    return (
+        bias is not None and bias.shape[2] > 1 and bias.shape[3] > 1 and bias.element_size() == 2 and bias.is_contiguous()
+        and bias.data_ptr() % 16 == 0 and bias.shape[3] % 8 == 0 and walk_flag != WALK_KEYS and call.q.shape[3] == 64
+    )
+
+
+def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.Tensor | None, walk_flag: int) -> tuple[list, list, list]:
+    """``(tensors, runtime, constexprs)``: the parameters every Hopper kernel begins with.
+
+    ``tensors`` are ``Q, K, V, Mask, Bias, Walk`` (``k`` and ``v`` as the kernel copies them:
+    gathered for a key list); ``runtime`` their strides (mask and bias as ``b, h, q, k``, zero
+    where broadcast), the rows (all but the last axis) and columns of mask and bias,
+    ``batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group``, the head divisors of mask,
+    bias and walk, the summary's block sizes, the band on the bottom-right diagonal and
+    ``scale, scale_log2``; ``constexprs`` ``MASK, BIAS, WALK, HEAD_DIM, STAGED_BIAS``.
+    """
+    q, mask, bias = call.q, call.mask, call.bias
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    device = q.device
+    tensors = [
+        q, k, v, placeholder(device, torch.uint8) if mask is None else kernel_view(mask),
+        placeholder(device, q.dtype) if bias is None else bias, placeholder(device, torch.int32) if walk is None else walk,
+    ]
+    runtime = [
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *broadcast_strides(mask), *broadcast_strides(bias),
+        *broadcast_strides(walk)[:3], 0 if walk is None else walk.shape[-1],
+        *((0, 0) if mask is None else (mask.numel() // mask.shape[-1], mask.shape[-1])),
+        *((0, 0) if bias is None else (bias.numel() // bias.shape[-1], bias.shape[-1])),
+        batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, num_heads // num_kv_heads,
+        head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(walk, num_heads),
+        call.list_block_q, call.list_block_k, *diagonal_band(call.window_left, call.window_right, seqlen_q, seqlen_k),
+        call.softmax_scale, call.softmax_scale * tiles.LOG2E.value,
+    ]
+    constexprs = [input_form(mask, call.mask_bits), input_form(bias), walk_flag, head_dim, stages_pair_bias(call, walk_flag)]
+    return tensors, runtime, constexprs
+
+
+def walked_keys(call: Call, pass_walk: torch.Tensor | None) -> tuple:
+    """``(k, v, walk, WALK)`` as the Hopper forward and dQ kernels read them: with a key list, its
+    kept keys gathered (``key_list.gather_kept_keys``) and the list walked; else the summary's
+    lists ``pass_walk`` (or none)."""
+    if call.key_list is None:
+        return call.k, call.v, pass_walk, walk_kind(pass_walk, None)
+    return *gather_kept_keys(call.k, call.v, call.key_list), call.key_list, WALK_KEYS
+
+
+@record
+class Problem:
+    """What every partition of the kernels that own query rows reads (the forward, and the dQ
+    kernel: its output is ``Out``, ``o_desc`` the descriptor of one warpgroup's rows of it, and
+    with GRADIENT its loader also reads ``do_desc`` and ``Delta``)."""
+
+    q_desc: tma.tensor_descriptor
+    k_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    do_desc: tma.tensor_descriptor
+    o_desc: tma.tensor_descriptor
+    words_desc: tma.tensor_descriptor
+    bias_desc: tma.tensor_descriptor
+    Out: gl.tensor
+    Delta: gl.tensor
+    Lse: gl.tensor
+    Mask: gl.tensor
+    Bias: gl.tensor
+    Walk: gl.tensor
+    stride_ob: gl.tensor
+    stride_os: gl.tensor
+    stride_oh: gl.tensor
+    stride_lse_b: gl.tensor
+    stride_lse_h: gl.tensor
+    stride_mb: gl.tensor
+    stride_mh: gl.tensor
+    stride_mq: gl.tensor
+    stride_mk: gl.tensor
+    stride_bb: gl.tensor
+    stride_bh: gl.tensor
+    stride_bq: gl.tensor
+    stride_bk: gl.tensor
+    stride_wb: gl.tensor
+    stride_wh: gl.tensor
+    stride_wr: gl.tensor
+    walk_width: gl.tensor
+    seqlen_q: gl.tensor
+    seqlen_k: gl.tensor
+    num_heads: gl.tensor
+    group: gl.tensor
+    items: gl.tensor
+    row_blocks: gl.tensor
+    mask_head_div: gl.tensor
+    bias_head_div: gl.tensor
+    walk_head_div: gl.tensor
+    list_block_q: gl.tensor
+    list_block_k: gl.tensor
+    band_lo: gl.tensor
+    band_hi: gl.tensor
+    scale: gl.tensor
+    scale_log2: gl.tensor
+    MASK: gl.constexpr
+    BIAS: gl.constexpr
+    WALK: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    STAGED_BIAS: gl.constexpr
+    KV_STAGES: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    GRADIENT: gl.constexpr
+
+
+@record
+class Item:
+    """One work item: a row block of one (batch, head), and where its key tiles lie in its walk
+    (``tiles.key_walk``): PARTIAL tiles at positions ``[partial_lo, partial_hi)`` of the summary's
+    PARTIAL list, the others at ``[lo, hi)`` of the FULL list (or of every tile, dense, or of the
+    key list's first ``key_limit`` slots)."""
+
+    row_block: gl.tensor
+    batch: gl.tensor
+    head: gl.tensor
+    lists: gl.tensor
+    tiles_per_block: gl.tensor
+    key_limit: gl.tensor
+    partial_lo: gl.tensor
+    partial_hi: gl.tensor
+    lo: gl.tensor
+    hi: gl.tensor
+
+
+@gluon.jit
+def put(slot, value):
+    """Store scalar ``value`` in a one-element shared slot."""
+    slot.store(gl.full([1], value, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+
+
+@gluon.jit
+def get(slot):
+    """The scalar in a one-element shared slot."""
+    return gl.max(slot.load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
+
+
+@gluon.jit
+def tile_descriptor(
+    T, batch, length, heads, stride_b, stride_s, stride_h,
+    ROWS: gl.constexpr, LAYOUT_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+):
+    """The TMA descriptor of a whole ``[B, S, heads, D]`` tensor, in tiles of ``ROWS`` rows of one
+    head, laid out in shared memory as tiles of ``LAYOUT_ROWS`` rows are (``store_rows`` writes
+    a warpgroup's half of a Q tile)."""
+    return tma.make_tensor_descriptor(
+        T, [batch, length, heads, HEAD_DIM], [stride_b, stride_s, stride_h, 1], [1, ROWS, 1, HEAD_DIM],
+        gl.NVMMASharedLayout.get_default_for([1, LAYOUT_ROWS, 1, HEAD_DIM], T.dtype.element_ty),
+    )
+
+
+@gluon.jit
+def pair_buffers(
+    words_desc, bias_desc, MASK: gl.constexpr, STAGED_BIAS: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+):
+    """``(words, bias)``: shared-memory rings of ``STAGES`` tiles of a BitMask's words
+    (``words_staged``) and of a staged per-pair bias (one word each where there is none)."""
+    words = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
+    bias = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
+    if words_staged(MASK, BLOCK_N):
+        words = gl.allocate_shared_memory(words_desc.dtype, [STAGES] + words_desc.block_type.shape, words_desc.layout)
+    if STAGED_BIAS:
+        bias = gl.allocate_shared_memory(bias_desc.dtype, [STAGES] + bias_desc.block_type.shape, bias_desc.layout)
+    return words, bias
+
+
+@gluon.jit
+def init_barriers(bufs, KV_STAGES: gl.constexpr):
+    """The barriers of the two Q slots and of the K/V ring (the forward's and the dQ kernel's):
+    the loader's copies fill a slot, and both math warpgroups release it."""
+    for i in gl.static_range(2):
+        mbarrier.init(bufs.q_ready.index(i), count=1)
+        mbarrier.init(bufs.q_empty.index(i), count=2)
+    for i in gl.static_range(KV_STAGES):
+        mbarrier.init(bufs.k_ready.index(i), count=1)
+        mbarrier.init(bufs.v_ready.index(i), count=1)
+        mbarrier.init(bufs.k_empty.index(i), count=2)
+        mbarrier.init(bufs.v_empty.index(i), count=2)
+
+
+# -- how the inputs are read ---------------------------------------------------------------------
+
+
+@gluon.jit
+def input_base(T, stride_b, stride_h, head_div, batch, head):
+    """Where a ``[1|B, 1|Hkv|H, ., .]`` input's rows of (``batch``, query head ``head``) start."""
+    return T + batch.to(gl.int64) * stride_b + (head // head_div).to(gl.int64) * stride_h
+
+
+@gluon.jit
+def pair_offsets(rows, keys, stride_q, KEYS_FIRST: gl.constexpr):
+    """Offsets of a tile of (query ``rows``, ``keys``) pairs in a ``[., ., Sq, Sk]`` input whose
+    keys are consecutive (``dispatch.form_of``: so each thread's offsets differ by constants):
+    ``[rows, keys]``, or ``[keys, rows]`` with KEYS_FIRST (the dK/dV kernel's tiles)."""
+    row_offsets = rows.to(gl.int64) * stride_q
+    if KEYS_FIRST:
+        offsets = keys[:, None] + row_offsets[None, :]
+    else:
+        offsets = row_offsets[:, None] + keys[None, :]
+    return offsets
+
+
+@gluon.jit
+def pair_inside(p, rows, keys, KEYS_FIRST: gl.constexpr):
+    """Which pairs of a tile (oriented as in ``pair_offsets``) lie inside the inputs."""
+    if KEYS_FIRST:
+        inside = (keys < p.seqlen_k)[:, None] & (rows < p.seqlen_q)[None, :]
+    else:
+        inside = (rows < p.seqlen_q)[:, None] & (keys < p.seqlen_k)[None, :]
+    return inside
+
+
+@gluon.jit
+def pair_bias(p, batch, head, rows, keys, KEYS_FIRST: gl.constexpr):
+    """(``batch``, ``head``)'s per-pair bias tile for ``rows`` and ``keys`` in log2 units (0
+    outside the inputs), in the layout ``rows`` and ``keys`` slice."""
+    base = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, batch, head)
+    offsets = pair_offsets(rows, keys, p.stride_bq, KEYS_FIRST)
+    return gl.load(base + offsets, mask=pair_inside(p, rows, keys, KEYS_FIRST), other=0.0).to(gl.float32) * tiles.LOG2E
+
+
+@gluon.constexpr_function
+def words_staged(MASK, BLOCK_N):
+    """Whether the loader copies a BitMask's words with TMA: tiles of 128 keys or more, whose
+    words start on 16 bytes (a dQ tile of 64 keys reads its words itself)."""
+    return MASK == MASK_BITS and BLOCK_N >= 4 * WORD_BITS
+
+
+@gluon.jit
+def kept_by_bits(p, s, words, batch, head, first_row, first_key, KEYS_FIRST: gl.constexpr, HALF: gl.constexpr = 0):
+    """``s`` with -inf where (``batch``, ``head``)'s BitMask bits drop the pair.
+
+    ``s`` is ``[rows, keys]`` from ``first_row`` and ``first_key`` (a multiple of 32), or
+    ``[keys, rows]`` with KEYS_FIRST; ``words`` is the shared-memory view of the words that hold
+    its bits, ``[rows, keys / 32]`` (with KEYS_FIRST: both warpgroups' keys, ``HALF`` saying
+    which are this one's), when the loader staged them (``words_staged``), else None: then they
+    are read here (rows past the end read none). The
+    tile is viewed with its keys split into (word, bit): each thread loads the words of its own
+    rows once, and tests each of its elements' bit.
+    """
+    if KEYS_FIRST:
+        KEYS: gl.constexpr = s.shape[0]
+        ROWS: gl.constexpr = s.shape[1]
+        split = s.reshape([KEYS // WORD_BITS, WORD_BITS, ROWS])
+        words_layout: gl.constexpr = gl.SliceLayout(1, split.type.layout)  # [words, rows]
+        bit = 1 << gl.arange(0, WORD_BITS, gl.SliceLayout(0, gl.SliceLayout(2, split.type.layout)))
+    else:
+        ROWS: gl.constexpr = s.shape[0]
+        KEYS: gl.constexpr = s.shape[1]
+        split = s.reshape([ROWS, KEYS // WORD_BITS, WORD_BITS])
+        words_layout: gl.constexpr = gl.SliceLayout(2, split.type.layout)  # [rows, words]
+        bit = 1 << gl.arange(0, WORD_BITS, gl.SliceLayout(0, gl.SliceLayout(1, split.type.layout)))
+    if words is None:
+        base = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, batch, head)
+        ROW_AXIS: gl.constexpr = 0 if KEYS_FIRST else 1
+        rows = first_row + gl.arange(0, ROWS, gl.SliceLayout(ROW_AXIS, words_layout))
+        word_idx = first_key // WORD_BITS + gl.arange(0, KEYS // WORD_BITS, gl.SliceLayout(1 - ROW_AXIS, words_layout))
+        inside = (rows < p.seqlen_q)[None, :] if KEYS_FIRST else (rows < p.seqlen_q)[:, None]
+        held = gl.load(base + pair_offsets(rows, word_idx, p.stride_mq, KEYS_FIRST), mask=inside, other=0)
+    elif KEYS_FIRST:
+        # The staged tile is [rows, 2 x KEYS / 32]: both warpgroups' words. It is read whole, as
+        # stored, and this warpgroup's half taken and turned in registers (a view of the shared
+        # tile sliced along its words and permuted read wrong words on the H100).
+        WIDTH: gl.constexpr = words.shape[1]
+        stored: gl.constexpr = gl.BlockedLayout([1, WIDTH], [32, 1], [gl.num_warps(), 1], [1, 0])
+        halves = gl.permute(words.load(stored).reshape([ROWS, 2, WIDTH // 2]), (0, 2, 1))  # [rows, word, half]
+        lower, upper = gl.split(halves)
+        held = gl.convert_layout(gl.permute(upper if HALF else lower, (1, 0)), words_layout)
+    else:
+        held = words.load(words_layout)
+    if KEYS_FIRST:
+        kept = (held[:, None, :] & bit[None, :, None]) != 0
+    else:
+        kept = (held[:, :, None] & bit[None, None, :]) != 0
+    kept = gl.where(kept, split, float("-inf"))
+    return gl.convert_layout(kept.reshape(s.shape), s.type.layout)
+
+
+@gluon.jit
+def staged_pair_row(T, stride_b, stride_h, stride_q, head_div, batch, head, row):
+    """The row of a 2-D ``[Bm * Hm * Sq, columns]`` descriptor (``pair_descriptor``) that holds
+    (``batch``, ``head``)'s query row ``row``; strides as the kernels take them (0 where broadcast)."""
+    return ((batch.to(gl.int64) * stride_b + (head // head_div).to(gl.int64) * stride_h) // stride_q).to(gl.int32) + row
+
+
+@gluon.jit
+def pair_descriptors(Mask, Bias, fallback, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq,
+                     MASK: gl.constexpr, STAGED_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``(words_desc, bias_desc)``: TMA descriptors of a BitMask's words (``words_staged``) and of
+    a staged per-pair bias, in tiles of a work item's rows and one key tile (``fallback`` where
+    there is none)."""
+    words_desc = fallback
+    bias_desc = fallback
+    if words_staged(MASK, BLOCK_N):
+        words_desc = pair_descriptor(Mask, mask_rows, mask_cols, stride_mq, BLOCK_M, BLOCK_N // WORD_BITS)
+    if STAGED_BIAS:
+        bias_desc = pair_descriptor(Bias, bias_rows, bias_cols, stride_bq, BLOCK_M, BLOCK_N)
+    return words_desc, bias_desc
+
+
+@gluon.jit
+def pair_descriptor(T, rows, columns, stride_q, BLOCK_ROWS: gl.constexpr, BLOCK_COLUMNS: gl.constexpr):
+    """The TMA descriptor of a contiguous per-pair input ``[Bm, Hm, Sq, columns]`` as ``[rows =
+    Bm * Hm * Sq, columns]``, in tiles of ``[BLOCK_ROWS, BLOCK_COLUMNS]``: rows past a query
+    block's end read the next (batch, head)'s, which no result uses; columns past the end read 0."""
+    return tma.make_tensor_descriptor(
+        T, [rows, columns], [stride_q, 1], [BLOCK_ROWS, BLOCK_COLUMNS],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_ROWS, BLOCK_COLUMNS], T.dtype.element_ty),
+    )
+
+
+@gluon.jit
+def row_values(p, T, stride_q, rows, other):
+    """One value per query row of a ``[., ., Sq, 1]`` input at ``T`` (``other`` past the end)."""
+    return gl.load(T + rows.to(gl.int64) * stride_q, mask=rows < p.seqlen_q, other=other)
+
+
+@gluon.jit
+def row_statistics(p, row_offset, rows, bias_base):
+    """LSEs (log2 units; +inf for rows that see no key, or past the end: their gradients are 0)
+    and deltas of query rows ``rows`` of one (batch, head), for the backward kernels. A bias per
+    query row is taken back out of the LSE: the kernels' scores leave it out."""
+    row_ok = rows < p.seqlen_q
+    lse = gl.load(p.Lse + row_offset + rows, mask=row_ok, other=float("inf"))
+    if p.BIAS == BIAS_ROWS:
+        lse = lse - row_values(p, bias_base, p.stride_bq, rows, 0.0).to(gl.float32)
+    lse = gl.where(lse == float("-inf"), float("inf"), lse) * tiles.LOG2E
+    return lse, gl.load(p.Delta + row_offset + rows, mask=row_ok, other=0.0)
+
+
+# -- the loader of the kernels that own query rows -------------------------------------------------
+
+
+@gluon.jit
+def _item_position(p, index):
+    """``(row_block, batch, head)`` of work item ``index``: row blocks from the last, (batch, head) fastest."""
+    batch_heads = p.items // p.row_blocks
+    return p.row_blocks - 1 - index // batch_heads, (index % batch_heads) // p.num_heads, index % p.num_heads
+
+
+@gluon.jit
+def _item(p, index):
+    """Work item ``index`` and its walk (the Triton forward's ``tiles.key_walk``, one split)."""
+    row_block, batch, head = _item_position(p, index)
+    q_lo = row_block * p.BLOCK_M
+    walk = input_base(p.Walk, p.stride_wb, p.stride_wh, p.walk_head_div, batch, head)
+    row_offset = summary_row(row_block, p.list_block_q, p.BLOCK_M).to(gl.int64) * p.stride_wr
+    lists, tiles_per_block, key_limit, partial_lo, partial_hi, lo, _, _, hi = key_walk(
+        walk, p.walk_width, row_offset, p.seqlen_k, q_lo, gl.minimum(q_lo + p.BLOCK_M, p.seqlen_q) - 1,
+        p.band_lo, p.band_hi, p.list_block_k, 0, 1, p.WALK, p.BLOCK_N,
+    )
+    return Item(row_block, batch, head, lists, tiles_per_block, key_limit, partial_lo, partial_hi, lo, hi)
+
+
+@gluon.jit
+def tile_count(it):
+    return (it.partial_hi - it.partial_lo) + (it.hi - it.lo)
+
+
+@gluon.jit
+def tile_at(p, it, j):
+    """The j-th tile (of ``BLOCK`` positions) of a work item, PARTIAL ones first: ``(tile,
+    partial)``. Without a summary every tile is PARTIAL: a mask is read on each."""
+    partials = it.partial_hi - it.partial_lo
+    partial = j < partials
+    position = gl.where(partial, it.partial_lo + j, it.lo + j - partials)
+    tile = position
+    if p.WALK == tiles.WALK_BLOCKS:
+        tile = _tile_start(_summary_list(it.lists, p.walk_width, partial == 0, 0), position, it.tiles_per_block, p.WALK)
+    if p.WALK == tiles.WALK_DENSE:
+        partial = j >= 0
+    return tile, partial
+
+
+@gluon.jit
+def _load_key_tile(p, bufs, it, j, loaded, bias_row, mask_row, kv_head):
+    """The j-th key tile of work item ``it`` into ring position ``loaded``: the span of its keys'
+    positions (with a key list also the positions), whether its pair bits are read, its key scores
+    (bias per key in log2 units, -inf for keys masked out or past the end), K and V."""
+    KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
+    SCORED: gl.constexpr = p.BIAS == BIAS_KEYS or p.MASK == MASK_KEYS or KEYS
+    key_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_N // 32], [32], [1], [0])
+    tile, partial = tile_at(p, it, j)
+    first_key = tile * p.BLOCK_N
+    if SCORED:  # read before waiting for the buffer: the loads overlap the wait
+        keys = first_key + gl.arange(0, p.BLOCK_N, key_layout)  # [BLOCK_N]
+        key_ok = keys < p.seqlen_k
+        if KEYS:  # slots of the key list: kept positions (ascending) up to its kept count
+            key_ok = keys < it.key_limit
+            keys = gl.load(it.lists + keys, mask=key_ok, other=0)
+            first_key = gl.min(gl.where(key_ok, keys, p.seqlen_k), 0)
+        scores = gl.full([p.BLOCK_N], 0.0, gl.float32, key_layout)
+        if p.BIAS == BIAS_KEYS:
+            scores = gl.load(bias_row + keys * p.stride_bk, mask=key_ok, other=0.0).to(gl.float32) * tiles.LOG2E
+        if p.MASK == MASK_KEYS:
+            key_ok = key_ok & (gl.load(mask_row + keys * p.stride_mk, mask=key_ok & partial, other=1) != 0)
+        scores = gl.where(key_ok, scores, float("-inf"))
+    stage = loaded % p.KV_STAGES
+    phase = (loaded // p.KV_STAGES) & 1 ^ 1
+    # K (with the tile's number and key scores) and V have rings of their own: K is free once
+    # S = Q K^T is done, a tile before V.
+    kv_bytes: gl.constexpr = p.k_desc.block_type.nbytes
+    mbarrier.wait(bufs.k_empty.index(stage), phase)
+    # The span of the tile's key positions: a key list's first and last kept ones, else the tile number.
+    put(bufs.spans.index(stage), first_key if KEYS else tile)
+    if KEYS:
+        put(bufs.spans.index(p.KV_STAGES + stage), gl.max(keys, 0))
+        bufs.positions.index(stage).store(keys)
+    if p.MASK == MASK_BITS:
+        put(bufs.partial.index(stage), partial.to(gl.int32))
+    if SCORED:
+        bufs.key_scores.index(stage).store(scores)
+    # A BitMask's words and a per-pair bias come with K: the math warpgroups read them with S.
+    words_bytes: gl.constexpr = p.words_desc.block_type.nbytes if words_staged(p.MASK, p.BLOCK_N) else 0
+    bias_bytes: gl.constexpr = p.bias_desc.block_type.nbytes if p.STAGED_BIAS else 0
+    k_bytes: gl.constexpr = kv_bytes + words_bytes + bias_bytes
+    mbarrier.expect(bufs.k_ready.index(stage), k_bytes)
+    tma_load(p.k_desc, [it.batch, tile * p.BLOCK_N, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage))
+    first_row = it.row_block * p.BLOCK_M
+    if words_staged(p.MASK, p.BLOCK_N):
+        row = staged_pair_row(p.Mask, p.stride_mb, p.stride_mh, p.stride_mq, p.mask_head_div, it.batch, it.head, first_row)
+        tma_load(p.words_desc, [row, tile * (p.BLOCK_N // WORD_BITS)], bufs.k_ready.index(stage), bufs.words.index(stage))
+    if p.STAGED_BIAS:
+        row = staged_pair_row(p.Bias, p.stride_bb, p.stride_bh, p.stride_bq, p.bias_head_div, it.batch, it.head, first_row)
+        tma_load(p.bias_desc, [row, tile * p.BLOCK_N], bufs.k_ready.index(stage), bufs.bias.index(stage))
+    mbarrier.wait(bufs.v_empty.index(stage), phase)
+    mbarrier.expect(bufs.v_ready.index(stage), kv_bytes)
+    tma_load(p.v_desc, [it.batch, tile * p.BLOCK_N, kv_head, 0], bufs.v_ready.index(stage), bufs.v.index(stage))
+
+
+@gluon.jit
+def load_partition(p, bufs):
+    """One warp: for each work item its tile count and Q (with GRADIENT also dO, and the rows'
+    LSEs in log2 units and deltas), then its key tiles (``_load_key_tile``)."""
+    q_bytes: gl.constexpr = p.q_desc.block_type.nbytes * (2 if p.GRADIENT else 1)
+    row_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_M // 32], [32], [1], [0])
+    loaded = 0  # K/V tiles so far: the ring position
+    items_done = 0
+    for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
+        it = _item(p, index)
+        bias_row = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, it.batch, it.head)
+        mask_row = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, it.batch, it.head)
+        count = tile_count(it)
+        q_slot = items_done % 2
+        if p.GRADIENT:
+            rows = it.row_block * p.BLOCK_M + gl.arange(0, p.BLOCK_M, row_layout)  # [BLOCK_M]
+            row_offset = (it.batch * p.num_heads + it.head).to(gl.int64) * p.seqlen_q
+            lse, delta = row_statistics(p, row_offset, rows, bias_row)
+        mbarrier.wait(bufs.q_empty.index(q_slot), (items_done // 2) & 1 ^ 1)
+        put(bufs.counts.index(q_slot), count)
+        if p.GRADIENT:
+            bufs.lse.index(q_slot).store(lse)
+            bufs.delta.index(q_slot).store(delta)
+        mbarrier.expect(bufs.q_ready.index(q_slot), q_bytes)
+        row_tile = [it.batch, it.row_block * p.BLOCK_M, it.head, 0]
+        tma_load(p.q_desc, row_tile, bufs.q_ready.index(q_slot), bufs.q.index(q_slot))
+        if p.GRADIENT:
+            tma_load(p.do_desc, row_tile, bufs.q_ready.index(q_slot), bufs.do.index(q_slot))
+        kv_head = it.head // p.group
+        for j in range(count):
+            _load_key_tile(p, bufs, it, j, loaded, bias_row, mask_row, kv_head)
+            loaded += 1
+        items_done += 1
+
+
+# -- what the math warpgroups of the forward and dQ kernels read back ------------------------------
+
+
+@gluon.jit
+def take_rows(p, bufs, index, items_done, HALF: gl.constexpr, rows_layout: gl.constexpr):
+    """Work item ``index`` for warpgroup ``HALF``, once the loader has staged its Q (slot
+    ``items_done % 2``): ``(batch, head, first_row, rows, q_slot, count)``, ``rows`` its 64 rows
+    in ``rows_layout`` and ``count`` its key tiles."""
+    ROWS: gl.constexpr = p.BLOCK_M // 2
+    row_block, batch, head = _item_position(p, index)
+    first_row = row_block * p.BLOCK_M + HALF * ROWS
+    rows = first_row + gl.arange(0, ROWS, rows_layout)  # [ROWS]
+    q_slot = items_done % 2
+    mbarrier.wait(bufs.q_ready.index(q_slot), (items_done // 2) & 1)
+    return batch, head, first_row, rows, q_slot, get(bufs.counts.index(q_slot))
+
+
+@gluon.jit
+def store_rows(p, bufs, q_slot, HALF: gl.constexpr, batch, first_row, head, values):
+    """A warpgroup's output rows, ``values`` ``[ROWS, D]`` from ``first_row`` on, into ``p.Out``
+    ``[B, Sq, H, D]`` (rows past Sq are clipped), then its half of Q slot ``q_slot`` released.
+
+    They leave through that half of the Q tile, whose last product is done, and a TMA store:
+    stored from registers, the rows took about 4 us per work item at D = 128, a fifth of a
+    16K keep-1/8 item (docs/design-notes.md, "Hopper forward"). The loader refills the slot once
+    the store has read it.
+    """
+    ROWS: gl.constexpr = p.BLOCK_M // 2
+    if p.Out.dtype.element_ty == p.q_desc.dtype:
+        q_tile = bufs.q.index(q_slot)  # [1, BLOCK_M, 1, D]
+        q_tile.reshape([p.BLOCK_M, p.HEAD_DIM]).slice(HALF * ROWS, ROWS).store(values.to(p.q_desc.dtype))
+        fence_async_shared()
+        tma_store(p.o_desc, [batch, first_row, head, 0], q_tile.slice(HALF * ROWS, ROWS, dim=1))
+        tma.store_wait(0)
+    else:  # float32 (a dQ summed over several calls): too wide for Q's tile
+        layout: gl.constexpr = values.type.layout
+        rows = first_row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+        cols = gl.arange(0, p.HEAD_DIM, gl.SliceLayout(0, layout))
+        ptrs = (
+            p.Out + batch.to(gl.int64) * p.stride_ob + head.to(gl.int64) * p.stride_oh
+            + (rows.to(gl.int64) * p.stride_os)[:, None] + cols[None, :]
+        )
+        gl.store(ptrs, values.to(p.Out.dtype.element_ty), mask=(rows < p.seqlen_q)[:, None])
+    mbarrier.arrive(bufs.q_empty.index(q_slot), count=1)
+
+
+@gluon.jit
+def staged_keys(p, bufs, stage, keys_layout: gl.constexpr):
+    """What the loader staged with the K tile at ring position ``stage``: ``(first_key, last_key,
+    key_scores)``, the span of its key positions and its key scores ``[BLOCK_N]``."""
+    KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
+    if KEYS:
+        first_key = get(bufs.spans.index(stage))
+        last_key = get(bufs.spans.index(p.KV_STAGES + stage))
+    else:  # the tile's own BLOCK_N keys
+        first_key = get(bufs.spans.index(stage)) * p.BLOCK_N
+        last_key = first_key + p.BLOCK_N - 1
+    key_scores = gl.zeros([p.BLOCK_N], gl.float32, keys_layout)  # unread where there are none
+    if p.BIAS == BIAS_KEYS or p.MASK == MASK_KEYS or KEYS:
+        key_scores = bufs.key_scores.index(stage).load(keys_layout)
+    return first_key, last_key, key_scores
+
+
+@gluon.jit
+def wait_for_scores(p, bufs, qk, pending: gl.constexpr, stage, keys_layout: gl.constexpr, READ_KEYS_EARLY: gl.constexpr):
+    """Wait for the product ``qk`` (``pending`` later products may still run) and read what the
+    loader staged with its K tile (``staged_keys``): ``(qk, staged)``. With ``READ_KEYS_EARLY``
+    the shared-memory reads are issued before the wait, so their latency overlaps the product;
+    whether that pays depends on where ptxas then places them (the callers say)."""
+    if READ_KEYS_EARLY:
+        staged = staged_keys(p, bufs, stage, keys_layout)
+    qk = warpgroup_mma_wait(pending, deps=[qk])
+    if not READ_KEYS_EARLY:
+        staged = staged_keys(p, bufs, stage, keys_layout)
+    return qk, staged
+
+
+@gluon.jit
+def visible_scores(
+    p, bufs, qk, staged, stage, batch, head, first_row, rows, keys_layout: gl.constexpr, ROWS: gl.constexpr, HALF: gl.constexpr,
+):
+    """Log2-domain scores of (``batch``, ``head``)'s product tile ``qk`` ``[ROWS, BLOCK_N]``, rows
+    ``HALF`` of the work item's two halves: the tile's staged key scores added, a per-pair bias
+    added (staged by the loader, or loaded here) and a BitMask's bits applied (only on the tiles
+    the loader marked), and -inf where the band or the end of the keys cuts it (only edge tiles
+    are checked: those whose span of key positions the band or the end cuts). ``staged`` is
+    ``staged_keys(p, bufs, stage, keys_layout)``."""
+    KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
+    first_key, last_key, key_scores = staged
+    s = qk * p.scale_log2
+    if p.BIAS == BIAS_KEYS or p.MASK == MASK_KEYS or KEYS:
+        s = s + key_scores[None, :]
+    if p.STAGED_BIAS:
+        s = s + bufs.bias.index(stage).slice(HALF * ROWS, ROWS).load(qk.type.layout).to(gl.float32) * tiles.LOG2E
+    elif p.BIAS == BIAS_PAIRS:
+        if KEYS:
+            keys = bufs.positions.index(stage).load(keys_layout)  # [BLOCK_N]
+        else:
+            keys = first_key + gl.arange(0, p.BLOCK_N, keys_layout)
+        s = s + pair_bias(p, batch, head, rows, keys, False)
+    if p.MASK == MASK_BITS:
+        if get(bufs.partial.index(stage)) != 0:
+            words = None
+            if words_staged(p.MASK, p.BLOCK_N):
+                words = bufs.words.index(stage).slice(HALF * ROWS, ROWS)
+            s = kept_by_bits(p, s, words, batch, head, first_row, first_key, False)
+    edge = (first_key - first_row - ROWS + 1 < p.band_lo) | (last_key - first_row > p.band_hi) | (last_key >= p.seqlen_k)
+    if edge:
+        if KEYS:
+            keys = bufs.positions.index(stage).load(keys_layout)  # [BLOCK_N]
+        else:
+            keys = first_key + gl.arange(0, p.BLOCK_N, keys_layout)
+        offset = keys[None, :] - rows[:, None]
+        visible = (keys < p.seqlen_k)[None, :] & (offset >= p.band_lo) & (offset <= p.band_hi)
+        s = gl.where(visible, s, float("-inf"))
+    return s
+

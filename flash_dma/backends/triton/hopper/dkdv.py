@@ -1,0 +1,636 @@
+"""Hopper dK/dV: the dK/dV kernel of ``../backward.py`` as a warp-specialised, persistent Gluon kernel.
+
+The Triton dK/dV kernel keeps dK and dV of 64 keys, their K and V, and the S and dP tiles in one
+warpgroup's registers, and spills (``tools/compile_report.py``); its loads, products and
+epilogue take turns. Here, as in FlashAttention-3's backward, the roles run side by side:
+
+- a *loader* warp takes work items from a queue (an atomic counter: items differ widely in
+  length under causal and sparse masks, so a static split would leave programs idle), walks
+  each item's query tiles (``tiles.key_walk`` along the query axis, PARTIAL tiles first) and
+  copies K and V once per item and Q and dO per tile with TMA. With each Q tile it stages the
+  tile's number, its head, whether its pair bits are read, and the rows' log-sum-exps and deltas.
+- two *gradient* warpgroups each own 64 of an item's 128 keys: dK and dV stay in registers
+  (2 x 64 of their 240) while they compute ``S^T = K Q^T`` and ``dP^T = V dO^T`` from shared
+  memory, and ``dV += P^T dO`` and ``dK += dS^T Q`` with P and dS from registers. They read a
+  per-key mask and bias once per head, and a per-pair bias and a BitMask's bits per tile
+  (transposed: ``KEYS_FIRST`` in ``common.py``).
+
+A work item is (key tile, query chunk, batch, key/value head); it visits every query head of the
+group, so K and V are read once per item. Items are taken first key tiles first (under a causal
+band they see the most queries). With several query chunks, their parts are added by fp32
+atomics into zeroed scratch, which the caller converts; with one, dK and dV are written directly.
+
+The bias gradient: per key, the column sums of dS (flushed per head, or once for a bias the
+group shares); per pair, dS itself, each tile written once. For a per-pair bias the group's
+heads share, the loader visits a tile's heads one after the other (``HEADS_INNER``) and the
+warpgroups add their dS before writing; where programs share it (a bias broadcast over the
+batch or the key/value heads, or a walk that differs per head) it is added by fp32 atomics.
+"""
+
+# No `from __future__ import annotations`: the records below need their field types as objects.
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from flash_dma.backends.triton import configs, tiles
+from flash_dma.backends.triton.hopper.common import (
+    BIAS_KEYS,
+    BIAS_PAIRS,
+    COMMON_TENSORS,
+    LOADER_REGISTERS,
+    MASK_BITS,
+    MASK_KEYS,
+    MATH_REGISTERS,
+    MAX_REGISTERS,
+    PLAIN,
+    TILES,
+    WORD_BITS,
+    Item,
+    get,
+    hopper_arguments,
+    input_base,
+    jit_with_runtime_scalars,
+    kept_by_bits,
+    key_walk,
+    pair_bias,
+    pair_buffers,
+    pair_descriptor,
+    pair_descriptors,
+    pair_inside,
+    pair_offsets,
+    put,
+    record,
+    row_statistics,
+    staged_pair_row,
+    summary_row,
+    tile_at,
+    tile_count,
+    tile_descriptor,
+    tma_load,
+    tma_store,
+    words_staged,
+)
+from flash_dma.backends.triton.launch import Launcher
+from flash_dma.backends.triton.layout import (
+    DBIAS_FULL,
+    DBIAS_PER_KEY,
+    WALK_BLOCKS,
+    WALK_DENSE,
+    Call,
+    broadcast_strides,
+    common_layout,
+    head_divisor,
+    placeholder,
+    tensor_layout,
+)
+from flash_dma.integers import cdiv
+
+TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dkdv"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
+Q_STAGES = {64: 3, 128: 2}  # Q/dO tiles in flight; with two K/V buffers, D = 128 fills 192 KB
+_PER_KEY = gl.constexpr(DBIAS_PER_KEY)
+_FULL = gl.constexpr(DBIAS_FULL)
+
+
+@record
+class _Problem:
+    """What every partition reads: descriptors, pointers, strides, sizes and constexprs."""
+
+    q_desc: tma.tensor_descriptor
+    k_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    do_desc: tma.tensor_descriptor
+    words_desc: tma.tensor_descriptor
+    bias_desc: tma.tensor_descriptor
+    dbias_desc: tma.tensor_descriptor
+    Lse: gl.tensor
+    Delta: gl.tensor
+    Mask: gl.tensor
+    Bias: gl.tensor
+    Walk: gl.tensor
+    DK: gl.tensor
+    DV: gl.tensor
+    ScratchK: gl.tensor
+    ScratchV: gl.tensor
+    DBias: gl.tensor
+    Queue: gl.tensor
+    stride_mb: gl.tensor
+    stride_mh: gl.tensor
+    stride_mq: gl.tensor
+    stride_mk: gl.tensor
+    stride_bb: gl.tensor
+    stride_bh: gl.tensor
+    stride_bq: gl.tensor
+    stride_bk: gl.tensor
+    stride_wb: gl.tensor
+    stride_wh: gl.tensor
+    stride_wr: gl.tensor
+    walk_width: gl.tensor
+    stride_gb: gl.tensor
+    stride_gs: gl.tensor
+    stride_gh: gl.tensor
+    stride_dbc: gl.tensor
+    stride_dbb: gl.tensor
+    stride_dbh: gl.tensor
+    stride_dbq: gl.tensor
+    stride_dbk: gl.tensor
+    batch: gl.tensor
+    seqlen_q: gl.tensor
+    seqlen_k: gl.tensor
+    num_heads: gl.tensor
+    num_kv_heads: gl.tensor
+    group: gl.tensor
+    chunks: gl.tensor
+    items: gl.tensor
+    mask_head_div: gl.tensor
+    bias_head_div: gl.tensor
+    walk_head_div: gl.tensor
+    dbias_head_div: gl.tensor
+    list_block_q: gl.tensor
+    list_block_k: gl.tensor
+    band_lo: gl.tensor
+    band_hi: gl.tensor
+    scale: gl.tensor
+    scale_log2: gl.tensor
+    MASK: gl.constexpr
+    BIAS: gl.constexpr
+    WALK: gl.constexpr
+    DBIAS: gl.constexpr
+    DBIAS_ATOMIC: gl.constexpr
+    DBIAS_HEAD_SHARED: gl.constexpr
+    HEADS_INNER: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    STAGED_BIAS: gl.constexpr
+    STAGED_DBIAS: gl.constexpr
+    Q_STAGES: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+
+
+@record
+class _Buffers:
+    """Shared memory: the queue's next items (index, tile count), two K/V tiles (this item's and
+    the next's), a ring of Q/dO tiles with their BitMask words and per-pair bias
+    (``common.pair_buffers``), tile numbers, heads, whether their pair bits are read, LSEs and
+    deltas; each gradient warpgroup's tile of a per-pair bias gradient on its way out; the barriers."""
+
+    item_index: gl.shared_memory_descriptor
+    item_tiles: gl.shared_memory_descriptor
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    q: gl.shared_memory_descriptor
+    do: gl.shared_memory_descriptor
+    words: gl.shared_memory_descriptor
+    bias: gl.shared_memory_descriptor
+    dbias: gl.shared_memory_descriptor
+    tiles: gl.shared_memory_descriptor
+    heads: gl.shared_memory_descriptor
+    partial: gl.shared_memory_descriptor
+    lse: gl.shared_memory_descriptor
+    delta: gl.shared_memory_descriptor
+    item_ready: gl.shared_memory_descriptor
+    item_empty: gl.shared_memory_descriptor
+    kv_ready: gl.shared_memory_descriptor
+    kv_empty: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+
+
+@gluon.jit
+def _column_position(p, index):
+    """``(key_tile, chunk, batch, kv_head)`` of work item ``index``: key tiles from the first,
+    then the chunks of one column side by side."""
+    per_tile = p.chunks * p.batch * p.num_kv_heads
+    rest = index % per_tile
+    batch_head = rest // p.chunks
+    return index // per_tile, rest % p.chunks, batch_head // p.num_kv_heads, batch_head % p.num_kv_heads
+
+
+@gluon.jit
+def _head_walk(p, key_tile, chunk, batch, head):
+    """The query tiles that see key tile ``key_tile`` for query head ``head``, chunk ``chunk`` of
+    them: ``tiles.key_walk`` along the other axis (``key - query`` in the band: ``query - key``
+    in its negation), over the transposed summary."""
+    k_first = key_tile * p.BLOCK_N
+    walk = input_base(p.Walk, p.stride_wb, p.stride_wh, p.walk_head_div, batch, head)
+    row_offset = summary_row(key_tile, p.list_block_k, p.BLOCK_N).to(gl.int64) * p.stride_wr
+    lists, tiles_per_block, query_limit, partial_lo, partial_hi, lo, _, _, hi = key_walk(
+        walk, p.walk_width, row_offset, p.seqlen_q, k_first, gl.minimum(k_first + p.BLOCK_N, p.seqlen_k) - 1,
+        -p.band_hi, -p.band_lo, p.list_block_q, chunk, p.chunks, p.WALK, p.BLOCK_M,
+    )
+    return Item(key_tile, batch, head, lists, tiles_per_block, query_limit, partial_lo, partial_hi, lo, hi)
+
+
+@gluon.jit
+def _item_tiles(p, key_tile, chunk, batch, kv_head):
+    """Query tiles of a work item over the group's heads."""
+    count = 0
+    for g in range(p.group):
+        count += tile_count(_head_walk(p, key_tile, chunk, batch, kv_head * p.group + g))
+    return count
+
+
+@gluon.jit
+def _publish(bufs, published, index, count):
+    """Hand work item ``index`` (``count`` query tiles; index -1: no more) to the gradient warpgroups."""
+    slot = published % 2
+    mbarrier.wait(bufs.item_empty.index(slot), (published // 2) & 1 ^ 1)
+    put(bufs.item_index.index(slot), index)
+    put(bufs.item_tiles.index(slot), count)
+    mbarrier.arrive(bufs.item_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _take(bufs, taken):
+    """The next work item of the queue: ``(index, count)`` as published."""
+    slot = taken % 2
+    mbarrier.wait(bufs.item_ready.index(slot), (taken // 2) & 1)
+    index = get(bufs.item_index.index(slot))
+    count = get(bufs.item_tiles.index(slot))
+    mbarrier.arrive(bufs.item_empty.index(slot), count=1)
+    return index, count
+
+
+@gluon.jit
+def _load_query_tile(p, bufs, loaded, batch, head, g, key_tile, tile, partial, row_layout: gl.constexpr):
+    """Query tile ``tile`` of head ``head`` (the group's ``g``-th) into ring position ``loaded``:
+    its number, head, whether its pair bits are read, its rows' LSEs and deltas
+    (``common.row_statistics``), Q and dO, and its pairs with key tile ``key_tile``'s keys: a
+    BitMask's words and a staged per-pair bias."""
+    words_bytes: gl.constexpr = p.words_desc.block_type.nbytes if words_staged(p.MASK, p.BLOCK_N) else 0
+    bias_bytes: gl.constexpr = p.bias_desc.block_type.nbytes if p.STAGED_BIAS else 0
+    q_bytes: gl.constexpr = 2 * p.q_desc.block_type.nbytes + words_bytes + bias_bytes
+    row_offset = (batch * p.num_heads + head).to(gl.int64) * p.seqlen_q
+    bias_base = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, batch, head)
+    # Read before waiting for the buffer: the loads overlap the wait.
+    lse, delta = row_statistics(p, row_offset, tile * p.BLOCK_M + gl.arange(0, p.BLOCK_M, row_layout), bias_base)
+    stage = loaded % p.Q_STAGES
+    mbarrier.wait(bufs.q_empty.index(stage), (loaded // p.Q_STAGES) & 1 ^ 1)
+    put(bufs.tiles.index(stage), tile)
+    put(bufs.heads.index(stage), g)
+    if p.MASK == MASK_BITS:
+        put(bufs.partial.index(stage), partial.to(gl.int32))
+    bufs.lse.index(stage).store(lse)
+    bufs.delta.index(stage).store(delta)
+    mbarrier.expect(bufs.q_ready.index(stage), q_bytes)
+    tma_load(p.q_desc, [batch, tile * p.BLOCK_M, head, 0], bufs.q_ready.index(stage), bufs.q.index(stage))
+    tma_load(p.do_desc, [batch, tile * p.BLOCK_M, head, 0], bufs.q_ready.index(stage), bufs.do.index(stage))
+    if words_staged(p.MASK, p.BLOCK_N):
+        row = staged_pair_row(p.Mask, p.stride_mb, p.stride_mh, p.stride_mq, p.mask_head_div, batch, head, tile * p.BLOCK_M)
+        tma_load(p.words_desc, [row, key_tile * (p.BLOCK_N // WORD_BITS)], bufs.q_ready.index(stage), bufs.words.index(stage))
+    if p.STAGED_BIAS:
+        row = staged_pair_row(p.Bias, p.stride_bb, p.stride_bh, p.stride_bq, p.bias_head_div, batch, head, tile * p.BLOCK_M)
+        tma_load(p.bias_desc, [row, key_tile * p.BLOCK_N], bufs.q_ready.index(stage), bufs.bias.index(stage))
+
+
+@gluon.jit
+def _load_columns(p, bufs):
+    """One warp: takes work items off the queue; for each, K and V, then its query tiles
+    (``_load_query_tile``): head by head, or with HEADS_INNER each tile's heads in turn (their
+    walk is the same). Items without tiles are skipped when chunks add up in zeroed scratch."""
+    kv_bytes: gl.constexpr = 2 * p.k_desc.block_type.nbytes
+    row_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_M // 32], [32], [1], [0])
+    published = 0
+    kv_loaded = 0
+    loaded = 0  # Q/dO tiles so far: the ring position
+    index = gl.atomic_add(p.Queue, 1)
+    while index < p.items:
+        key_tile, chunk, batch, kv_head = _column_position(p, index)
+        count = _item_tiles(p, key_tile, chunk, batch, kv_head)
+        if (count > 0) | (p.chunks == 1):
+            _publish(bufs, published, index, count)
+            published += 1
+        if count > 0:
+            kv = kv_loaded % 2
+            mbarrier.wait(bufs.kv_empty.index(kv), (kv_loaded // 2) & 1 ^ 1)
+            mbarrier.expect(bufs.kv_ready.index(kv), kv_bytes)
+            tma_load(p.k_desc, [batch, key_tile * p.BLOCK_N, kv_head, 0], bufs.kv_ready.index(kv), bufs.k.index(kv))
+            tma_load(p.v_desc, [batch, key_tile * p.BLOCK_N, kv_head, 0], bufs.kv_ready.index(kv), bufs.v.index(kv))
+            kv_loaded += 1
+            first_head = kv_head * p.group
+            if p.HEADS_INNER:
+                it = _head_walk(p, key_tile, chunk, batch, first_head)
+                for j in range(tile_count(it)):
+                    tile, partial = tile_at(p, it, j)
+                    for g in range(p.group):
+                        _load_query_tile(p, bufs, loaded, batch, first_head + g, g, key_tile, tile, partial, row_layout)
+                        loaded += 1
+            else:
+                for g in range(p.group):
+                    it = _head_walk(p, key_tile, chunk, batch, first_head + g)
+                    for j in range(tile_count(it)):
+                        tile, partial = tile_at(p, it, j)
+                        _load_query_tile(p, bufs, loaded, batch, first_head + g, g, key_tile, tile, partial, row_layout)
+                        loaded += 1
+        index = gl.atomic_add(p.Queue, 1)
+    _publish(bufs, published, -1, 0)
+
+
+@gluon.jit
+def _key_scores(p, batch, head, keys):
+    """Scores the keys add for query head ``head``: their bias in log2 units, -inf where a
+    per-key mask drops them or past the last key. A per-key mask is the same for every query, so
+    applying it everywhere is exact (FULL tiles keep every key anyway)."""
+    key_ok = keys < p.seqlen_k
+    scores = gl.full(keys.shape, 0.0, gl.float32, keys.type.layout)
+    if p.BIAS == BIAS_KEYS:
+        bias_row = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, batch, head)
+        scores = gl.load(bias_row + keys * p.stride_bk, mask=key_ok, other=0.0).to(gl.float32) * tiles.LOG2E
+    if p.MASK == MASK_KEYS:
+        mask_row = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, batch, head)
+        key_ok = key_ok & (gl.load(mask_row + keys * p.stride_mk, mask=key_ok, other=0) != 0)
+    return gl.where(key_ok, scores, float("-inf"))
+
+
+@gluon.jit
+def _bias_gradient_row(p, chunk, batch, head):
+    return p.DBias + chunk * p.stride_dbc + batch.to(gl.int64) * p.stride_dbb + (head // p.dbias_head_div).to(gl.int64) * p.stride_dbh
+
+
+@gluon.jit
+def _flush_key_gradient(p, chunk, batch, head, keys, values):
+    """Write (or add, when programs share the row) a head's per-key bias gradient."""
+    ptrs = _bias_gradient_row(p, chunk, batch, head) + keys.to(gl.int64) * p.stride_dbk
+    if p.DBIAS_ATOMIC:
+        gl.atomic_add(ptrs, values, mask=keys < p.seqlen_k)
+    else:
+        gl.store(ptrs, values, mask=keys < p.seqlen_k)
+
+
+@gluon.jit
+def _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row, values, HALF: gl.constexpr):
+    """Write (or add, when programs share it) a tile ``[keys, rows]`` of a per-pair bias gradient:
+    with STAGED_DBIAS through the warpgroup's staging tile and a TMA store (once its last store
+    has read the tile), else element by element."""
+    if p.STAGED_DBIAS:
+        staging = bufs.dbias.index(HALF)  # [rows, keys]
+        tma.store_wait(0)
+        staging.permute((1, 0)).store(values.to(p.DBias.dtype.element_ty))
+        fence_async_shared()
+        row = staged_pair_row(p.DBias, p.stride_dbb, p.stride_dbh, p.stride_dbq, p.dbias_head_div, batch, head, first_row)
+        tma_store(p.dbias_desc, [row, first_key], staging)
+    else:
+        ptrs = _bias_gradient_row(p, 0, batch, head) + pair_offsets(rows, keys, p.stride_dbq, True)
+        inside = pair_inside(p, rows, keys, True)
+        if p.DBIAS_ATOMIC:
+            gl.atomic_add(ptrs, values, mask=inside, sem="relaxed")
+        else:
+            gl.store(ptrs, values.to(p.DBias.dtype.element_ty), mask=inside)
+
+
+@gluon.jit
+def _gradient_keys(p, bufs, HALF: gl.constexpr):
+    """One warpgroup: keys ``[HALF * 64, HALF * 64 + 64)`` of every work item it takes. Tiles are
+    ``[keys, queries]``."""
+    KEYS: gl.constexpr = p.BLOCK_N // 2
+    D: gl.constexpr = p.HEAD_DIM
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, p.BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    keys_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = p.q_desc.dtype
+
+    taken = 0
+    kv_taken = 0
+    consumed = 0  # Q/dO tiles so far: the ring position, as in the loader
+    index, count = _take(bufs, taken)
+    while index >= 0:
+        taken += 1
+        key_tile, chunk, batch, kv_head = _column_position(p, index)
+        first_key = key_tile * p.BLOCK_N + HALF * KEYS
+        keys = first_key + gl.arange(0, KEYS, keys_of_s)  # [KEYS]
+        dk = gl.zeros([KEYS, D], gl.float32, acc_layout)
+        dv = gl.zeros([KEYS, D], gl.float32, acc_layout)
+        dbias = gl.zeros([KEYS], gl.float32, keys_of_s)
+        dbias_tile = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)  # a tile's dS over the group's heads
+        head = kv_head * p.group
+        if count > 0:
+            kv = kv_taken % 2
+            mbarrier.wait(bufs.kv_ready.index(kv), (kv_taken // 2) & 1)
+            k = bufs.k.index(kv).reshape([p.BLOCK_N, D]).slice(HALF * KEYS, KEYS)  # [KEYS, D]
+            v = bufs.v.index(kv).reshape([p.BLOCK_N, D]).slice(HALF * KEYS, KEYS)
+            key_scores = _key_scores(p, batch, head, keys)
+            for _ in range(count):
+                stage = consumed % p.Q_STAGES
+                mbarrier.wait(bufs.q_ready.index(stage), (consumed // p.Q_STAGES) & 1)
+                g = get(bufs.heads.index(stage))
+                tile_head = kv_head * p.group + g
+                if tile_head != head:  # the loader walks the group's heads in order (or, HEADS_INNER, in turn)
+                    if p.DBIAS == _PER_KEY and not p.DBIAS_HEAD_SHARED:
+                        _flush_key_gradient(p, chunk, batch, head, keys, dbias)
+                        dbias = gl.zeros([KEYS], gl.float32, keys_of_s)
+                    head = tile_head
+                    key_scores = _key_scores(p, batch, head, keys)
+                q = bufs.q.index(stage).reshape([p.BLOCK_M, D])
+                do = bufs.do.index(stage).reshape([p.BLOCK_M, D])
+                zeros = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
+                st = warpgroup_mma(k, q.permute((1, 0)), zeros, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
+                dpt = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
+                first_row = get(bufs.tiles.index(stage)) * p.BLOCK_M
+                rows = first_row + gl.arange(0, p.BLOCK_M, rows_of_s)  # [BLOCK_M]
+                st = warpgroup_mma_wait(1, deps=[st])
+                s = st * p.scale_log2 + key_scores[:, None]
+                if p.STAGED_BIAS:
+                    staged = bufs.bias.index(stage).slice(HALF * KEYS, KEYS, dim=1).permute((1, 0))  # [KEYS, BLOCK_M]
+                    s = s + staged.load(s_layout).to(gl.float32) * tiles.LOG2E
+                elif p.BIAS == BIAS_PAIRS:
+                    s = s + pair_bias(p, batch, head, rows, keys, True)
+                if p.MASK == MASK_BITS:
+                    if get(bufs.partial.index(stage)) != 0:
+                        s = kept_by_bits(p, s, bufs.words.index(stage), batch, head, first_row, first_key, True, HALF)
+                # Only tiles that the band cuts need checks (keys past the end score -inf, rows past
+                # the end have LSE +inf).
+                if (first_key - first_row - p.BLOCK_M + 1 < p.band_lo) | (first_key + KEYS - 1 - first_row > p.band_hi):
+                    offset = keys[:, None] - rows[None, :]
+                    s = gl.where((offset >= p.band_lo) & (offset <= p.band_hi), s, float("-inf"))
+                pt = gl.exp2(s - bufs.lse.index(stage).load(rows_of_s)[None, :])
+                dpt = warpgroup_mma_wait(0, deps=[dpt])
+                ds = pt * (dpt - bufs.delta.index(stage).load(rows_of_s)[None, :])
+                if p.DBIAS == _PER_KEY:
+                    dbias += gl.sum(ds, 1)
+                if p.DBIAS == _FULL:
+                    if p.HEADS_INNER:
+                        dbias_tile += ds
+                        if g == p.group - 1:
+                            _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row, dbias_tile, HALF)
+                            dbias_tile = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
+                    else:
+                        _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row, ds, HALF)
+                # Both products are issued once S^T and dP^T are spent: their registers hold P^T and dS^T.
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), operand_layout), do, dv, is_async=True)
+                dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), q, dk, is_async=True)
+                dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+                mbarrier.arrive(bufs.q_empty.index(stage), count=1)
+                consumed += 1
+            mbarrier.arrive(bufs.kv_empty.index(kv), count=1)
+            kv_taken += 1
+            if p.DBIAS == _PER_KEY:
+                _flush_key_gradient(p, chunk, batch, head, keys, dbias)
+
+        dk = dk * p.scale  # dS is the gradient of scale * q.k
+        out_keys = gl.convert_layout(keys, gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
+        offsets = (
+            batch.to(gl.int64) * p.stride_gb + kv_head * p.stride_gh + (out_keys.to(gl.int64) * p.stride_gs)[:, None]
+            + cols[None, :]
+        )
+        ok = (out_keys < p.seqlen_k)[:, None]
+        if p.chunks == 1:
+            gl.store(p.DK + offsets, dk.to(p.DK.dtype.element_ty), mask=ok)
+            gl.store(p.DV + offsets, dv.to(p.DV.dtype.element_ty), mask=ok)
+        else:
+            gl.atomic_add(p.ScratchK + offsets, dk, mask=ok, sem="relaxed")
+            gl.atomic_add(p.ScratchV + offsets, dv, mask=ok, sem="relaxed")
+        index, count = _take(bufs, taken)
+    if p.STAGED_DBIAS:
+        tma.store_wait(0)  # the staging tile lives in shared memory, which ends with the program
+
+
+@gluon.jit
+def _gradient_lower(p, bufs):
+    _gradient_keys(p, bufs, 0)
+
+
+@gluon.jit
+def _gradient_upper(p, bufs):
+    _gradient_keys(p, bufs, 1)
+
+
+@jit_with_runtime_scalars
+def _dkdv_hopper_kernel(
+    Q, K, V, Mask, Bias, Walk,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
+    stride_wb, stride_wh, stride_wr, walk_width, mask_rows, mask_cols, bias_rows, bias_cols,
+    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
+    mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k, band_lo, band_hi, scale, scale_log2,
+    MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGED_BIAS: gl.constexpr,
+    DO, Lse, Delta, DK, DV, ScratchK, ScratchV, DBias, Queue,
+    stride_dob, stride_dos, stride_doh, stride_gb, stride_gs, stride_gh,
+    stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk, dbias_head_div, dbias_rows, chunks, items,
+    DBIAS: gl.constexpr, DBIAS_ATOMIC: gl.constexpr, DBIAS_HEAD_SHARED: gl.constexpr,
+    Q_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+):
+    # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
+    q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    do_desc = tile_descriptor(DO, batch, seqlen_q, num_heads, stride_dob, stride_dos, stride_doh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    k_desc = tile_descriptor(K, batch, seqlen_k, num_kv_heads, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    words_desc, bias_desc = pair_descriptors(
+        Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, STAGED_BIAS, BLOCK_M, BLOCK_N,
+    )
+    words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, Q_STAGES, BLOCK_N)
+    # A per-pair bias gradient written once per element leaves as the bias came in: by TMA.
+    STAGED_DBIAS: gl.constexpr = STAGED_BIAS and DBIAS == _FULL and not DBIAS_ATOMIC
+    dbias_desc = q_desc
+    dbias = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
+    if STAGED_DBIAS:
+        dbias_desc = pair_descriptor(DBias, dbias_rows, seqlen_k, stride_dbq, BLOCK_M, BLOCK_N // 2)
+        dbias = gl.allocate_shared_memory(dbias_desc.dtype, [2] + dbias_desc.block_type.shape, dbias_desc.layout)
+    barrier: gl.constexpr = mbarrier.MBarrierLayout()
+    bufs = _Buffers(
+        gl.allocate_shared_memory(gl.int32, [2, 1], PLAIN),
+        gl.allocate_shared_memory(gl.int32, [2, 1], PLAIN),
+        gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout),
+        gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout),
+        gl.allocate_shared_memory(q_desc.dtype, [Q_STAGES] + q_desc.block_type.shape, q_desc.layout),
+        gl.allocate_shared_memory(do_desc.dtype, [Q_STAGES] + do_desc.block_type.shape, do_desc.layout),
+        words,
+        bias,
+        dbias,
+        gl.allocate_shared_memory(gl.int32, [Q_STAGES, 1], PLAIN),
+        gl.allocate_shared_memory(gl.int32, [Q_STAGES, 1], PLAIN),
+        gl.allocate_shared_memory(gl.int32, [Q_STAGES, 1], PLAIN),
+        gl.allocate_shared_memory(gl.float32, [Q_STAGES, BLOCK_M], PLAIN),
+        gl.allocate_shared_memory(gl.float32, [Q_STAGES, BLOCK_M], PLAIN),
+        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], barrier),
+    )
+    for i in gl.static_range(2):
+        mbarrier.init(bufs.item_ready.index(i), count=1)
+        mbarrier.init(bufs.item_empty.index(i), count=2)  # both gradient warpgroups release it
+        mbarrier.init(bufs.kv_ready.index(i), count=1)
+        mbarrier.init(bufs.kv_empty.index(i), count=2)
+    for i in gl.static_range(Q_STAGES):
+        mbarrier.init(bufs.q_ready.index(i), count=1)
+        mbarrier.init(bufs.q_empty.index(i), count=2)
+    # A per-pair gradient the group's heads share is added up in registers, a tile's heads in turn.
+    HEADS_INNER: gl.constexpr = DBIAS == _FULL and DBIAS_HEAD_SHARED and not DBIAS_ATOMIC
+    p = _Problem(
+        q_desc, k_desc, v_desc, do_desc, words_desc, bias_desc, dbias_desc, Lse, Delta, Mask, Bias, Walk, DK, DV, ScratchK, ScratchV, DBias, Queue,
+        stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
+        stride_wb, stride_wh, stride_wr, walk_width,
+        stride_gb, stride_gs, stride_gh, stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
+        batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group, chunks, items,
+        mask_head_div, bias_head_div, walk_head_div, dbias_head_div, list_block_q, list_block_k,
+        band_lo, band_hi, scale, scale_log2,
+        MASK, BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEADS_INNER, HEAD_DIM, STAGED_BIAS, STAGED_DBIAS, Q_STAGES,
+        BLOCK_M, BLOCK_N,
+    )
+    gl.warp_specialize(
+        [(_gradient_lower, (p, bufs)), (_gradient_upper, (p, bufs)), (_load_columns, (p, bufs))],
+        [4, 1], [MATH_REGISTERS, LOADER_REGISTERS],
+    )
+
+
+hopper_dkdv_launcher = Launcher(
+    _dkdv_hopper_kernel,
+    tensors=(*COMMON_TENSORS, "DO", "Lse", "Delta", "DK", "DV", "ScratchK", "ScratchV", "DBias", "Queue"),
+    specialized=(),
+)
+
+
+def hopper_dkdv(
+    call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+    dbias_acc: torch.Tensor | None, dbias_flags: tuple, chunks: int,
+) -> None:
+    """Write ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` of ``call`` (and the bias gradient into
+    ``dbias_acc``, zeroed: ``[chunks, Bd, Hd, 1, Sk]`` float32 per key, ``[1, Bd, Hd, Sq, Sk]``
+    per pair, in the bias's dtype unless added by atomics), as ``backward._launch_dkdv`` would.
+
+    ``dout`` ``[B, Sq, H, D]``; ``lse``, ``delta`` ``[B, H, Sq]`` float32, contiguous;
+    ``dbias_flags`` is ``(kind, atomic, head_shared)`` of ``backward.bias_gradient_buffer``;
+    ``chunks`` splits each key tile's queries.
+    """
+    q, k, v = call.q, call.k, call.v
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    device = q.device
+    items = chunks * cdiv(seqlen_k, TILE.kwargs["BLOCK_N"]) * batch * num_kv_heads
+    scratch_k = scratch_v = placeholder(device, torch.float32)
+    if chunks > 1:
+        scratch_k = torch.zeros(dk.shape, dtype=torch.float32, device=device)
+        scratch_v = torch.zeros(dv.shape, dtype=torch.float32, device=device)
+    dbias_target = placeholder(device, torch.float32) if dbias_acc is None else dbias_acc
+    queue = torch.zeros(1, dtype=torch.int32, device=device)
+    dbias_slice = None if dbias_acc is None else dbias_acc[0]
+    walk_flag = WALK_DENSE if call.q_lists is None else WALK_BLOCKS
+    tensors, runtime, flags = hopper_arguments(call, k, v, call.q_lists, walk_flag)
+    own_tensors = [dout, lse, delta, dk, dv, scratch_k, scratch_v, dbias_target, queue]
+
+    def build():
+        own = [
+            *dout.stride()[:3], *dk.stride()[:3],
+            0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0), *broadcast_strides(dbias_slice),
+            head_divisor(dbias_slice, num_heads), 0 if dbias_slice is None else dbias_slice.numel() // seqlen_k,
+            chunks, items, *dbias_flags, Q_STAGES[head_dim],
+        ]
+        return [*tensors, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags)
+
+    layout = (
+        common_layout(call, call.q_lists), dout.stride(), tensor_layout(dk), tensor_layout(dbias_acc),
+        call.list_block_q, call.list_block_k, call.softmax_scale, call.window_left, call.window_right, chunks, dbias_flags,
+    )
+    hopper_dkdv_launcher.launch(
+        layout, [*tensors, *own_tensors], build, lambda: [TILE],
+        lambda meta: (min(items, configs.multiprocessor_count(device)),),
+    )
+    if chunks > 1:
+        dk.copy_(scratch_k)
+        dv.copy_(scratch_v)

@@ -1,0 +1,220 @@
+"""Hopper dQ: the dQ kernel of ``../backward.py`` as a warp-specialised, persistent Gluon kernel.
+
+It walks the forward's work items with the forward's loader (``common.load_partition``, which
+also stages dO, the rows' LSEs and deltas with each item's Q), and two warpgroups accumulate dQ
+of 64 rows each: per key tile ``S = Q K^T`` and ``dP = dO V^T`` from shared memory, then
+``dQ += dS K`` with dS from registers. Masks and biases are read as in the forward
+(``common.visible_scores``); a per-row mask needs nothing here (its rows' LSE is -inf, so their
+probabilities are 0), and a per-row bias is taken out of the LSEs by the loader.
+"""
+
+# No `from __future__ import annotations`: the records below need their field types as objects.
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from flash_dma.backends.triton import configs, tiles
+from flash_dma.backends.triton.hopper.common import (
+    BIAS_KEYS,
+    COMMON_TENSORS,
+    LOADER_REGISTERS,
+    MASK_KEYS,
+    MATH_REGISTERS,
+    MAX_REGISTERS,
+    PLAIN,
+    TILES,
+    Problem,
+    hopper_arguments,
+    init_barriers,
+    pair_buffers,
+    pair_descriptors,
+    jit_with_runtime_scalars,
+    load_partition,
+    record,
+    store_rows,
+    take_rows,
+    tile_descriptor,
+    visible_scores,
+    wait_for_scores,
+    walked_keys,
+)
+from flash_dma.backends.triton.launch import Launcher
+from flash_dma.backends.triton.layout import Call, common_layout, tensor_layout
+from flash_dma.integers import cdiv
+
+TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dq"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
+KV_STAGES = {64: 3, 128: 2}  # with two Q/dO buffers, D = 128 fills 192 KB
+
+
+@record
+class _Buffers:
+    """Shared memory as in the forward (``forward._Buffers``; a staged per-pair bias fits beside
+    three K/V tiles of 64 keys), plus dO and each item's LSEs and deltas. The kernel's problem is the forward's ``Problem``, its output in ``Out``."""
+
+    q: gl.shared_memory_descriptor
+    do: gl.shared_memory_descriptor
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    words: gl.shared_memory_descriptor
+    bias: gl.shared_memory_descriptor
+    counts: gl.shared_memory_descriptor
+    lse: gl.shared_memory_descriptor
+    delta: gl.shared_memory_descriptor
+    spans: gl.shared_memory_descriptor
+    positions: gl.shared_memory_descriptor
+    partial: gl.shared_memory_descriptor
+    key_scores: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    k_empty: gl.shared_memory_descriptor
+    v_empty: gl.shared_memory_descriptor
+
+
+@gluon.jit
+def _dq_rows(p, bufs, HALF: gl.constexpr):
+    """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program
+    (the forward's items and walk). Per key tile: ``S = Q K^T`` and ``dP = dO V^T`` from shared
+    memory, ``dQ += dS K`` with dS from registers."""
+    ROWS: gl.constexpr = p.BLOCK_M // 2
+    D: gl.constexpr = p.HEAD_DIM
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, p.BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    rows_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    keys_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = p.q_desc.dtype
+    # Staged key scores are read while the two products run (ptxas issues the loads between them),
+    # not after S is waited for: up to 3% off the backward with a bias (docs/design-notes.md,
+    # "Backward profile"). Without key scores there is nothing to read early.
+    READ_KEYS_EARLY: gl.constexpr = p.BIAS == BIAS_KEYS or p.MASK == MASK_KEYS or p.WALK == tiles.WALK_KEYS
+
+    consumed = 0  # K/V tiles so far: the ring position, as in the loader
+    items_done = 0
+    for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
+        batch, head, first_row, rows, q_slot, count = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
+        q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
+        do = bufs.do.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)
+        lse2 = bufs.lse.index(q_slot).slice(HALF * ROWS, ROWS).load(rows_of_s)  # [ROWS]
+        delta = bufs.delta.index(q_slot).slice(HALF * ROWS, ROWS).load(rows_of_s)
+        dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
+        for _ in range(count):
+            stage = consumed % p.KV_STAGES
+            phase = (consumed // p.KV_STAGES) & 1
+            zeros = gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout)
+            mbarrier.wait(bufs.k_ready.index(stage), phase)
+            k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
+            qk = warpgroup_mma(q, k.permute((1, 0)), zeros, use_acc=False, is_async=True)  # [ROWS, BLOCK_N]
+            mbarrier.wait(bufs.v_ready.index(stage), phase)
+            dp = warpgroup_mma(do, bufs.v.index(stage).reshape([p.BLOCK_N, D]).permute((1, 0)), zeros, use_acc=False, is_async=True)
+            qk, staged = wait_for_scores(p, bufs, qk, 1, stage, keys_of_s, READ_KEYS_EARLY)
+            s = visible_scores(p, bufs, qk, staged, stage, batch, head, first_row, rows, keys_of_s, ROWS, HALF)  # [ROWS, BLOCK_N]
+            probs = gl.exp2(s - lse2[:, None])
+            dp = warpgroup_mma_wait(0, deps=[dp])
+            mbarrier.arrive(bufs.v_empty.index(stage), count=1)
+            ds = probs * (dp - delta[:, None])
+            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), k, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=[dq])
+            mbarrier.arrive(bufs.k_empty.index(stage), count=1)
+            consumed += 1
+        store_rows(p, bufs, q_slot, HALF, batch, first_row, head, dq * p.scale)  # dS is the gradient of scale * q.k
+        items_done += 1
+
+
+@gluon.jit
+def _dq_lower(p, bufs):
+    _dq_rows(p, bufs, 0)
+
+
+@gluon.jit
+def _dq_upper(p, bufs):
+    _dq_rows(p, bufs, 1)
+
+
+@jit_with_runtime_scalars
+def _dq_hopper_kernel(
+    Q, K, V, Mask, Bias, Walk,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
+    stride_wb, stride_wh, stride_wr, walk_width, mask_rows, mask_cols, bias_rows, bias_cols,
+    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
+    mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k, band_lo, band_hi, scale, scale_log2,
+    MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGED_BIAS: gl.constexpr,
+    DO, Lse, Delta, DQ, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, items, row_blocks,
+    KV_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+):
+    q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    do_desc = tile_descriptor(DO, batch, seqlen_q, num_heads, stride_dob, stride_dos, stride_doh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    dq_desc = tile_descriptor(DQ, batch, seqlen_q, num_heads, stride_dqb, stride_dqs, stride_dqh, BLOCK_M // 2, BLOCK_M, HEAD_DIM)
+    k_desc = tile_descriptor(K, batch, seqlen_k, num_kv_heads, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    words_desc, bias_desc = pair_descriptors(
+        Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, STAGED_BIAS, BLOCK_M, BLOCK_N,
+    )
+    words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, KV_STAGES, BLOCK_N)
+    barrier: gl.constexpr = mbarrier.MBarrierLayout()
+    bufs = _Buffers(
+        gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout),
+        gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout),
+        gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout),
+        gl.allocate_shared_memory(v_desc.dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout),
+        words,
+        bias,
+        gl.allocate_shared_memory(gl.int32, [2, 1], PLAIN),
+        gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], PLAIN),
+        gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], PLAIN),
+        gl.allocate_shared_memory(gl.int32, [2 * KV_STAGES, 1], PLAIN),
+        gl.allocate_shared_memory(gl.int32, [KV_STAGES, BLOCK_N], PLAIN),
+        gl.allocate_shared_memory(gl.int32, [KV_STAGES, 1], PLAIN),
+        gl.allocate_shared_memory(gl.float32, [KV_STAGES, BLOCK_N], PLAIN),
+        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
+    )
+    init_barriers(bufs, KV_STAGES)
+    p = Problem(
+        q_desc, k_desc, v_desc, do_desc, dq_desc, words_desc, bias_desc, DQ, Delta, Lse, Mask, Bias, Walk, stride_dqb, stride_dqs, stride_dqh,
+        seqlen_q * num_heads, seqlen_q, stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
+        stride_wb, stride_wh, stride_wr, walk_width,
+        seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
+        mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
+        band_lo, band_hi, scale, scale_log2,
+        MASK, BIAS, WALK, HEAD_DIM, STAGED_BIAS, KV_STAGES, BLOCK_M, BLOCK_N, True,
+    )
+    gl.warp_specialize(
+        [(_dq_lower, (p, bufs)), (_dq_upper, (p, bufs)), (load_partition, (p, bufs))],
+        [4, 1], [MATH_REGISTERS, LOADER_REGISTERS],
+    )
+
+
+hopper_dq_launcher = Launcher(_dq_hopper_kernel, tensors=(*COMMON_TENSORS, "DO", "Lse", "Delta", "DQ"), specialized=())
+
+
+def hopper_dq(call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor) -> None:
+    """Write ``dq`` ``[B, Sq, H, D]`` of ``call`` as the Triton dQ kernel would; ``dout`` ``[B,
+    Sq, H, D]``, ``lse`` and ``delta`` ``[B, H, Sq]`` float32, contiguous."""
+    q = call.q
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    row_blocks = cdiv(seqlen_q, TILE.kwargs["BLOCK_M"])
+    items = row_blocks * batch * num_heads
+    k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
+    tensors, runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
+
+    def build():
+        own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, KV_STAGES[head_dim]]
+        return [*tensors, *runtime, *flags, dout, lse, delta, dq, *own], (q.dtype, dq.dtype, *flags)
+
+    layout = (
+        common_layout(call, walk), dout.stride(), tensor_layout(dq), call.list_block_q, call.list_block_k,
+        call.softmax_scale, call.window_left, call.window_right,
+    )
+    hopper_dq_launcher.launch(
+        layout, [*tensors, dout, lse, delta, dq], build, lambda: [TILE],
+        lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
+    )

@@ -1,0 +1,305 @@
+"""Hopper forward: the forward kernel of ``../forward.py`` as a warp-specialised, persistent Gluon kernel.
+
+On sm90 the plain Triton forward keeps one 8-warp program per multiprocessor whose loads, math
+and epilogue take turns: measured, 8.8 us of fixed cost per program and 2.44 us per 128 x 128
+tile (docs/design-notes.md, "Hopper forward"), so a query block with a short tile list spends a
+third of its time waiting. Here the roles run side by side, as in FlashAttention-3:
+
+- a *loader* warp (``common.load_partition``) walks each work item's tile list (the walk of
+  ``tiles.key_walk``, PARTIAL tiles first) and copies Q, K and V with TMA into shared-memory
+  rings, running ahead across work items. It reads the walk and the per-key mask and bias:
+  with each K tile it stages the span of its keys' positions, their scores (bias in log2 units,
+  -inf where the mask drops a key) and whether the tile's pair bits are read.
+- two *softmax* warpgroups each own 64 of a work item's 128 query rows. They issue the next
+  tile's ``S = Q K^T`` before this tile's softmax, so that ``O += P V`` runs during it, read a
+  per-pair bias and a BitMask's bits themselves (``common.visible_scores``), check only the
+  tiles that the band or the end of the keys cuts, and write the output and LSE, applying a
+  per-row mask or bias there (``_finish_rows``).
+
+The grid is persistent: one program per multiprocessor takes work items (row block, batch,
+head) in turn, the last row blocks first (under a causal band they hold the most tiles).
+Outputs are those of ``forward.attention_forward``, so the backward is shared; which calls
+come here is ``dispatch.py``'s table.
+"""
+
+# No `from __future__ import annotations`: the records below need their field types as objects.
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from flash_dma.backends.triton import configs, tiles
+from flash_dma.backends.triton.hopper.common import (
+    BIAS_ROWS,
+    COMMON_TENSORS,
+    LOADER_REGISTERS,
+    MASK_ROWS,
+    MATH_REGISTERS,
+    MAX_REGISTERS,
+    PLAIN,
+    TILES,
+    Problem,
+    get,
+    hopper_arguments,
+    pair_buffers,
+    pair_descriptors,
+    init_barriers,
+    input_base,
+    jit_with_runtime_scalars,
+    load_partition,
+    record,
+    row_values,
+    store_rows,
+    take_rows,
+    tile_descriptor,
+    visible_scores,
+    wait_for_scores,
+    walked_keys,
+)
+from flash_dma.backends.triton.launch import Launcher
+from flash_dma.backends.triton.layout import Call, common_layout, tensor_layout
+from flash_dma.integers import cdiv
+
+TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["forward"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
+KV_STAGES = {64: 3, 128: 2}  # K/V tiles in flight; with two Q buffers, D = 128 fills 192 KB of shared memory
+STAGED_BIAS_KV_STAGES = 2  # D = 64 with a per-pair bias staged beside K and V: 32 KB more per stage
+
+
+@record
+class _Buffers:
+    """Shared memory: two Q tiles (this item's and the next's) with their tile counts, a ring of
+    K/V tiles with their BitMask words and per-pair bias (``common.pair_buffers``), the spans and
+    (key lists) positions of their keys, whether their pair bits are read and their key scores,
+    the barriers."""
+
+    q: gl.shared_memory_descriptor
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    words: gl.shared_memory_descriptor
+    bias: gl.shared_memory_descriptor
+    counts: gl.shared_memory_descriptor
+    spans: gl.shared_memory_descriptor
+    positions: gl.shared_memory_descriptor
+    partial: gl.shared_memory_descriptor
+    key_scores: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    k_empty: gl.shared_memory_descriptor
+    v_empty: gl.shared_memory_descriptor
+
+
+@gluon.jit
+def _thread_row_sums(x):
+    """Row sums of a wgmma tile ``x`` ``[ROWS, N]`` over each thread's own columns only: ``[ROWS, 4]``.
+
+    The tile gives each thread of a row's quad the columns ``8 j + 2 t + e`` (thread ``t``), so
+    these sums need no shuffles; the quad's four partial sums are added once per work item.
+    """
+    ROWS: gl.constexpr = x.shape[0]
+    N: gl.constexpr = x.shape[1]
+    return gl.sum(gl.sum(x.reshape([ROWS, N // 8, 4, 2]), 3), 1)
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i):
+    """One tile of the online softmax: ``(probs, m_new, alpha, l_new)``, with ``l`` the rows'
+    sums per thread (``_thread_row_sums``)."""
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead, so p = 0, not NaN.
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    probs = gl.exp2(s - m_shift[:, None])
+    alpha = gl.exp2(m_i - m_shift)
+    return probs, m_new, alpha, l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + _thread_row_sums(probs)
+
+
+@gluon.jit
+def _finish_rows(p, acc, m_i, l_i, batch, head, rows, rows_of_o: gl.constexpr):
+    """``(out [ROWS, D], lse [ROWS])`` of the rows' accumulators. Rows with no visible key, and
+    rows a per-row mask drops, get out = 0 and lse = -inf; a per-row bias shifts the LSE only
+    (the softmax does not see it)."""
+    rows_of_s: gl.constexpr = m_i.type.layout
+    l_i = gl.convert_layout(gl.sum(l_i, 1), rows_of_s)
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / gl.convert_layout(l_safe, rows_of_o)[:, None]
+    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * tiles.LN2)
+    if p.MASK == MASK_ROWS:
+        mask_row = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, batch, head)
+        kept = row_values(p, mask_row, p.stride_mq, rows, 0) != 0
+        out = gl.where(gl.convert_layout(kept, rows_of_o)[:, None], out, 0.0)
+        lse = gl.where(kept, lse, float("-inf"))
+    if p.BIAS == BIAS_ROWS:
+        bias_row = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, batch, head)
+        lse = lse + row_values(p, bias_row, p.stride_bq, rows, 0.0).to(gl.float32)
+    return out, lse
+
+
+@gluon.jit
+def _softmax_rows(p, bufs, HALF: gl.constexpr):
+    """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program.
+
+    Within a work item, the product of the next tile ``S = Q K^T`` is issued with ``O += P V`` of
+    this one, before the next softmax, as in FlashAttention-3's intra-warpgroup overlap. ptxas
+    (triton 3.6) still places the wait for ``P V`` before that softmax (docs/design-notes.md,
+    "Forward softmax"), so the tensor cores overlap a warpgroup's softmax only with the other
+    warpgroup's products.
+    """
+    ROWS: gl.constexpr = p.BLOCK_M // 2
+    D: gl.constexpr = p.HEAD_DIM
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, p.BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    keys_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_of_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = p.q_desc.dtype
+    # Whether a tile's staged keys are read before its product is waited for (their shared-memory
+    # latency then overlaps it), chosen by measurement (llm shape, keep 1/8): 3.6% faster at D = 64
+    # (16K); 4-6% slower at D = 128 (16K-128K), where ptxas issues the loads between the two products.
+    READ_KEYS_EARLY: gl.constexpr = D == 64
+
+    consumed = 0  # K/V tiles so far: the ring position, as in the loader
+    items_done = 0
+    for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
+        batch, head, first_row, rows, q_slot, count = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
+        q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
+
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_of_s)
+        l_i = _thread_row_sums(gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout))  # zeros, in the sums' layout
+        acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+        if count > 0:
+            stage = consumed % p.KV_STAGES
+            mbarrier.wait(bufs.k_ready.index(stage), (consumed // p.KV_STAGES) & 1)
+            k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
+            qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+            qk, staged = wait_for_scores(p, bufs, qk, 0, stage, keys_of_s, READ_KEYS_EARLY)
+            s = visible_scores(p, bufs, qk, staged, stage, batch, head, first_row, rows, keys_of_s, ROWS, HALF)
+            mbarrier.arrive(bufs.k_empty.index(stage), count=1)
+            probs, m_i, _, l_i = _online_softmax(s, m_i, l_i)
+            for _ in range(1, count):
+                following = (consumed + 1) % p.KV_STAGES
+                mbarrier.wait(bufs.k_ready.index(following), ((consumed + 1) // p.KV_STAGES) & 1)
+                k = bufs.k.index(following).reshape([p.BLOCK_N, D])
+                qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+                mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
+                v = bufs.v.index(stage).reshape([p.BLOCK_N, D])
+                acc = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), v, acc, is_async=True)
+                # The product of the next tile; P V may still run.
+                qk, staged = wait_for_scores(p, bufs, qk, 1, following, keys_of_s, READ_KEYS_EARLY)
+                s = visible_scores(p, bufs, qk, staged, following, batch, head, first_row, rows, keys_of_s, ROWS, HALF)  # [ROWS, BLOCK_N]
+                mbarrier.arrive(bufs.k_empty.index(following), count=1)
+                probs, m_i, alpha, l_i = _online_softmax(s, m_i, l_i)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(bufs.v_empty.index(stage), count=1)
+                acc = acc * gl.convert_layout(alpha, rows_of_o)[:, None]
+                consumed += 1
+                stage = following
+            mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
+            v = bufs.v.index(stage).reshape([p.BLOCK_N, D])
+            acc = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), v, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(bufs.v_empty.index(stage), count=1)
+            consumed += 1
+
+        out, lse = _finish_rows(p, acc, m_i, l_i, batch, head, rows, rows_of_o)
+        store_rows(p, bufs, q_slot, HALF, batch, first_row, head, out)
+        lse_row = p.Lse + batch.to(gl.int64) * p.stride_lse_b + head.to(gl.int64) * p.stride_lse_h
+        gl.store(lse_row + rows, lse, mask=rows < p.seqlen_q)
+        items_done += 1
+
+
+@gluon.jit
+def _softmax_lower(p, bufs):
+    _softmax_rows(p, bufs, 0)
+
+
+@gluon.jit
+def _softmax_upper(p, bufs):
+    _softmax_rows(p, bufs, 1)
+
+
+@jit_with_runtime_scalars
+def _attn_fwd_hopper_kernel(
+    Q, K, V, Mask, Bias, Walk,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
+    stride_wb, stride_wh, stride_wr, walk_width, mask_rows, mask_cols, bias_rows, bias_cols,
+    batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
+    mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k, band_lo, band_hi, scale, scale_log2,
+    MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGED_BIAS: gl.constexpr,
+    Out, Lse, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, items, row_blocks,
+    KV_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+):
+    # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
+    q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    k_desc = tile_descriptor(K, batch, seqlen_k, num_kv_heads, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    o_desc = tile_descriptor(Out, batch, seqlen_q, num_heads, stride_ob, stride_os, stride_oh, BLOCK_M // 2, BLOCK_M, HEAD_DIM)
+    words_desc, bias_desc = pair_descriptors(
+        Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, STAGED_BIAS, BLOCK_M, BLOCK_N,
+    )
+    words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, KV_STAGES, BLOCK_N)
+    barrier: gl.constexpr = mbarrier.MBarrierLayout()
+    bufs = _Buffers(
+        gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout),
+        gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout),
+        gl.allocate_shared_memory(v_desc.dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout),
+        words,
+        bias,
+        gl.allocate_shared_memory(gl.int32, [2, 1], PLAIN),
+        gl.allocate_shared_memory(gl.int32, [2 * KV_STAGES, 1], PLAIN),  # spans: first keys, then last keys
+        gl.allocate_shared_memory(gl.int32, [KV_STAGES, BLOCK_N], PLAIN),
+        gl.allocate_shared_memory(gl.int32, [KV_STAGES, 1], PLAIN),
+        gl.allocate_shared_memory(gl.float32, [KV_STAGES, BLOCK_N], PLAIN),
+        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
+    )
+    init_barriers(bufs, KV_STAGES)
+    p = Problem(
+        q_desc, k_desc, v_desc, q_desc, o_desc, words_desc, bias_desc, Out, Lse, Lse, Mask, Bias, Walk,  # no dO, no delta
+        stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
+        stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
+        stride_wb, stride_wh, stride_wr, walk_width,
+        seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
+        mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
+        band_lo, band_hi, scale, scale_log2,
+        MASK, BIAS, WALK, HEAD_DIM, STAGED_BIAS, KV_STAGES, BLOCK_M, BLOCK_N, False,
+    )
+    gl.warp_specialize(
+        [(_softmax_lower, (p, bufs)), (_softmax_upper, (p, bufs)), (load_partition, (p, bufs))],
+        [4, 1], [MATH_REGISTERS, LOADER_REGISTERS],
+    )
+
+
+hopper_launcher = Launcher(_attn_fwd_hopper_kernel, tensors=(*COMMON_TENSORS, "Out", "Lse"), specialized=())
+
+
+def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Write ``out`` ``[B, Sq, H, D]`` and ``lse`` ``[B, H, Sq]`` float32 of ``call``, as
+    ``forward.attention_forward`` would (its kv_lists or key list walked)."""
+    q = call.q
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    row_blocks = cdiv(seqlen_q, TILE.kwargs["BLOCK_M"])
+    items = row_blocks * batch * num_heads
+    k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
+    tensors, runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
+
+    stages = STAGED_BIAS_KV_STAGES if flags[-1] else KV_STAGES[head_dim]
+
+    def build():
+        own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages]
+        return [*tensors, *runtime, *flags, out, lse, *own], (q.dtype, *flags)
+
+    layout = (
+        common_layout(call, walk), tensor_layout(out), tensor_layout(lse), call.list_block_q, call.list_block_k,
+        call.softmax_scale, call.window_left, call.window_right,
+    )
+    hopper_launcher.launch(
+        layout, [*tensors, out, lse], build, lambda: [TILE], lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
+    )
