@@ -141,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
         on_case_done=save,
     )
     checks = save(results)
-    plot_results(args.out / "results.png", results)
+    plotted = plot_results(args.out / "results.png", results)
     print(checks_table(checks))
-    print(f"results in {args.out}: results.md, results.json, results.png")
+    print(f"results in {args.out}: results.md, results.json" + (", results.png" if plotted else ""))
     return 0
