@@ -126,6 +126,29 @@ def test_continuous_batching_matches_sdpa(llama_pair, batching):
                                              pad_token_id=0)[0, 5:].tolist()
 
 
+def test_a_continuous_batching_manager_serves_requests_as_they_come(llama_pair):
+    # The serving API under generate_batch: requests added to a running manager, results collected.
+    reference, ours = llama_pair
+    prompts = [[5, 7, 9, 11], [3, 4, 60, 61, 62, 63]]
+    generation = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    manager = ours.init_continuous_batching(
+        generation_config=generation, continuous_batching_config=ContinuousBatchingConfig(page_size=16, num_blocks=8)
+    )
+    manager.start()
+    try:
+        ids = [manager.add_request(prompt, max_new_tokens=4) for prompt in prompts]
+        results = {}
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=60)
+            assert result is not None, "the manager stopped before answering every request"
+            results[result.request_id] = result
+    finally:
+        manager.stop(block=True)
+    for request_id, prompt in zip(ids, prompts):
+        expected = reference.generate(torch.tensor([prompt]), generation_config=generation)[0, len(prompt):]
+        assert results[request_id].error is None and results[request_id].generated_tokens == expected.tolist()
+
+
 class PackedCache:
     """What ``PagedAttentionCache.update`` gives the attention function: every request's keys, packed."""
 
