@@ -111,7 +111,7 @@ def batch_tokens(model, prompts, **batching):
 
 @pytest.mark.parametrize(
     "batching",
-    [dict(), dict(page_size=16, num_blocks=32, max_batch_tokens=24)],
+    [dict(num_blocks=8), dict(page_size=16, num_blocks=32, max_batch_tokens=24)],
     ids=["one-page-each", "small-pages-chunked-prefill"],
 )
 def test_continuous_batching_matches_sdpa(llama_pair, batching):
