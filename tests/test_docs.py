@@ -2,11 +2,9 @@
 
 Each block runs in a fresh namespace, on the CPU with the reference backend where no GPU is
 present (the blocks pick ``device = "cuda" if torch.cuda.is_available() else "cpu"`` themselves).
-An HTML comment on the line before a block changes what is checked:
-
-- ``<!-- docs-test: gpu -->``: the block needs CUDA; it runs only where there is a GPU.
-- ``<!-- docs-test: signature -->``: the block is a call signature, ``name(parameters)``, checked
-  against the function of that name in ``flash_dma`` (parameter names, kinds and defaults).
+A block after the line ``<!-- docs-test: signature -->`` (an HTML comment, not rendered) is a call
+signature, ``name(parameters)``, checked against the function of that name in ``flash_dma``
+(parameter names, kinds and defaults) instead of run.
 """
 
 from __future__ import annotations
@@ -23,11 +21,10 @@ import torch.distributed as dist
 
 import flash_dma
 from flash_dma.benchmark.suites import SUITES
-from tests.helpers import ON_GPU
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
-MARKS = ("gpu", "signature")
+MARKS = ("signature",)
 _BLOCK = re.compile(r"^(?:<!-- docs-test: (?P<mark>[\w-]+) -->\n)?```python\n(?P<code>.*?)^```$", re.M | re.S)
 
 
@@ -68,8 +65,6 @@ def _isolated():
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.mark != "signature"], ids=str)
 def test_block_runs_as_written(block):
-    if block.mark == "gpu" and not ON_GPU:
-        pytest.skip("the block needs a CUDA device")
     cleanup = _isolated()
     torch.manual_seed(0)
     try:
