@@ -15,6 +15,10 @@ Public API (see ``docs/api.md``):
 - :func:`flash_dmattn_func`, :func:`flash_sparse_attn_func`: v1-compatible entry points.
 """
 
+import re
+from importlib import metadata
+from pathlib import Path
+
 from flash_dma.backends import get_available_backends
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import BlockMask
@@ -30,7 +34,22 @@ from flash_dma.masks import attended_fraction, create_mask, indices_to_mask, top
 from flash_dma.modules import DynamicMaskAttention
 from flash_dma.summaries import block_mask_from_state, build_block_mask, pack_mask
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The version in ``pyproject.toml``, its one source (releases are tagged ``vX.Y.Z``).
+
+    Installed: the distribution's metadata. A checkout run from ``PYTHONPATH`` without installing
+    (as on the GPU machine) reads the ``pyproject.toml`` beside the package; "0+unknown" without one.
+    """
+    try:
+        return metadata.version("flash-dma")
+    except metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        found = pyproject.is_file() and re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.MULTILINE)
+        return found.group(1) if found else "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "BitMask",

@@ -150,11 +150,16 @@ def check_mask(mask, query: torch.Tensor, shape) -> None:
             raise ValueError("attn_mask: an integer mask must hold only 0 and 1 (use a bool mask, True = attend)")
 
 
+def bias_dtypes(dtype: torch.dtype, owner: str) -> str:
+    """A bias's allowed dtypes as errors name them: float32, or float32 and ``owner``'s ``dtype``."""
+    return "float32" if dtype == torch.float32 else f"float32 or {dtype} (the dtype of {owner})"
+
+
 def check_bias(bias: torch.Tensor, query: torch.Tensor, shape) -> None:
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"attn_bias: expected a torch.Tensor or None, got {type(bias).__name__}")
     if bias.dtype not in (torch.float32, query.dtype):
-        raise TypeError(f"attn_bias: expected dtype float32 or {query.dtype} (the dtype of query), got {bias.dtype}")
+        raise TypeError(f"attn_bias: expected dtype {bias_dtypes(query.dtype, 'query')}, got {bias.dtype}")
     if bias.device != query.device:
         raise ValueError(f"attn_bias: expected device {query.device} (the device of query), got {bias.device}")
     check_broadcastable("attn_bias", bias, shape)

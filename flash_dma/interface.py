@@ -275,27 +275,3 @@ def flash_dmattn_func(
 
 
 flash_sparse_attn_func = flash_dmattn_func
-
-# v1's backend names: its CUDA extension's place goes to the fastest GPU backend.
-V1_BACKENDS = {"cuda": "triton", "triton": "triton", "flex": "flex"}
-
-
-def flash_sparse_attn_func_auto(backend: str | None = None):
-    """v1's ``flash_sparse_attn_func_auto`` / ``flash_dmattn_func_auto``: :func:`flash_dmattn_func`
-    on a v1 backend.
-
-    Args:
-        backend: ``"cuda"`` (the Triton kernels, flash-dma's fastest GPU backend), ``"triton"``,
-            ``"flex"`` (PyTorch's FlexAttention), or None: the best backend for each call's device
-            (unlike v1, which raises on a machine without its CUDA extension).
-
-    Returns:
-        A function taking v1's arguments ``(query, key, value, attn_mask=None, attn_bias=None,
-        softmax_scale=None, is_causal=None, softcap=None, deterministic=None,
-        return_attn_probs=None)``, in that order, with the shapes of :func:`flash_dma_func`.
-    """
-    _check_backend_name(backend, tuple(V1_BACKENDS))
-    return functools.partial(flash_dmattn_func, backend=None if backend is None else V1_BACKENDS[backend])
-
-
-flash_dmattn_func_auto = flash_sparse_attn_func_auto

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from flash_dma.bit_mask import BitMask
-from flash_dma.inputs import AttentionProblem, _check_qkv, check_mask, normalize_settings
+from flash_dma.inputs import AttentionProblem, _check_qkv, bias_dtypes, check_mask, normalize_settings
 from flash_dma.packed import SEQLEN_DTYPES, values_checkable
 
 
@@ -70,7 +70,7 @@ def _check_bias_cache(bias_cache, k_cache: torch.Tensor, q: torch.Tensor) -> Non
             f"per key and head, heads in {sorted(set(heads))}), got {tuple(bias_cache.shape)}"
         )
     if bias_cache.dtype not in (torch.float32, q.dtype):
-        raise TypeError(f"bias_cache: expected dtype float32 or {q.dtype} (the dtype of q), got {bias_cache.dtype}")
+        raise TypeError(f"bias_cache: expected dtype {bias_dtypes(q.dtype, 'q')}, got {bias_cache.dtype}")
     if bias_cache.device != q.device:
         raise ValueError(f"bias_cache: expected device {q.device} (the device of q), got {bias_cache.device}")
 

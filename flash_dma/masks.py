@@ -158,13 +158,18 @@ def _majority_per_block(keep: torch.Tensor, block: int) -> torch.Tensor:
     return blocks_kept.repeat_interleave(block, dim=-1)[..., :key_len]
 
 
+def _one_or(size: int) -> str:
+    """A dimension that may broadcast, as an error message writes it: ``1|64``, or ``1`` when it is 1."""
+    return "1" if size == 1 else f"1|{size}"
+
+
 def create_mask(
     attention_bias: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    batch_size: int,
-    query_len: int,
-    key_len: int,
-    window_size: int,
+    attention_mask: torch.Tensor | None = None,
+    batch_size: int | None = None,
+    query_len: int | None = None,
+    key_len: int | None = None,
+    window_size: int | None = None,
     min_dtype: float | None = None,
     block_size: int | None = None,
     *,
@@ -185,11 +190,11 @@ def create_mask(
         attention_mask: None, a 2-D padding mask ``[B, Sk]`` (or ``[B, Sq]`` covering the newest
             ``Sq`` keys, the earlier ones being a cache of real tokens), or a 4-D mask broadcastable
             with the bias. Bool (True = may be selected) or 0/1 integer, on the bias's device.
-        batch_size: B.
-        query_len: Sq.
-        key_len: Sk; the bias's last dimension.
-        window_size: with ``kind="topk"``, the number of keys kept per row (all allowed keys when
-            ``window_size >= key_len``). Not used by ``kind="relu"``.
+        batch_size: B; by default the first dimension of ``attention_mask``, else of the bias.
+        query_len: Sq; by default the bias's third dimension.
+        key_len: Sk, the bias's last dimension (the default).
+        window_size: with ``kind="topk"``, the number of keys kept per row, at least 1 (all allowed
+            keys when ``window_size >= key_len``). Not used by ``kind="relu"``.
         min_dtype: if given, keys whose bias is ``<= min_dtype`` count as masked (for a bias that
             already carries an additive mask, such as ``torch.finfo(dtype).min``).
         block_size: if given, after selection every run of ``block_size`` keys (the last one may be
@@ -207,17 +212,22 @@ def create_mask(
         ``flash_dma_func(attn_mask=...)`` together with the bias.
     """
     _check_bias(attention_bias, "[1|B, 1|Hkv|H, 1|Sq, Sk]")
+    # What is not given is inferred from the inputs, as the earlier Flash-DMA did.
+    if batch_size is None:
+        batch_size = (attention_mask if isinstance(attention_mask, torch.Tensor) else attention_bias).shape[0]
+    query_len = attention_bias.shape[2] if query_len is None else query_len
+    key_len = attention_bias.shape[3] if key_len is None else key_len
     for name, value, minimum in (("batch_size", batch_size, 1), ("query_len", query_len, 1), ("key_len", key_len, 0)):
         check_int(name, value, minimum)
     check_choice("kind", kind, MASK_KINDS)
     bias_batch, _, bias_rows, bias_keys = attention_bias.shape
     if bias_batch not in (1, batch_size) or bias_rows not in (1, query_len) or bias_keys != key_len:
         raise ValueError(
-            f"attention_bias: expected shape [1|{batch_size}, heads, 1|{query_len}, {key_len}] for "
+            f"attention_bias: expected shape [{_one_or(batch_size)}, heads, {_one_or(query_len)}, {key_len}] for "
             f"batch_size={batch_size}, query_len={query_len}, key_len={key_len}, got {tuple(attention_bias.shape)}"
         )
     if kind == "topk":
-        check_int("window_size", window_size, 0)
+        check_int("window_size", window_size, 1)  # 0 would select no key: every output 0
     if min_dtype is not None and (isinstance(min_dtype, bool) or not isinstance(min_dtype, (int, float))):
         raise TypeError(f"min_dtype: expected a float or None, got {type(min_dtype).__name__} {min_dtype!r}")
     if block_size is not None:
@@ -358,7 +368,8 @@ def topk_block_mask(
 
     Args:
         attention_bias: ``[1|B, 1|Hkv|H, 1, Sk]`` float, a per-key bias. Read under ``torch.no_grad``.
-        window_size: keys to keep per query by bias, rounded up to whole blocks; >= 0.
+        window_size: keys to keep per query by bias, rounded up to whole blocks; at least 1, or 0
+            to keep only the sink and local blocks (with ``sink_blocks`` or ``local_blocks`` > 0).
         attention_mask: None, a 2-D padding mask ``[B, Sk]`` or a 4-D ``[1|B, 1|H, 1, Sk]`` mask,
             bool (True = real key) or 0/1 integer. A kept block that holds masked keys is PARTIAL:
             then ``result.needs_mask`` is True and the mask, as 4-D, must go to ``flash_dma_func``
@@ -395,11 +406,12 @@ def topk_block_mask(
             f"attention_bias: expected a per-key bias [1|B, 1|Hkv|H, 1, Sk] (query dimension 1), got shape "
             f"{tuple(attention_bias.shape)}; select per-query keys with create_mask and build_block_mask"
         )
-    check_int("window_size", window_size, 0)
     check_block_size(block_size)
     check_choice("reduce", reduce, BLOCK_REDUCTIONS)
     check_int("sink_blocks", sink_blocks, 0)
     check_int("local_blocks", local_blocks, 0)
+    # A window of 0 keeps only the forced blocks; without any, it would select nothing (every output 0).
+    check_int("window_size", window_size, 0 if sink_blocks or local_blocks else 1)
     if query_len is None:
         for name, value in (("is_causal", is_causal), ("local_blocks", local_blocks)):
             if value:

@@ -103,8 +103,6 @@ def sequence_rows(
             f"{name}: expected a packed [1|Hkv|H, total_k] or per-sequence [1|N, 1|Hkv|H, 1|max_seqlen_k] "
             f"tensor, got shape {tuple(t.shape)}"
         )
-    if t.shape[1] not in (1, total):
-        raise ValueError(f"{name}: a packed [1|Hkv|H, total_k] tensor needs total_k = {total} keys, got {t.shape[1]}")
     if t.shape[1] == 1:
         return t[None, :, None, :]  # one value per head for every key
     positions = torch.arange(max_seqlen, device=t.device)
@@ -114,6 +112,29 @@ def sequence_rows(
     rows = t[:, index]  # [Hm, N, max_seqlen]
     rows = rows.masked_fill(~inside, fill)
     return rows.permute(1, 0, 2).unsqueeze(2)
+
+
+def check_per_key(name: str, t, sequences: int, heads: tuple[int, ...], max_seqlen: int, total: int) -> None:
+    """Check a varlen mask or bias's sizes in the form the caller gave, so that errors quote its shape
+    (the kernels' entries, ``[1|N, 1|Hkv|H, 1, 1|max_seqlen_k]``, are not what the caller made).
+
+    ``heads`` are the sizes a head dimension may have: ``(1, Hkv, H)``.
+    """
+    forms = {
+        2: ("packed [1|Hkv|H, total_k]", (("heads", heads), ("keys", (1, total)))),
+        3: ("per-sequence [1|N, 1|Hkv|H, 1|max_seqlen_k]",
+            (("sequences", (1, sequences)), ("heads", heads), ("keys", (1, max_seqlen)))),
+    }
+    if not isinstance(t, torch.Tensor) or t.dim() not in forms:
+        return  # sequence_rows names the type or rank
+    form, dims = forms[t.dim()]
+    for dim, (label, sizes) in enumerate(dims):
+        if t.shape[dim] not in sizes:
+            raise ValueError(
+                f"{name}: dimension {dim} ({label}) of a {form} tensor must be "
+                f"{' or '.join(map(str, sorted(set(sizes))))}, got {t.shape[dim]} (shape {tuple(t.shape)}); "
+                "masks and biases over packed sequences are per key, never per query"
+            )
 
 
 def packed_rows(name: str, t: torch.Tensor, cu_seqlens_k, max_seqlen_k, fill) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +166,9 @@ def normalize_varlen_inputs(
         )
     if k.shape[0] == 0:
         max_seqlen_k = 0  # no keys at all: every sequence's row is empty
+    heads = (1, k.shape[1], q.shape[1])
+    for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
+        check_per_key(name, t, cu_q.shape[0] - 1, heads, max_seqlen_k, k.shape[0])
     mask = sequence_rows("attn_mask", attn_mask, cu_k, max_seqlen_k, k.shape[0], False)
     bias = sequence_rows("attn_bias", attn_bias, cu_k, max_seqlen_k, k.shape[0], 0.0)
     entries = (cu_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], q.shape[2])

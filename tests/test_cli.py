@@ -29,6 +29,18 @@ def test_version_names_flash_dma_torch_and_triton_without_optional_modules(monke
     assert capsys.readouterr().out == expected
 
 
+def test_version_is_the_one_in_pyproject_installed_or_not(monkeypatch):
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    declared = re.search(r'^version = "([^"]+)"', pyproject, re.MULTILINE).group(1)
+    assert flash_dma.__version__ == declared
+
+    def not_installed(name):
+        raise flash_dma.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(flash_dma.metadata, "version", not_installed)
+    assert flash_dma._version() == declared  # a checkout on PYTHONPATH reads its pyproject.toml
+
+
 @pytest.mark.parametrize(
     "command, blocked, extra",
     [

@@ -53,7 +53,7 @@ BAD_INPUTS = [
     ("mask-int-values", dict(attn_mask=2 * _mask(B, H, SQ, SK, dtype=torch.int32)), ValueError,
      r"attn_mask: an integer mask must hold only 0 and 1"),
     ("bias-dtype", dict(attn_bias=torch.zeros(B, H, SQ, SK, dtype=torch.float16)), TypeError,
-     r"attn_bias: expected dtype float32 or torch.float32 .* got torch.float16"),
+     r"attn_bias: expected dtype float32, got torch.float16"),  # query is float32: one choice
     ("bias-int", dict(attn_bias=torch.zeros(B, H, SQ, SK, dtype=torch.int64)), TypeError, r"attn_bias: expected dtype"),
     ("bias-heads", dict(attn_bias=torch.zeros(B, 8, SQ, SK)), ValueError,
      r"attn_bias: dimension 1 \(heads\) must be 1 or 2 or 4, got 8"),
@@ -105,6 +105,13 @@ def test_unavailable_backend_is_explained(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=r"backend: 'triton' is unavailable for tensors on cpu: it needs a CUDA device"):
         flash_dma_func(**{k: v.cpu() for k, v in _inputs().items()}, backend="triton")
+
+
+def test_a_bias_may_be_float32_or_the_dtype_of_query():
+    inputs = {name: t.half() for name, t in _inputs().items()}
+    bias = torch.zeros(B, H, SQ, SK, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(TypeError, match=r"^attn_bias: expected dtype float32 or torch.float16 \(the dtype of query\), got torch.float64$"):
+        flash_dma_func(**inputs, attn_bias=bias)
 
 
 def test_integer_masks_of_zeros_and_ones_are_accepted():

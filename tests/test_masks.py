@@ -45,7 +45,7 @@ def random_bias(*shape, seed: int = 0, levels: int | None = None) -> torch.Tenso
 class TestCreateMask:
     @pytest.mark.parametrize("bias_shape", [(2, 3, 1, 37), (1, 2, 5, 37), (2, 1, 5, 37)], ids=str)
     @pytest.mark.parametrize("levels", [None, 3], ids=["distinct", "ties"])
-    @pytest.mark.parametrize("window", [0, 1, 7, 36])
+    @pytest.mark.parametrize("window", [1, 7, 36])
     def test_topk_matches_brute_force(self, bias_shape, levels, window):
         bias = random_bias(*bias_shape, levels=levels)
         padding = torch.rand(2, 37, generator=torch.Generator().manual_seed(1)).to(DEVICE) > 0.3
@@ -53,6 +53,14 @@ class TestCreateMask:
         assert mask.dtype == torch.bool
         assert mask.shape == torch.broadcast_shapes(bias.shape, (2, 1, 1, 37))
         assert torch.equal(mask.cpu(), brute_force_topk(bias, padding[:, None, None, :], window))
+
+    def test_what_is_not_given_is_inferred_from_the_bias_and_the_mask(self):
+        bias = random_bias(2, 3, 5, 37)
+        assert torch.equal(create_mask(bias, window_size=7), create_mask(bias, None, 2, 5, 37, 7))
+        padding = torch.rand(4, 37, generator=torch.Generator().manual_seed(1)).to(DEVICE) > 0.3
+        per_key = random_bias(1, 3, 1, 37)
+        inferred = create_mask(per_key, padding, window_size=7)  # the batch comes from the padding mask
+        assert inferred.shape == (4, 3, 1, 37) and torch.equal(inferred, create_mask(per_key, padding, 4, 1, 37, 7))
 
     def test_ties_go_to_the_lower_key_index(self):
         bias = torch.zeros(1, 1, 1, 10, device=DEVICE)
@@ -133,9 +141,11 @@ class TestCreateMask:
         "kwargs, error, message",
         [
             (dict(kind="soft"), ValueError, r"kind: expected one of 'topk', 'relu', got 'soft'"),
-            (dict(window_size=-1), ValueError, r"window_size: expected an int >= 0, got -1"),
+            (dict(window_size=-1), ValueError, r"window_size: expected an int >= 1, got -1"),
+            (dict(window_size=0), ValueError, r"window_size: expected an int >= 1, got 0"),
             (dict(window_size=2.5), TypeError, r"window_size: expected an int, got float 2.5"),
             (dict(key_len=9), ValueError, r"attention_bias: expected shape \[1\|2, heads, 1\|3, 9\]"),
+            (dict(batch_size=1, query_len=1, key_len=9), ValueError, r"attention_bias: expected shape \[1, heads, 1, 9\]"),
             (dict(attention_mask=torch.ones(2, 5, dtype=torch.bool)), ValueError, r"length key_len = 8 or query_len = 3"),
             (dict(attention_mask=torch.ones(2, 8)), TypeError, r"attention_mask: expected a bool .* got torch.float32"),
             (dict(attention_mask=torch.ones(3, 8, dtype=torch.bool)), ValueError, r"expected batch size 2"),
@@ -149,7 +159,7 @@ class TestCreateMask:
             ),
         ],
         ids=[
-            "kind", "window", "window-float", "bias-shape", "mask-length", "mask-float", "mask-batch", "bias-3d", "block",
+            "kind", "window", "window-0", "window-float", "bias-shape", "bias-shape-1", "mask-length", "mask-float", "mask-batch", "bias-3d", "block",
             "min-dtype", "mask-device",
         ],
     )
@@ -218,6 +228,13 @@ class TestTopkBlockMask:
         bias = torch.arange(64.0, device=DEVICE).view(1, 1, 1, 64)  # later blocks score higher
         summary = topk_block_mask(bias, 16, block_size=(16, 16), sink_blocks=1)
         assert summary.state.flatten().tolist() == [FULL, EMPTY, EMPTY, FULL]
+
+    def test_a_window_of_0_keeps_only_the_sink_and_local_blocks(self):
+        bias = torch.arange(64.0, device=DEVICE).view(1, 1, 1, 64)
+        sink_only = topk_block_mask(bias, 0, block_size=(16, 16), sink_blocks=1)
+        assert sink_only.state.flatten().tolist() == [FULL, EMPTY, EMPTY, EMPTY]
+        local = topk_block_mask(bias, 0, block_size=(16, 16), query_len=64, is_causal=True, local_blocks=1)
+        assert torch.equal(local.state[0, 0].cpu(), torch.where(torch.eye(4, dtype=torch.bool), FULL, EMPTY).to(torch.int8))
 
     @pytest.mark.parametrize("backend", ["reference", "triton"])
     def test_attention_with_summary_equals_attention_with_expanded_mask(self, backend):
@@ -302,7 +319,8 @@ class TestTopkBlockMask:
             (dict(local_blocks=1), ValueError, r"local_blocks: only the per-query-block layout uses it"),
             (dict(reduce="sum"), ValueError, r"reduce: expected one of 'max', 'mean', got 'sum'"),
             (dict(block_size=(16, 24)), ValueError, r"block_size: expected a pair of values"),
-            (dict(window_size=-3), ValueError, r"window_size: expected an int >= 0, got -3"),
+            (dict(window_size=-3), ValueError, r"window_size: expected an int >= 1, got -3"),
+            (dict(window_size=0), ValueError, r"window_size: expected an int >= 1, got 0"),
             (dict(attention_mask=torch.ones(1, 1, 3, 64, dtype=torch.bool)), ValueError, r"expected a per-key mask"),
             (dict(attention_mask=torch.ones(2, 64, dtype=torch.bool)), ValueError, r"does not broadcast with attention_bias"),
             (
@@ -311,7 +329,7 @@ class TestTopkBlockMask:
                 r"attention_mask: expected device meta \(the device of attention_bias\), got cpu",
             ),
         ],
-        ids=["bias-rows", "causal", "local", "reduce", "block", "window", "mask-rows", "mask-batch", "mask-device"],
+        ids=["bias-rows", "causal", "local", "reduce", "block", "window", "window-0", "mask-rows", "mask-batch", "mask-device"],
     )
     def test_bad_arguments_are_named(self, kwargs, error, message):
         arguments = dict(attention_bias=torch.zeros(3, 1, 1, 64), window_size=16, block_size=(16, 16))

@@ -111,7 +111,14 @@ def test_build_block_mask_of_a_packed_mask():
         (dict(max_seqlen_q=10), "longest sequence has 20 tokens, more than max_seqlen = 10"),
         (dict(cu_seqlens_k=torch.tensor([0.0, 27.0])), "cu_seqlens_k: expected dtype torch.int32"),
         (dict(cu_seqlens_k=torch.tensor([0, 10, 27], dtype=torch.int32)), "cu_seqlens_k: expected 5 entries"),
-        (dict(attn_bias=torch.zeros(1, 26)), "attn_bias: a packed .* needs total_k = 27 keys, got 26"),
+        (dict(attn_bias=torch.zeros(1, 26)),
+         r"attn_bias: dimension 1 \(keys\) of a packed \[1\|Hkv\|H, total_k\] tensor must be 1 or 27, got 26 \(shape \(1, 26\)\)"),
+        # Per-query biases, as a user might try them: the message quotes the shape given, not the kernels' entries.
+        (dict(attn_bias=torch.zeros(27, 27)), r"attn_bias: dimension 0 \(heads\) .* got 27 \(shape \(27, 27\)\); .* never per query"),
+        (dict(attn_bias=torch.zeros(4, 20, 20)),
+         r"attn_bias: dimension 1 \(heads\) of a per-sequence \[1\|N, 1\|Hkv\|H, 1\|max_seqlen_k\] tensor must be 1 or .*"
+         r"got 20 \(shape \(4, 20, 20\)\)"),
+        (dict(attn_mask=torch.ones(3, 1, 20, dtype=torch.bool)), r"attn_mask: dimension 0 \(sequences\) .* must be 1 or 4, got 3"),
         (dict(attn_mask=torch.ones(1, 1, 1, 27, dtype=torch.bool)), "attn_mask: expected a packed"),
         (dict(q=torch.zeros(27, 2, 8, 1)), r"q: expected a 3-D tensor \[total_q, H, D\]"),
     ],

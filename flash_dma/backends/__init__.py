@@ -47,13 +47,25 @@ def get_available_backends(device: torch.device | str | None = None) -> list[str
     return [name for name in BACKENDS if unavailable_reason(name, device) is None]
 
 
+def default_backend(device: torch.device) -> str:
+    """What ``backend=None`` runs on ``device``: the Triton kernels on CUDA, the reference elsewhere."""
+    return "triton" if device.type == "cuda" and unavailable_reason("triton", device) is None else "reference"
+
+
+def check_available(name: str, device: torch.device, called: str | None = None) -> None:
+    """A ValueError saying why ``name`` cannot run on ``device``, naming it as the caller did
+    (``called``: v1's "cuda" for "triton"); nothing if it can run."""
+    reason = unavailable_reason(name, device)
+    if reason is not None:
+        label = repr(name) if called in (None, name) else f"{called!r} (flash-dma's {name!r})"
+        raise ValueError(f"backend: {label} is unavailable for tensors on {device}: {reason}")
+
+
 def resolve_backend(name: str | None, device: torch.device):
     """The backend module for ``name`` (None: the best for ``device``), or a ValueError saying why not."""
     if name is None:
-        name = "triton" if device.type == "cuda" and unavailable_reason("triton", device) is None else "reference"
+        name = default_backend(device)
     if name not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))} or None, got {name!r}")
-    reason = unavailable_reason(name, device)
-    if reason is not None:
-        raise ValueError(f"backend: {name!r} is unavailable for tensors on {device}: {reason}")
+    check_available(name, device)
     return _MODULES[name]

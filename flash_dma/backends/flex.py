@@ -278,6 +278,20 @@ def _check_supported(problem) -> None:
         )
 
 
+def _lse_request() -> dict:
+    """The keyword that makes Flex return the log-sum-exp as well, feature-detected: torch >= 2.9 has
+    ``return_aux=AuxRequest(lse=True)`` (its ``return_lse`` is deprecated), torch 2.5-2.8 ``return_lse``."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    request = getattr(flex_module, "AuxRequest", None)
+    return {"return_lse": True} if request is None else {"return_aux": request(lse=True)}
+
+
+def _lse(extra) -> torch.Tensor:
+    """The LSE out of what the :func:`_lse_request` keyword returned beside ``out``: an ``AuxOutput``, or the LSE."""
+    return extra if isinstance(extra, torch.Tensor) else extra.lse
+
+
 def attention(problem) -> tuple[torch.Tensor, torch.Tensor]:
     """Backend entry point: ``(out, lse)`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
     _check_supported(problem)
@@ -288,7 +302,7 @@ def attention(problem) -> tuple[torch.Tensor, torch.Tensor]:
     tracing = torch.compiler.is_compiling()
     compiled = problem.query.is_cuda and not tracing
     with contextlib.nullcontext() if tracing else _dynamo_settings(compiled):
-        out, lse = (_compiled_flex_attention() if compiled else flex_attention)(
+        out, extra = (_compiled_flex_attention() if compiled else flex_attention)(
             problem.query.transpose(1, 2),
             problem.key.transpose(1, 2),
             problem.value.transpose(1, 2),
@@ -296,9 +310,9 @@ def attention(problem) -> tuple[torch.Tensor, torch.Tensor]:
             block_mask=_flex_block_mask(problem),
             scale=problem.softmax_scale,
             enable_gqa=num_heads != num_kv_heads,
-            return_lse=True,
+            **_lse_request(),
         )
-    return out.transpose(1, 2), lse.detach()
+    return out.transpose(1, 2), _lse(extra).detach()
 
 
 def attention_with_cache(cached):

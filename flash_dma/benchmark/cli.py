@@ -11,6 +11,7 @@ import argparse
 import datetime
 import shlex
 import sys
+import textwrap
 from fractions import Fraction
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from flash_dma.benchmark.plots import plot_results
 from flash_dma.benchmark.report import checks_table, write_json, write_markdown
 from flash_dma.benchmark.results import Result
 from flash_dma.benchmark.runner import run_cases
-from flash_dma.benchmark.suites import MODES, SUITES, build_cases
+from flash_dma.benchmark.suites import MODES, SUITE_HELP, SUITES, build_cases
 from flash_dma.benchmark.targets import Check, evaluate
 
 NO_CUDA_EXIT_CODE = 2
@@ -50,9 +51,31 @@ def _fraction_list(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated fractions such as 1/8,1, got {text!r}") from None
 
 
+DESCRIPTION = (
+    "Time flash-dma against FlexAttention and PyTorch SDPA, side by side in one process on the same "
+    "tensors (a CUDA GPU is needed). Writes results.json, results.md and results.png to --out and "
+    "prints the target checks; the targets and plots are those of the suites run."
+)
+
+
+HELP_WIDTH = 100
+
+
+def suites_epilog() -> str:
+    """One entry per suite, in run order: what ``--suite NAME`` runs."""
+    width = max(map(len, SUITES))
+    entries = [
+        textwrap.fill(text, HELP_WIDTH, initial_indent=f"  {name:<{width}}  ", subsequent_indent=" " * (width + 4))
+        for name, text in SUITE_HELP.items()
+    ]
+    return "suites (--suite NAME; all runs every one, in this order):\n" + "\n".join(entries)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description, parser.epilog = textwrap.fill(DESCRIPTION, HELP_WIDTH), suites_epilog()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keeps one line per suite
     parser.add_argument("--suite", choices=(*SUITES, "all"), default="all",
-                        help="which cases to run (default: all, in this order; each suite also runs alone)")
+                        help="which cases to run (default: all; the suites are listed below)")
     parser.add_argument("--mode", choices=(*MODES, "both"), default="both",
                         help="forward only, forward + backward, or both (default: both)")
     parser.add_argument("--methods", type=_method_list, default=None,
@@ -118,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
         on_case_done=save,
     )
     checks = save(results)
-    plot_results(args.out / "results.png", results)
+    plotted = plot_results(args.out / "results.png", results)
     print(checks_table(checks))
-    print(f"results in {args.out}: results.md, results.json, results.png")
+    print(f"results in {args.out}: results.md, results.json" + (", results.png" if plotted else ""))
     return 0

@@ -1,12 +1,15 @@
-"""results.png: the headline comparisons, one panel each.
+"""results.png: the headline comparisons of the suites that ran, one panel each.
 
-1. llm suite, keep 1/8, forward time vs S; 2. the same for forward + backward (dense
-ceilings dashed); 3. seed decode bandwidth vs Sk (keep 1 solid, keep 1/8 dotted) against the
-copy ceiling; 4. the seed window sweep, time vs window.
+Panels, each drawn only where the run has its rows: llm keep 1/8 forward and forward + backward
+time vs S (dense ceilings dashed); llm S=16K forward + backward time vs the fraction of blocks
+kept; seed decode bandwidth vs Sk (keep 1 solid, keep 1/8 dotted) against the copy ceiling; the
+seed window sweep, time vs window.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -20,61 +23,114 @@ PALETTE = ("tab:red", "tab:orange", "tab:blue", "tab:purple", "tab:pink", "tab:g
            "tab:olive", "tab:cyan", "black", "gold", "darkred")
 COLORS = dict(zip(METHODS, PALETTE, strict=True))
 LLM_PLOT_KEEP = 1 / 8
+LLM_KEEP_PLOT_LENGTH = 16384
 
 
-def _line(ax, rows: list[Result], x: str, y: str, method: str, label: str, style: str = "-") -> None:
-    if rows:
-        xs = [getattr(r.case, x) for r in rows]
-        ax.plot(xs, [getattr(r, y) for r in rows], style, marker="o", ms=3, color=COLORS[method], label=label)
+@dataclass(frozen=True)
+class Line:
+    method: str
+    label: str
+    xs: list
+    ys: list
+    style: str = "-"
 
 
-def _finish(ax, title: str, xlabel: str, ylabel: str) -> None:
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=7)
-    else:
-        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+@dataclass
+class Panel:
+    title: str
+    xlabel: str
+    ylabel: str
+    lines: list[Line] = field(default_factory=list)
+    ceiling: tuple[float, str] | None = None  # a horizontal line: (value, label)
+
+    def add(self, rows: list[Result], x: str, y: str, method: str, label: str, style: str = "-") -> None:
+        if rows:
+            xs, ys = [getattr(r.case, x) for r in rows], [getattr(r, y) for r in rows]
+            self.lines.append(Line(method, label, xs, ys, style))
 
 
-def _llm_time(ax, results: list[Result], mode: str, title: str) -> None:
-    shape = ""
+def _llm_time(results: list[Result], mode: str, title: str) -> Panel:
+    panel, shape = Panel("", "S", "ms"), ""
     for name, method in METHODS.items():
         # Dense methods ignore the mask and run under keep 1 only.
         keep = LLM_PLOT_KEEP if method.applies_mask else None
         rows = select(results, name, mode, suite="llm", kind="prefill", bias="key", keep=keep)
-        _line(ax, rows, "seqlen_k", "ms", name, name, "-" if method.applies_mask else "--")
+        panel.add(rows, "seqlen_k", "ms", name, name, "-" if method.applies_mask else "--")
         shape = shape or (rows[0].case.shape_text() if rows else "")
-    _finish(ax, f"llm {shape}, keep {format_fraction(LLM_PLOT_KEEP)}: {title}", "S", "ms")
+    panel.title = f"llm {shape}, keep {format_fraction(LLM_PLOT_KEEP)}: {title}"
+    return panel
 
 
-def _decode_bandwidth(ax, results: list[Result]) -> None:
+def _llm_keep(results: list[Result]) -> Panel:
+    panel = Panel(f"llm S={LLM_KEEP_PLOT_LENGTH}: forward + backward time vs blocks kept",
+                  "fraction of key blocks kept", "ms")
+    for name, method in METHODS.items():
+        if method.applies_mask:
+            rows = select(results, name, "fwdbwd", suite="llm", kind="prefill", bias="key",
+                          seqlen_k=LLM_KEEP_PLOT_LENGTH)
+            panel.add(sorted(rows, key=lambda r: r.case.keep), "keep", "ms", name, name)
+    return panel
+
+
+def _decode_bandwidth(results: list[Result]) -> Panel:
+    panel = Panel("seed decode (Sq=1, CUDA graphs): K/V bandwidth", "Sk", "GB/s",
+                  ceiling=(HBM_COPY_GBPS, "copy ceiling"))
     for name in METHODS:
         for keep, style in ((1.0, "-"), (1 / 8, ":")):
             rows = select(results, name, "fwd", suite="seed", kind="decode", keep=keep)
-            _line(ax, rows, "seqlen_k", "gbps", name, f"{name} keep {format_fraction(keep)}", style)
-    if ax.lines:
-        ax.axhline(HBM_COPY_GBPS, color="black", lw=0.8, ls="--", label="copy ceiling")
-    _finish(ax, "seed decode (Sq=1, CUDA graphs): K/V bandwidth", "Sk", "GB/s")
+            panel.add(rows, "seqlen_k", "gbps", name, f"{name} keep {format_fraction(keep)}", style)
+    return panel
 
 
-def _window_sweep(ax, results: list[Result]) -> None:
+def _window_sweep(results: list[Result]) -> Panel:
+    panel = Panel(f"seed window sweep at S={SEED_SWEEP_LENGTH}", "window W (keys kept per row)", "ms")
     for name in METHODS:
         for mode, style in (("fwd", "-"), ("fwdbwd", "--")):
             rows = select(results, name, mode, suite="seed", kind="window")
-            _line(ax, rows, "window", "ms", name, f"{name} {mode}", style)
-    _finish(ax, f"seed window sweep at S={SEED_SWEEP_LENGTH}", "window W (keys kept per row)", "ms")
+            panel.add(rows, "window", "ms", name, f"{name} {mode}", style)
+    return panel
 
 
-def plot_results(path: Path, results: list[Result]) -> None:
-    figure = Figure(figsize=(13, 9), layout="constrained")
-    axes = figure.subplots(2, 2)
-    _llm_time(axes[0, 0], results, "fwd", "forward")
-    _llm_time(axes[0, 1], results, "fwdbwd", "forward + backward")
-    _decode_bandwidth(axes[1, 0], results)
-    _window_sweep(axes[1, 1], results)
+def panels(results: list[Result]) -> list[Panel]:
+    """The panels that have rows in ``results``, in a fixed order."""
+    every = [
+        _llm_time(results, "fwd", "forward"),
+        _llm_time(results, "fwdbwd", "forward + backward"),
+        _llm_keep(results),
+        _decode_bandwidth(results),
+        _window_sweep(results),
+    ]
+    return [panel for panel in every if panel.lines]
+
+
+def _draw(ax, panel: Panel) -> None:
+    for line in panel.lines:
+        ax.plot(line.xs, line.ys, line.style, marker="o", ms=3, color=COLORS[line.method], label=line.label)
+    if panel.ceiling is not None:
+        ax.axhline(panel.ceiling[0], color="black", lw=0.8, ls="--", label=panel.ceiling[1])
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel(panel.xlabel)
+    ax.set_ylabel(panel.ylabel)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot_results(path: Path, results: list[Result]) -> bool:
+    """Write the panels that have rows to ``path``; with none, write nothing (and remove an earlier
+    plot there, which would show another run). Returns whether a plot was written."""
+    drawn = panels(results)
+    if not drawn:
+        path.unlink(missing_ok=True)
+        return False
+    columns = min(2, len(drawn))
+    rows = math.ceil(len(drawn) / columns)
+    figure = Figure(figsize=(6.5 * columns, 4.5 * rows), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False).flatten()
+    for ax, panel in zip(axes, drawn):
+        _draw(ax, panel)
+    for ax in axes[len(drawn):]:
+        ax.set_visible(False)
     figure.savefig(path, dpi=110)
+    return True

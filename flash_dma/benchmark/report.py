@@ -9,7 +9,7 @@ from pathlib import Path
 from flash_dma.benchmark.methods import METHODS
 from flash_dma.benchmark.results import Result, select
 from flash_dma.benchmark.suites import CEILING, KINDS, MASK_BLOCK, MODES, SUITES, Case
-from flash_dma.benchmark.targets import Check, format_amount
+from flash_dma.benchmark.targets import TARGETS, Check, format_amount
 
 MODE_TITLES = {"fwd": "forward", "fwdbwd": "forward + backward"}
 KIND_TITLES = {"host": "host time per call", "train": "train step"}
@@ -70,11 +70,19 @@ def _environment_table(environment: dict) -> str:
 
 
 def checks_table(checks: list[Check]) -> str:
+    """The target checks of the run, after a line saying how many of the targets they are."""
+    scope = (
+        f"All {len(TARGETS)} targets concern the rows of this run." if len(checks) == len(TARGETS) else
+        f"{len(checks)} of the {len(TARGETS)} targets concern the rows of this run; the others need suites "
+        "or cases it did not run."
+    )
+    if not checks:
+        return scope
     rows = [
         [c.name, c.target, "" if c.value is None else format_amount(c.value, c.unit), f"**{c.status}**", c.detail]
         for c in checks
     ]
-    return _markdown_table(["target", "goal", "value", "status", "detail"], rows)
+    return scope + "\n\n" + _markdown_table(["target", "goal", "value", "status", "detail"], rows)
 
 
 def _shape_key(case: Case, mode: str) -> tuple:

@@ -1,28 +1,8 @@
 """The benchmark cases: shapes, masks, and which methods and passes run on each.
 
-Suites, in the order ``--suite all`` runs them (the llm suite holds most targets, so a run cut
-short has them first):
-
-- ``llm``: a GQA model layer (B=1, H=16, Hkv=4, D=128) at 4K-32K with 1 to 1/32 of the key
-  blocks kept, 128K with 1/8, plus one case whose bias is per query and key.
-- ``topkq``: the llm shape at 16K with a per-query-block top-k: each 128-query block keeps its
-  own 1/8 of the key blocks (``flash_dma.topk_block_mask(query_len=S)``), among them block 0
-  and its diagonal block.
-- ``token``: the llm shape at 16K with the seeds' token-level mask (``flash_dma.create_mask``
-  keeping the 2048 keys of largest bias, scattered over nearly every block), and the same shape
-  with the bias only, for the ratio of the two.
-- ``seed``: the shapes of the project's seeds (B=1, H=2, Hkv=1, D=64): prefill with a
-  2048-key window, decode (one query row) over long caches, and a window sweep at S=32K.
-- ``host``: host time per call at a tiny shape (S=128), with the seeds' mask and bias and
-  with neither.
-- ``llama``: the train step of a 4-layer transformers Llama, attention by flash-dma or SDPA.
-- ``firstcall``: the first call in a new process, with warm and with cold compiler caches, and
-  a new process's first Llama generate and train step.
-- ``varlen``: the llm shape over 8 documents of 512 to 8K tokens packed into 32K
-  (``flash_dma_varlen_func``), each document keeping 1/8 of its own key blocks; against Flex with
-  a document mask and against flash-dma on the same documents padded to the longest.
-- ``kvcache``: decode (one query row) through ``flash_dma_with_kvcache`` over a full cache,
-  contiguous and paged, with a random per-key token mask and a cached per-key bias.
+Suites, in the order ``--suite all`` runs them, are :data:`SUITE_HELP`'s (the llm suite holds
+most targets, so a run cut short has them first). "The seeds" are the project's founding examples:
+v1's Quick Start shape (B=1, H=2, Hkv=1, D=64) and its token-level ``create_mask`` selection.
 
 Block masks (``mask="block"``) are per key (``[1, Hkv, 1, Sk]``) and keep whole blocks of
 :data:`MASK_BLOCK` keys, so a case's sparsity is the fraction ``keep`` of its key blocks. Dense
@@ -40,8 +20,27 @@ from flash_dma.benchmark.llama import GENERATE_NEW_TOKENS, describe_llama
 from flash_dma.integers import cdiv
 
 MASK_BLOCK = 128  # keys per block of the top-k masks: the default block of flash-dma and Flex
-# Run order: the llm suite holds most targets, so a run cut short has them first.
-SUITES = ("llm", "topkq", "token", "seed", "host", "llama", "firstcall", "varlen", "kvcache")
+# The suites in run order (the llm suite holds most targets, so a run cut short has them first), and
+# what each runs, as `flash-dma bench --help` lists them.
+SUITE_HELP = {
+    "llm": "a GQA layer (B=1, H=16, Hkv=4, D=128), block top-k per key: S=4K-32K keeping 1 to 1/32 of the "
+           "128-key blocks, 128K keeping 1/8, and a per-pair bias; vs Flex, SDPA and cuDNN",
+    "topkq": "the llm shape at 16K with a per-query-block top-k (each 128-query block keeps its own 1/8 of "
+             "the key blocks, with block 0 and its diagonal block); vs Flex",
+    "token": "the llm shape at 16K with a token-level mask (the 2048 keys of largest bias per head, "
+             "create_mask), and with the bias alone; vs Flex",
+    "seed": "the seeds' shape (B=1, H=2, Hkv=1, D=64): prefill with a 2048-key window, decode (one query row) "
+            "over caches up to 512K, and a window sweep at 32K",
+    "host": "host time per call at S=128, with the seeds' mask and bias and with neither; vs Flex and SDPA",
+    "llama": "the train step of a 4-layer transformers Llama at 4K and 16K, attention by flash-dma or SDPA",
+    "firstcall": "the first call in a new process, with warm and with cold compiler caches, and a new "
+                 "process's first Llama generate and train step",
+    "varlen": "the llm shape over 8 documents of 512 to 8K tokens packed into 32K (flash_dma_varlen_func), "
+              "each keeping 1/8 of its blocks; vs Flex with a document mask and vs the documents padded",
+    "kvcache": "decode through flash_dma_with_kvcache over a full cache, contiguous and paged, with a per-key "
+               "mask and bias: B=8 over 32K keys, B=1 over 512K",
+}
+SUITES = tuple(SUITE_HELP)
 MODES = ("fwd", "fwdbwd")
 # Attention calls timed on the GPU; then host time per call; then a model's train step and generate.
 ATTENTION_KINDS = ("prefill", "decode", "window")

@@ -26,11 +26,12 @@ Masks, as the attention function receives them:
   minimum are masked, and the finite values elsewhere become the attention bias, with gradient.
 
 Caches: ``generate()`` works with a DynamicCache and a StaticCache (``cache_implementation="static"``),
-left padding included. Paged attention (continuous batching: ``generate_batch``,
-``init_continuous_batching``, serving; ``"paged|flash_dma"`` is the same name) is not supported:
-transformers hands "flash..." implementations a ``PagedAttentionCache`` to update and requests
-packed into one row, and the attention function raises ``NotImplementedError`` naming the
-alternatives (``generate_batch`` reports it as each request's ``error``).
+left padding included. Continuous batching (``generate_batch``, ``init_continuous_batching``,
+serving; ``"paged|flash_dma"`` is the same name) hands the attention function every request's new
+tokens packed into one row and a ``PagedAttentionCache`` to update; the requests then run through
+:func:`flash_dma.flash_dma_varlen_func`, one causal problem each. transformers' decode fast path (a
+block table for ``flash_attn_with_kvcache``) is only taken for flash_attention_2/3 kernels; a block
+table handed to flash_dma is refused (``NotImplementedError``) rather than attended without the cache.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import functools
 
 import torch
 
-from flash_dma.interface import flash_dma_func
+from flash_dma.interface import flash_dma_func, flash_dma_varlen_func
+from flash_dma.packed import values_checkable
 
 ATTENTION_NAME = "flash_dma"
 
@@ -71,25 +73,51 @@ def _split_additive_mask(mask: torch.Tensor, query_dtype: torch.dtype):
     return visible, bias
 
 
-def _refuse_paged_cache(cache) -> None:
-    """Raise if ``cache`` is transformers' ``PagedAttentionCache`` (continuous batching).
-
-    Continuous batching takes every implementation named "flash..." for a flash-attention kernel: it
-    hands the attention function the paged cache to update and the requests packed into one row
-    (``cu_seq_lens_q``/``cu_seq_lens_k``). flash-dma does neither; run on, it would attend across
-    requests and without their past.
-    """
+def _is_paged_cache(cache) -> bool:
+    """Whether ``cache`` is transformers' ``PagedAttentionCache``: the call comes from continuous batching."""
     if cache is None:
-        return
+        return False
     from transformers.generation.continuous_batching import PagedAttentionCache
 
-    if isinstance(cache, PagedAttentionCache):
+    return isinstance(cache, PagedAttentionCache)
+
+
+def _within(rows: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The rows that belong to a sequence: continuous batching pads its batches (for CUDA graphs or
+    compiled steps) with rows past the last sequence's end, which flash_dma_varlen_func does not take.
+    Inside a graph capture or a trace, where nothing may read cu_seqlens on the host, the rows stay:
+    there flash-dma does not check the total, and the kernels read no row past it."""
+    return rows[: int(cu_seqlens[-1])] if values_checkable(cu_seqlens) else rows
+
+
+def _paged_attention(module, query, key, value, cache, kwargs: dict, **settings) -> torch.Tensor:
+    """Attention for continuous batching (``generate_batch``, ``init_continuous_batching``).
+
+    transformers packs the new tokens of every request into one row, ``query`` ``[1, H, total_q, D]``
+    with ``cu_seq_lens_q``, and hands the ``PagedAttentionCache``: ``cache.update`` writes the new keys
+    and values into its pages and returns each request's keys, past and new, packed likewise, with
+    ``cu_seq_lens_k``. Each request is then its own causal problem, bottom-right aligned: exactly
+    :func:`flash_dma_varlen_func`. The mask that the models build from the packed positions covers the
+    new tokens only, not the cache, and the sequence bounds already say all it says: it is not used.
+
+    Returns:
+        ``[1, total_q, H, D]``.
+    """
+    if kwargs.get("block_table") is not None:
+        # transformers 5 sends block tables (its decode fast path) only to flash_attention_2/3 kernels.
         raise NotImplementedError(
-            f"cache: flash_dma does not support transformers' paged attention (continuous batching: "
-            f"generate_batch, init_continuous_batching, serving); expected no paged cache, got "
-            f"{type(cache).__name__}. Use generate() with a DynamicCache or StaticCache for flash_dma, or "
-            f'attn_implementation="sdpa", "paged|eager" or a flash_attention_* kernel for continuous batching.'
+            "block_table: flash_dma serves continuous batching through cache.update and packed sequences; "
+            "transformers' decode fast path (a block table, flash_attn_with_kvcache) is not wired to it, "
+            "got a block table"
         )
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]  # cu_seq_lens_k: this layer's, after update
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, heads, D]
+    out = flash_dma_varlen_func(
+        _within(q, cu_q), _within(k, cu_k), _within(v, cu_k), cu_q, cu_k, kwargs["max_length_q"],
+        kwargs["max_length_k"], is_causal=True, **settings,
+    )
+    return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, q.shape[0] - out.shape[0]))[None]
 
 
 def flash_dma_attention_forward(
@@ -119,23 +147,27 @@ def flash_dma_attention_forward(
         softcap: logit soft-capping (Gemma 2), or None.
         sliding_window: without a 4-D mask, keys more than ``sliding_window - 1`` positions before
             the query are not attended (Mistral-style windows); a 4-D mask already holds the window.
-        cache: transformers' ``PagedAttentionCache`` under continuous batching, which is refused
-            (``NotImplementedError``); None otherwise.
-        kwargs: other model arguments, not used.
+        cache: transformers' ``PagedAttentionCache`` under continuous batching (then ``kwargs``
+            holds its ``cu_seq_lens_q``/``cu_seq_lens_k``, ``max_length_q``/``max_length_k`` and cache
+            indices); None otherwise.
+        kwargs: other model arguments; only continuous batching's are read.
 
     Returns:
         ``(out [B, Sq, H, D], None)``: attention weights are never materialised.
     """
-    _refuse_paged_cache(cache)
     if dropout:
         raise ValueError(
             f"dropout: flash_dma has no attention dropout; set the model's attention dropout to 0, got {dropout}"
         )
     if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)):
         raise ValueError(f"sliding_window: expected an int or None, got {sliding_window!r}")
+    window_left = -1 if sliding_window is None else sliding_window - 1
+    softcap = 0.0 if softcap is None else softcap
+    if _is_paged_cache(cache):
+        settings = dict(softmax_scale=scaling, window_size=(window_left, -1), softcap=softcap)
+        return _paged_attention(module, query, key, value, cache, kwargs, **settings), None
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    window_left = -1 if sliding_window is None else sliding_window - 1
     attn_mask = attn_bias = None
     if attention_mask is not None and attention_mask.dim() == 2:
         padding, key, value = _padding_to_keys(attention_mask, key, value)
@@ -156,7 +188,7 @@ def flash_dma_attention_forward(
         softmax_scale=scaling,
         is_causal=causal,
         window_size=(window_left, -1),
-        softcap=0.0 if softcap is None else softcap,
+        softcap=softcap,
     )
     return out, None
 

@@ -36,7 +36,8 @@ class DynamicMaskAttention(nn.Module):
         num_kv_heads: Hkv, the number of key/value heads; divides ``num_heads`` (GQA; 1 is MQA).
             Defaults to ``num_heads``.
         head_dim: D, the size of each head; defaults to ``hidden_size // num_heads``.
-        window_size: keys kept per query by bias (with blocks, rounded up to whole blocks). None
+        window_size: keys kept per query by bias (with blocks, rounded up to whole blocks), at least 1
+            (0 with sink or local blocks keeps only those). None
             attends to every key: dense attention with the same learned bias, for comparison.
         block_size: None selects single keys: a per-key mask ``[B, Hkv, 1, Sk]``, which under causal
             attention lets each query see the selected keys at or before it. An int (16, 32, 64,
@@ -115,8 +116,6 @@ class DynamicMaskAttention(nn.Module):
                 )
             head_dim = hidden_size // num_heads
         check_int("head_dim", head_dim, 1)
-        if window_size is not None:
-            check_int("window_size", window_size, 0)
         if block_size is None:
             for name, value in (("sink_blocks", sink_blocks), ("local_blocks", local_blocks)):
                 if value:
@@ -125,6 +124,8 @@ class DynamicMaskAttention(nn.Module):
             check_block_size((block_size, block_size))
         check_int("sink_blocks", sink_blocks, 0)
         check_int("local_blocks", local_blocks, 0)
+        if window_size is not None:  # 0 keeps only the sink and local blocks, where there are some
+            check_int("window_size", window_size, 0 if sink_blocks or local_blocks else 1)
         check_choice("importance", importance, IMPORTANCE_FORMS)
 
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim

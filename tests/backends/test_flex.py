@@ -61,6 +61,20 @@ def test_forward_matches_reference(case):
     torch.testing.assert_close(lse.double(), expected_lse, atol=2e-5, rtol=2e-5)
 
 
+def test_the_lse_is_asked_for_without_deprecated_arguments(monkeypatch, recwarn):
+    case = CASES[1]
+    inputs = make_inputs(case, torch.float32)
+    out, lse = flex.attention(_problem(case, inputs))
+    assert not [w for w in recwarn if "return_lse" in str(w.message)]  # torch >= 2.9 deprecates it
+    # A torch without AuxRequest (2.5-2.8) gets return_lse, and the same LSE.
+    from torch.nn.attention import flex_attention as flex_module
+
+    monkeypatch.delattr(flex_module, "AuxRequest", raising=False)
+    assert flex._lse_request() == {"return_lse": True}
+    old_out, old_lse = flex.attention(_problem(case, inputs))
+    assert torch.equal(old_out, out) and torch.equal(old_lse, lse)
+
+
 def _visible(case: Case, inputs: dict, summary) -> torch.Tensor:
     """``[B|1, H|1, Sq, Sk]`` what the contract attends: the band, and the mask as the summary reads it."""
     window = (case.window[0], 0) if case.causal else case.window

@@ -1,4 +1,5 @@
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 from flash_dma import cli
 from flash_dma.benchmark.cli import add_arguments
+from flash_dma.benchmark.suites import SUITES
 
 
 def _parse(*argv):
@@ -20,9 +22,19 @@ def test_defaults():
     assert (args.quick, args.flex_decode, args.warmup_ms, args.rep_ms, args.host_calls) == (False, False, 250, 100, 1000)
 
 
-@pytest.mark.parametrize("suite", ["llm", "topkq", "token", "seed", "host", "llama", "firstcall", "all"])
+@pytest.mark.parametrize("suite", [*SUITES, "all"])
 def test_every_suite_can_be_chosen(suite):
     assert _parse("--suite", suite, "--quick").suite == suite
+
+
+def test_help_describes_the_command_and_every_suite(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    assert "Time flash-dma against FlexAttention and PyTorch SDPA" in text
+    listed = re.findall(r"^  (\w+) {2,}\S", text.split("suites (--suite NAME")[1], re.MULTILINE)
+    assert listed == list(SUITES)
 
 
 def test_methods_are_validated():

@@ -1,6 +1,6 @@
 import json
 
-from flash_dma.benchmark.plots import plot_results
+from flash_dma.benchmark.plots import panels, plot_results
 from flash_dma.benchmark.report import render_markdown, write_json, write_markdown
 from flash_dma.benchmark.targets import TARGETS, evaluate
 from tests.benchmark.fakes import case, passing_results, row, skipped
@@ -31,10 +31,10 @@ def _results():
 def test_json_holds_environment_targets_and_every_row(tmp_path):
     results = _results()
     path = tmp_path / "results.json"
-    write_json(path, ENVIRONMENT, results, evaluate(results))
+    write_json(path, ENVIRONMENT, results, evaluate(results + passing_results()))
     data = json.loads(path.read_text())
     assert data["environment"] == ENVIRONMENT
-    assert len(data["targets"]) == len(TARGETS) and {t["status"] for t in data["targets"]} == {"NO DATA"}
+    assert len(data["targets"]) == len(TARGETS) and {t["status"] for t in data["targets"]} == {"PASS"}
     assert data["targets"][0]["unit"] == "x" and data["targets"][-1]["unit"] == "µs"
     assert len(data["results"]) == len(results)
     first, oom = data["results"][0], data["results"][2]
@@ -132,9 +132,28 @@ def test_new_suites_tables():
     assert "Sk=524288" not in b8
 
 
-def test_plot_is_written_with_data_and_without(tmp_path):
-    plot_results(tmp_path / "results.png", _results() + passing_results())
-    plot_results(tmp_path / "empty.png", [])
-    for name in ("results.png", "empty.png"):
-        data = (tmp_path / name).read_bytes()
-        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+def test_targets_of_suites_not_run_are_not_reported():
+    llm_only = [r for r in passing_results() if r.case.suite == "llm"]
+    text = render_markdown(ENVIRONMENT, llm_only, evaluate(llm_only))
+    targets = _section(text, "Targets")
+    assert "NO DATA" not in targets and "seed " not in targets and "kvcache" not in targets
+    assert f"14 of the {len(TARGETS)} targets concern the rows of this run" in targets
+    assert targets.count("**PASS**") == 14
+    assert f"All {len(TARGETS)} targets concern" in render_markdown(ENVIRONMENT, [], evaluate(passing_results()))
+
+
+def test_plot_has_a_panel_per_headline_the_run_has(tmp_path):
+    everything = _results() + passing_results()
+    assert [p.title.split(":")[0] for p in panels(everything)] == [
+        "llm B=1 H=16 Hkv=4 D=128, keep 1/8", "llm B=1 H=16 Hkv=4 D=128, keep 1/8", "llm S=16384",
+        "seed decode (Sq=1, CUDA graphs)",
+    ]
+    assert plot_results(tmp_path / "results.png", everything)
+    data = (tmp_path / "results.png").read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+    seed_only = [r for r in everything if r.case.suite == "seed"]
+    assert [p.title for p in panels(seed_only)] == ["seed decode (Sq=1, CUDA graphs): K/V bandwidth"]
+    # Nothing to plot (a host-only run): no file, and no earlier run's plot left behind.
+    host_only = [r for r in everything if r.case.suite == "host"]
+    assert panels(host_only) == [] and not plot_results(tmp_path / "results.png", host_only)
+    assert not (tmp_path / "results.png").exists()

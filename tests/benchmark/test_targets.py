@@ -75,24 +75,37 @@ def test_worst_length_checks_report_the_worst_length():
     assert check.status == "MISS" and check.detail.startswith("worst at S=131072")
 
 
-def test_missing_or_skipped_rows_give_no_data_with_the_reason():
+def test_skipped_rows_give_no_data_with_the_reason():
     results = [r for r in passing_results() if not (r.method == "flex" and r.case.seqlen_k == 16384)]
     results.append(skipped(case("llm", "prefill", 16384, 1 / 8), "flex", "fwdbwd", "OutOfMemoryError: boom"))
     checks = _by_name(evaluate(results))
-    fwd = checks["llm keep 1/8 S=16K fwd: flash-dma / flex time"]
-    assert fwd.status == "NO DATA" and fwd.value is None and fwd.detail.endswith("not run")
     bwd = checks["llm keep 1/8 S=16K fwd+bwd: flash-dma / flex time"]
-    assert bwd.status == "NO DATA" and bwd.detail.endswith("OutOfMemoryError: boom")
+    assert bwd.status == "NO DATA" and bwd.value is None and bwd.detail.endswith("OutOfMemoryError: boom")
     assert checks["llm keep 1/8 S=32K fwd: flash-dma / flex time"].status == "PASS"
-    assert checks["topkq S=16K fwd+bwd: flash-dma / flex time"].status == "NO DATA"
 
+
+def test_targets_whose_rows_were_not_run_are_left_out():
+    # The forward Flex row at 16K was never run (--methods, --lengths, or another suite): no target about it.
+    dropped = case("llm", "prefill", 16384, 1 / 8)
+    results = [r for r in passing_results() if not (r.method == "flex" and r.case == dropped and r.mode == "fwd")]
+    names = [c.name for c in evaluate(results)]
+    assert "llm keep 1/8 S=16K fwd: flash-dma / flex time" not in names
+    assert "llm keep 1/8 S=16K fwd+bwd: flash-dma / flex time" in names and len(names) == len(TARGETS) - 1
+    # One suite alone (--suite seed): only its targets, and every one of them with data.
+    seed_only = [r for r in passing_results() if r.case.suite == "seed"]
+    checks = evaluate(seed_only)
+    assert [c.name for c in checks] == [t.name for t in TARGETS if t.name.startswith("seed ")]
+    assert len(checks) == 6 and {c.status for c in checks} == {"PASS"}
+    # A worst-over-S target needs every S: a run that left one out does not report it.
     no_prefill = [r for r in passing_results() if not (r.case.kind == "prefill" and r.case.seqlen_k == 8192)]
-    assert _by_name(evaluate(no_prefill))[SEED_NAME].status == "NO DATA"
-    assert {c.status for c in evaluate([])} == {"NO DATA"}
+    assert SEED_NAME not in _by_name(evaluate(no_prefill))
+    assert evaluate([]) == []
 
 
 def test_first_call_rows_are_told_apart_by_cache():
     cold_only = [r for r in passing_results() if r.case.cache != "warm"]
+    cold_only.append(skipped(case("firstcall", "prefill", 4096, 1 / 8, methods=("flash-dma-percall",), cache="warm"),
+                             "flash-dma-percall", "fwdbwd", "TimeoutError: 300 s"))
     checks = _by_name(evaluate(cold_only))
     warm = checks["new process, warm cache: first fwd+bwd, llm S=4K keep 1/8"]
     assert warm.status == "NO DATA" and "cache=warm" in warm.detail
@@ -128,7 +141,7 @@ def test_varlen_targets():
     assert checks[VARLEN_PADDED.format("fwd")].status == "PASS"
 
     no_flex = [r for r in passing_results() if not (r.case.suite == "varlen" and r.method == "flex")]
-    assert _by_name(evaluate(no_flex))[VARLEN_FLEX].status == "NO DATA"
+    assert VARLEN_FLEX not in _by_name(evaluate(no_flex))
 
 
 def test_kvcache_targets():

@@ -294,6 +294,9 @@ def sample_trial(space: Space, seed: int, index: int) -> Trial:
             "local_blocks": rng.choice((0, 1, 2)) if family.topk_per_query else 0,
             "reduce": rng.choice(("max", "mean")),
         }
+        if not (topk["sink_blocks"] or topk["local_blocks"]):
+            # A window of 0 keys is an error without forced blocks; raised after the draws, so a seed's trials stay the same.
+            topk["keys"] = max(topk["keys"], 1)
     return Trial(
         index=index,
         family=family_index,

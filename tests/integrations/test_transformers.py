@@ -1,16 +1,18 @@
 """attn_implementation="flash_dma" in transformers: tiny random models (no downloads) against SDPA."""
 
 import copy
-import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DogeConfig, GenerationConfig, LlamaConfig, modeling_utils
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.masking_utils import create_causal_mask, sliding_window_causal_mask_function
 
+from flash_dma import flash_dma_varlen_func
 from flash_dma.integrations.transformers import (
     ATTENTION_NAME,
+    _paged_attention,
     flash_dma_attention_forward,
     flash_dma_mask,
     register,
@@ -96,21 +98,85 @@ def test_generate_matches_sdpa_at_every_step(llama_pair, cache, pads):
     assert torch.equal(actual_tokens, expected_tokens)
 
 
-def test_continuous_batching_is_refused_with_the_alternatives(llama_pair):
-    # Continuous batching takes "flash_dma" for a flash kernel and hands it a paged cache; run on, it
-    # gave wrong tokens. generate_batch never raises: each failed request carries the error.
-    _, ours = llama_pair
-    config = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0)
+def batch_tokens(model, prompts, **batching):
+    """Greedy tokens of ``generate_batch`` (continuous batching over a paged cache), one list per prompt."""
+    generation = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    results = model.generate_batch(
+        inputs=prompts, generation_config=generation, continuous_batching_config=ContinuousBatchingConfig(**batching),
+        warmup=False,
+    )
+    assert [r.error for r in results.values()] == [None] * len(prompts)
+    return [results[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize(
+    "batching",
+    [dict(num_blocks=8), dict(page_size=16, num_blocks=32, max_batch_tokens=24)],
+    ids=["one-page-each", "small-pages-chunked-prefill"],
+)
+def test_continuous_batching_matches_sdpa(llama_pair, batching):
+    # Small pages and batches: requests span pages, and long prompts are prefilled in chunks after
+    # their first part is cached (queries then see more keys than themselves: bottom-right causal).
+    reference, ours = llama_pair
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 97, (n,), generator=gen).tolist() for n in (5, 2, 23, 17)]
+    expected = batch_tokens(reference, prompts, **batching)
+    assert batch_tokens(ours, prompts, **batching) == expected
+    assert expected[0] == reference.generate(torch.tensor([prompts[0]]), max_new_tokens=5, do_sample=False,
+                                             pad_token_id=0)[0, 5:].tolist()
+
+
+def test_a_continuous_batching_manager_serves_requests_as_they_come(llama_pair):
+    # The serving API under generate_batch: requests added to a running manager, results collected.
+    reference, ours = llama_pair
+    prompts = [[5, 7, 9, 11], [3, 4, 60, 61, 62, 63]]
+    generation = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    manager = ours.init_continuous_batching(
+        generation_config=generation, continuous_batching_config=ContinuousBatchingConfig(page_size=16, num_blocks=8)
+    )
+    manager.start()
     try:
-        results = ours.generate_batch(inputs=[[5, 7, 9], [3, 4]], generation_config=config, warmup=False)
-    except ValueError as error:  # some transformers versions refuse "paged|flash_dma" themselves, up front
-        assert 'attn_implementation="paged|flash_dma"` is not supported' in str(error)
-        return
-    assert len(results) == 2
-    for result in results.values():
-        assert result.generated_tokens == []
-        assert re.search(r"cache: flash_dma does not support .*paged attention.*got PagedAttentionCache", result.error)
-        assert 'attn_implementation="sdpa"' in result.error
+        ids = [manager.add_request(prompt, max_new_tokens=4) for prompt in prompts]
+        results = {}
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=60)
+            assert result is not None, "the manager stopped before answering every request"
+            results[result.request_id] = result
+    finally:
+        manager.stop(block=True)
+    for request_id, prompt in zip(ids, prompts):
+        expected = reference.generate(torch.tensor([prompt]), generation_config=generation)[0, len(prompt):]
+        assert results[request_id].error is None and results[request_id].generated_tokens == expected.tolist()
+
+
+class PackedCache:
+    """What ``PagedAttentionCache.update`` gives the attention function: every request's keys, packed."""
+
+    def __init__(self, key, value):
+        self.key, self.value = key, value
+
+    def update(self, key_states, value_states, layer_idx, kwargs):
+        return self.key, self.value
+
+
+def test_padded_continuous_batches_leave_the_padding_rows_out():
+    # With CUDA graphs or compiled steps transformers pads the packed row past the last request.
+    q, k, v = random_qkv(batch=1, seqlen_q=8, seqlen_k=10)
+    cu_q, cu_k = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    kwargs = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=3, max_length_k=6)
+    out = _paged_attention(CausalLayer(), q, None, None, PackedCache(k, v), kwargs)
+    expected = flash_dma_varlen_func(
+        *(t[0, :, :rows].transpose(0, 1) for t, rows in ((q, 5), (k, 9), (v, 9))), cu_q, cu_k, 3, 6, is_causal=True
+    )
+    assert out.shape == (1, 8, 4, 16)
+    assert torch.equal(out[0, :5], expected) and not out[0, 5:].any()
+
+
+def test_a_block_table_is_refused_rather_than_attending_without_the_cache():
+    q, k, v = random_qkv(batch=1)
+    kwargs = dict(block_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match=r"block_table: flash_dma serves continuous batching through"):
+        _paged_attention(CausalLayer(), q, k, v, PackedCache(k, v), kwargs)
 
 
 def test_gradients_match_sdpa(llama_pair):
@@ -163,6 +229,7 @@ def test_mask_is_4d_where_none_would_be_wrong(q_offset, kv_length, allow_is_caus
 
 class CausalLayer(torch.nn.Module):
     is_causal = True
+    layer_idx = 0  # what a paged cache's update is told
 
 
 def random_qkv(batch=2, heads=4, kv_heads=2, seqlen_q=11, seqlen_k=11, dim=16):

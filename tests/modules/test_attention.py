@@ -175,10 +175,12 @@ def test_rotary_depends_only_on_relative_position():
         (dict(block_size=48), ValueError, r"block_size: expected a pair of values"),
         (dict(local_blocks=1), ValueError, r"local_blocks: only block selection uses it; set block_size"),
         (dict(importance="sigmoid"), ValueError, r"importance: expected one of 'softplus', 'exp', got 'sigmoid'"),
-        (dict(window_size=-2), ValueError, r"window_size: expected an int >= 0, got -2"),
+        (dict(window_size=-2), ValueError, r"window_size: expected an int >= 1, got -2"),
+        (dict(window_size=0), ValueError, r"window_size: expected an int >= 1, got 0"),
+        (dict(window_size=0, block_size=16), ValueError, r"window_size: expected an int >= 1, got 0"),
         (dict(head_dim=7), ValueError, r"head_dim: rotary embedding needs an even head dimension, got 7"),
     ],
-    ids=["kv-heads", "hidden", "block", "local", "importance", "window", "rotary"],
+    ids=["kv-heads", "hidden", "block", "local", "importance", "window", "window-0", "window-0-blocks", "rotary"],
 )
 def test_bad_arguments_are_named(kwargs, error, message):
     arguments = dict(hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=KV_HEADS)

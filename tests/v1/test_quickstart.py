@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flash_dma import flash_dma_func, get_available_backends
-from tests.helpers import ON_GPU
+from tests.helpers import ON_GPU, Case, make_inputs
 
 # Flash-Sparse-Attention v1's README: "Basic Usage" then "Gradient Computation Example", as published.
 V1_QUICK_START = """
@@ -124,7 +124,30 @@ def test_backend_names_follow_v1():
     from flash_dma import v1
 
     assert v1.flash_dmattn_func_auto is v1.flash_sparse_attn_func_auto
-    expected = ["cuda", "triton", "flex"] if ON_GPU else ["cuda", "triton"] if "triton" in get_available_backends() else []
-    assert v1.get_available_backends() == expected
-    with pytest.raises(ValueError, match=r"backend: expected one of 'cuda', 'triton', 'flex' or None, got 'tpu'"):
+    expected = ["cuda", "triton", "flex", "reference"] if ON_GPU else ["reference", "cuda", "triton"]
+    assert v1.get_available_backends() == expected  # the CPU suite runs under the Triton interpreter
+    with pytest.raises(ValueError, match=r"backend: expected one of 'cuda', 'triton', 'flex', 'reference' or None, got 'tpu'"):
         v1.flash_sparse_attn_func_auto("tpu")
+
+
+def test_the_first_available_backend_is_what_none_runs(monkeypatch):
+    from flash_dma import backends, v1
+
+    monkeypatch.setattr(backends, "triton_interpreting", lambda: False)  # a CPU machine as users have it
+    assert v1.get_available_backends("cpu") == ["reference"]
+    inputs = make_inputs(Case(mask="B,Hkv,1,Sk", bias="B,Hkv,1,Sk", causal=True), torch.float32, device="cpu")
+    args = (inputs["query"], inputs["key"], inputs["value"], inputs["attn_mask"], inputs["attn_bias"])
+    first = v1.flash_sparse_attn_func_auto(v1.get_available_backends("cpu")[0])
+    assert torch.equal(first(*args), v1.flash_sparse_attn_func_auto()(*args))
+
+
+@pytest.mark.parametrize("name, ours", [("cuda", "triton"), ("flex", "flex")])
+def test_an_unavailable_backend_is_named_as_the_caller_named_it(name, ours):
+    from flash_dma import v1
+
+    # Meta tensors: a device that no backend but the reference serves, on any machine.
+    q, k, v = (torch.empty(1, 8, 2, 16, device="meta") for _ in range(3))
+    attention = v1.flash_sparse_attn_func_auto(name)
+    label = f"'{name}'" + (f" \\(flash-dma's '{ours}'\\)" if ours != name else "")
+    with pytest.raises(ValueError, match=rf"^backend: {label} is unavailable for tensors on meta: "):
+        attention(query=q, key=k, value=v)

@@ -6,8 +6,8 @@ memory (``launch.Launcher``), so it never autotunes. ``FLASH_DMA_AUTOTUNE=1`` ti
 instead and keeps the fastest on disk. Tiles never exceed the block summary's blocks, because a
 kernel tile must lie inside one summary block, nor the rows there are.
 
-Why these tiles (H100, bf16, measured with ``FLASH_DMA_AUTOTUNE=1``, which stores every
-candidate's time; 2026-11-23):
+Why these tiles (measured on an H100, bf16, with ``FLASH_DMA_AUTOTUNE=1``, which stores every
+candidate's time):
 
 - forward, D = 128: 128 query rows x 128 keys, 8 warps, 2 stages. On the 16K keep-1/8 key-list
   forward it took 0.655 ms against 0.743 (64 x 64, 4 warps) and 0.779 (128 x 64, 8 warps, 3 stages).

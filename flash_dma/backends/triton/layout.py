@@ -94,10 +94,10 @@ def copy_engine_reads(block_d: int, seqlen_k: int, *tensors: torch.Tensor) -> bo
 
     Hopper's copy engine needs 16-byte aligned addresses and row strides; ``FLASH_DMA_TMA=0``
     turns it off. The interpreter runs the descriptor path too, so the CPU tests cover it.
-    Only where it measured faster (H100, bf16, llm shape, keep 1/8): head-dim blocks of 128 and
-    more (at 16K the D = 128 forward went from 0.516 to 0.478 ms and D = 256 stayed even, but
-    D = 64 went from 0.373 to 0.443), and 16K keys or more (at 4K the D = 128 forward went
-    from 0.073 to 0.159 ms; see docs/benchmarks.md).
+    Only where it measured faster (measured on an H100, bf16, llm shape, keep 1/8): head-dim
+    blocks of 128 and more (at 16K the D = 128 forward went from 0.516 to 0.478 ms and D = 256
+    stayed even, but D = 64 went from 0.373 to 0.443), and 16K keys or more (at 4K the D = 128
+    forward went from 0.073 to 0.159 ms; docs/design-notes.md, "TMA loads").
     """
     if block_d < TMA_MIN_BLOCK_D or seqlen_k < TMA_MIN_KEYS or not configs.tma_enabled(tensors[0].device):
         return False

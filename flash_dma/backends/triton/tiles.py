@@ -17,10 +17,11 @@ once for all kernels:
 
 - *Which elements of a tile need checks?* The constexpr ``STAGE``: ``STAGE_PARTIAL`` bounds, band
   and the element-wise mask; ``STAGE_INTERIOR`` none; ``STAGE_EDGE`` bounds and band. Each stage
-  is a loop of its own (one loop deciding per tile measured slower: ``docs/benchmarks.md``), and
-  every kernel runs them in this order, ``for stage in tl.static_range(FIRST_STAGE, LAST_STAGE + 1)``,
-  over the stretches of its walk that ``stage_tiles`` gives: a summary's PARTIAL tiles, or
-  every tile of a mask walked without one; then the band's interior and edge tiles.
+  is a loop of its own (one loop deciding per tile measured slower: ``docs/design-notes.md``,
+  "Triton forward: where the time goes"), and every kernel runs them in this order,
+  ``for stage in tl.static_range(FIRST_STAGE, LAST_STAGE + 1)``, over the stretches of its walk
+  that ``stage_tiles`` gives: a summary's PARTIAL tiles, or every tile of a mask walked without
+  one; then the band's interior and edge tiles.
 - *Where does a batch entry lie?* The constexpr ``SEQ``: ``SEQ_FIXED`` every entry spans the
   whole tensors; ``SEQ_PACKED`` entries are sequences packed along the token axis of ``[1,
   total, heads, D]`` tensors (varlen); ``SEQ_CACHE`` each entry holds its own number of keys in

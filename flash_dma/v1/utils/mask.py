@@ -24,8 +24,9 @@ def create_mask(
 
     Positional arguments follow v1's last signature ``(attention_bias, query_len, type,
     attention_mask, window_size, min_dtype, block_size)``; the earlier keywords ``batch_size`` and
-    ``key_len`` are accepted too. What v1 infers is inferred the same way: ``batch_size`` from the
-    padding mask (else the bias), ``key_len`` and ``query_len`` from the bias.
+    ``key_len`` are accepted too. What is not given is inferred as v1 did (by the native
+    ``create_mask``): ``batch_size`` from the padding mask (else the bias), ``key_len`` and
+    ``query_len`` from the bias.
 
     Args:
         attention_bias: ``[1|B, 1|Hkv|H, 1|Sq, Sk]`` float.
@@ -42,12 +43,6 @@ def create_mask(
         bool, the broadcast shape of the bias and the mask; True = attend.
     """
     check_choice("type", type, masks.MASK_KINDS)  # errors name the caller's argument
-    if isinstance(attention_bias, torch.Tensor) and attention_bias.dim() == 4:
-        if batch_size is None:
-            padding = attention_mask if isinstance(attention_mask, torch.Tensor) else attention_bias
-            batch_size = padding.shape[0]
-        query_len = attention_bias.shape[2] if query_len is None else query_len
-        key_len = attention_bias.shape[3] if key_len is None else key_len
     return masks.create_mask(
         attention_bias,
         attention_mask,
