@@ -558,7 +558,7 @@ def query_chunks(
 
       (Past the best, more chunks add atomics and K/V loads.)
 
-    - ``queued``: the Hopper kernel (``backward_hopper.py``), one program per SM taking items off
+    - ``queued``: the Hopper kernel (``hopper/dkdv.py``), one program per SM taking items off
       a queue, wants about 1.5 non-empty items per SM, and no more: a mask (element-wise or a
       block summary alone) is taken to keep 1/8 of the columns, no mask all of them. Its time
       (ms) by chunks, same shapes, and the per-query-block top-k of the topkq suite (16K, every

@@ -56,7 +56,6 @@ from flash_dma.backends.triton.hopper.common import (
     key_walk,
     pair_bias,
     pair_buffers,
-    pair_descriptor,
     pair_descriptors,
     pair_inside,
     pair_offsets,
@@ -364,12 +363,14 @@ def _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row,
     with STAGED_DBIAS through the warpgroup's staging tile and a TMA store (once its last store
     has read the tile), else element by element."""
     if p.STAGED_DBIAS:
-        staging = bufs.dbias.index(HALF)  # [rows, keys]
+        staging = bufs.dbias.index(HALF)  # [1, rows, keys]
         tma.store_wait(0)
-        staging.permute((1, 0)).store(values.to(p.DBias.dtype.element_ty))
+        gl.thread_barrier()  # the thread that issued the last store has seen it read the tile
+        staging.reshape([p.BLOCK_M, p.BLOCK_N // 2]).permute((1, 0)).store(values.to(p.DBias.dtype.element_ty))
         fence_async_shared()
-        row = staged_pair_row(p.DBias, p.stride_dbb, p.stride_dbh, p.stride_dbq, p.dbias_head_div, batch, head, first_row)
-        tma_store(p.dbias_desc, [row, first_key], staging)
+        # Rows past Sq are clipped at the (batch, head)'s own end: the next one's rows follow them.
+        first = staged_pair_row(p.DBias, p.stride_dbb, p.stride_dbh, p.stride_dbq, p.dbias_head_div, batch, head, 0)
+        tma_store(p.dbias_desc, [first // p.seqlen_q, first_row, first_key], staging)
     else:
         ptrs = _bias_gradient_row(p, 0, batch, head) + pair_offsets(rows, keys, p.stride_dbq, True)
         inside = pair_inside(p, rows, keys, True)
@@ -527,7 +528,10 @@ def _dkdv_hopper_kernel(
     dbias_desc = q_desc
     dbias = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
     if STAGED_DBIAS:
-        dbias_desc = pair_descriptor(DBias, dbias_rows, seqlen_k, stride_dbq, BLOCK_M, BLOCK_N // 2)
+        dbias_desc = tma.make_tensor_descriptor(
+            DBias, [dbias_rows // seqlen_q, seqlen_q, seqlen_k], [seqlen_q * stride_dbq, stride_dbq, 1], [1, BLOCK_M, BLOCK_N // 2],
+            gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_N // 2], DBias.dtype.element_ty),
+        )
         dbias = gl.allocate_shared_memory(dbias_desc.dtype, [2] + dbias_desc.block_type.shape, dbias_desc.layout)
     barrier: gl.constexpr = mbarrier.MBarrierLayout()
     bufs = _Buffers(
