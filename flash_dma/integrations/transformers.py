@@ -22,8 +22,10 @@ Masks, as the attention function receives them:
 - 4-D boolean ``[1|B, 1|H, Sq, Sk]``: HF's own mask (sliding windows, packed sequences, static
   caches, models that ask for a materialised mask), taken as complete: no causal rule or window
   is added.
-- 4-D additive float (eager masks, Doge's dynamic masks): positions at or below the dtype's
-  minimum are masked, and the finite values elsewhere become the attention bias, with gradient.
+- 4-D additive float (eager masks): positions at or below the dtype's minimum are masked, and
+  the finite values elsewhere become the attention bias, with gradient.
+- Doge's dynamic mask: its bias per key, with the selection its layer left (``doge.py``, which
+  :func:`register` installs: Doge's ``[B, H, Sq, Sk]`` float mask is never made).
 
 Caches: ``generate()`` works with a DynamicCache and a StaticCache (``cache_implementation="static"``),
 left padding included. Continuous batching (``generate_batch``, ``init_continuous_batching``,
@@ -40,10 +42,13 @@ import functools
 
 import torch
 
+from flash_dma.integrations import doge
 from flash_dma.interface import flash_dma_func, flash_dma_varlen_func
 from flash_dma.packed import values_checkable
 
-ATTENTION_NAME = "flash_dma"
+ATTENTION_NAME = doge.ATTENTION_NAME
+# Why the installed transformers' Doge could not take flash-dma's Doge path, if it could not.
+_DOGE_MISFIT: RuntimeError | None = None
 
 
 def _padding_to_keys(padding: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
@@ -169,7 +174,14 @@ def flash_dma_attention_forward(
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     attn_mask = attn_bias = None
-    if attention_mask is not None and attention_mask.dim() == 2:
+    selection = doge.take_selection(module)
+    if selection is None and _DOGE_MISFIT is not None and type(module).__name__ == "DogeAttention":
+        raise _DOGE_MISFIT
+    if selection is not None:
+        # Doge (``doge.py``): its bias per key comes as the mask, its selection (which holds the
+        # causal rule) packed on the layer.
+        attn_mask, attn_bias, causal, window_left = selection, attention_mask, False, -1
+    elif attention_mask is not None and attention_mask.dim() == 2:
         padding, key, value = _padding_to_keys(attention_mask, key, value)
         attn_mask = padding.bool()[:, None, None, :]
     elif attention_mask is not None:
@@ -279,6 +291,11 @@ def register() -> None:
             "flash_dma.integrations.transformers needs transformers >= 5 with AttentionInterface and "
             "AttentionMaskInterface: pip install 'flash-dma[hf]'"
         ) from error
+    global _DOGE_MISFIT
     AttentionInterface.register(ATTENTION_NAME, flash_dma_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, flash_dma_mask)
     _exempt_from_flash_attention_loading()
+    try:
+        doge.install()
+    except RuntimeError as misfit:  # raised when a Doge layer runs, not for every other model
+        _DOGE_MISFIT = misfit

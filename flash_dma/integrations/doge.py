@@ -1,0 +1,122 @@
+"""transformers' Doge (``DogeForCausalLM``, the seeds' model family) under ``attn_implementation="flash_dma"``.
+
+Doge's attention layer scores every key with a per-key dynamic bias ``dt = exp(A * softplus(dt_proj(V)))``
+``[B, Hkv, Sk]``, keeps for each query the ``keep_window_size`` keys of largest ``dt`` among those
+its causal mask leaves it (``DogeAttention.prepare_dynamic_mask``, with ``torch.topk``), and hands
+the attention function a float mask ``[B, H, Sq, Sk]``: ``dt`` where a key is kept, the dtype's
+minimum elsewhere. Read as it comes, that is an ``[S, S]`` tensor per head, in the forward and
+again as its gradient.
+
+:func:`install` replaces ``prepare_dynamic_mask`` for layers whose model runs ``"flash_dma"``:
+
+- it returns the bias per key, ``dt[:, :, None, :]`` ``[B, Hkv, 1, Sk]`` (which Doge then repeats
+  to ``[B, H, 1, Sk]`` and passes as the mask: the gradient still reaches ``A`` and ``dt_proj``);
+- it makes the selection as a :class:`~flash_dma.BitMask` ``[B, Hkv, Sq, Sk]``, one bit per
+  pair, a chunk of query rows at a time with the same ``torch.topk`` over the same values, and
+  leaves it on the layer, where the attention function (:func:`take_selection`) picks it up.
+
+Nothing of size ``[B, H, Sq, Sk]`` is made beyond the causal mask transformers builds for every
+implementation. A query with no kept key gets 0 (flash-dma's contract) where SDPA averages every key.
+Other implementations run Doge's own ``prepare_dynamic_mask``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from flash_dma.bit_mask import BitMask, pack_words
+from flash_dma.summaries import bit_mask_from_words
+
+ATTENTION_NAME = "flash_dma"
+_SELECTION = "_flash_dma_selection"  # the layer attribute that carries a call's BitMask
+_PARAMETERS = ("self", "hidden_states", "dt_states", "keep_window_size", "attention_mask")
+_ATTRIBUTES = ("A", "dt_proj", "keep_window_size", "num_key_value_groups")
+
+
+def _selected_rows(dt_states, visible, keep: int, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+    """Doge's selection for query rows ``[start, stop)``: bool ``[B, Hkv, rows, Sk]``.
+
+    ``dt_states`` ``[B, Hkv, Sk]``; ``visible`` ``[B|1, 1, Sq, Sk]`` bool (True = the causal mask
+    lets the key through) or None. The scores and ``torch.topk`` call are Doge's, so ties among
+    equal scores resolve as they do there.
+    """
+    rows = stop - start
+    scores = dt_states[:, :, None, :].expand(-1, -1, rows, -1).to(dtype)
+    allowed = None
+    if visible is not None:
+        allowed = visible[:, :, start:stop, : scores.shape[-1]]
+        scores = scores.masked_fill(~allowed, torch.finfo(dtype).min)
+    if scores.shape[-1] > keep:
+        chosen = torch.topk(scores, keep, dim=-1, largest=True, sorted=False).indices
+        kept = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, chosen, True)
+    else:
+        kept = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+    return kept if allowed is None else kept & allowed
+
+
+def _visible(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The causal mask Doge receives, as bool (True = visible), or None."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask == 0  # an additive float mask: 0 where visible
+
+
+def _prepare_dynamic_mask(original, self, hidden_states, dt_states, keep_window_size=2048, attention_mask=None):
+    """``prepare_dynamic_mask`` for ``"flash_dma"`` (module doc); Doge's own for the others."""
+    if self.config._attn_implementation != ATTENTION_NAME:
+        return original(self, hidden_states, dt_states, keep_window_size, attention_mask)
+    batch, kv_heads, key_len = dt_states.shape
+    query_len = hidden_states.shape[1]
+    visible = _visible(attention_mask)
+    with torch.no_grad():
+        rows_of = functools.partial(_selected_rows, dt_states.detach(), visible, keep_window_size, hidden_states.dtype)
+        shape = (batch, kv_heads, query_len, key_len)
+        setattr(self, _SELECTION, bit_mask_from_words(pack_words(rows_of, shape, dt_states.device), shape))
+    return dt_states[:, :, None, :]
+
+
+def take_selection(module) -> BitMask | None:
+    """The selection a Doge layer made for this call (and forget it), or None for other layers."""
+    selection = getattr(module, _SELECTION, None)
+    if selection is not None:
+        delattr(module, _SELECTION)
+    return selection
+
+
+def install() -> None:
+    """Patch ``DogeAttention.prepare_dynamic_mask`` (module doc); calling it again is harmless.
+
+    Raises:
+        RuntimeError: the installed transformers' Doge is not the layer this was written for (its
+            ``prepare_dynamic_mask`` parameters or attributes differ), so the patch would not fit.
+    """
+    try:
+        from transformers.models.doge import modeling_doge
+    except ImportError:
+        return  # a transformers without Doge: nothing to patch
+    layer = modeling_doge.DogeAttention
+    current = layer.prepare_dynamic_mask
+    if getattr(current, "flash_dma_patched", False):
+        return
+    parameters = tuple(inspect.signature(current).parameters)
+    source = inspect.getsource(layer.__init__)
+    missing = [name for name in _ATTRIBUTES if f"self.{name}" not in source]
+    if parameters != _PARAMETERS or missing:
+        import transformers
+
+        raise RuntimeError(
+            f"transformers {transformers.__version__}: DogeAttention does not fit flash-dma's Doge path "
+            f"(expected prepare_dynamic_mask{_PARAMETERS} and attributes {_ATTRIBUTES}, got "
+            f"prepare_dynamic_mask{parameters}, missing {missing}); use transformers 5.x or "
+            f'attn_implementation="sdpa" for Doge'
+        )
+    def prepare_dynamic_mask(self, hidden_states, dt_states, keep_window_size=2048, attention_mask=None):
+        return _prepare_dynamic_mask(current, self, hidden_states, dt_states, keep_window_size, attention_mask)
+
+    prepare_dynamic_mask.flash_dma_patched = True
+    layer.prepare_dynamic_mask = prepare_dynamic_mask
