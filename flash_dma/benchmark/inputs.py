@@ -21,9 +21,11 @@ from flash_dma.benchmark.suites import (
     Case,
     kept_block_count,
 )
+from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import EMPTY, BlockMask
 from flash_dma.integers import cdiv
 from flash_dma.masks import create_mask, topk_block_mask
+from flash_dma.summaries import block_mask_from_state
 
 DTYPE = torch.bfloat16
 SEED = 0
@@ -65,6 +67,17 @@ def query_block_topk_mask(scores: torch.Tensor, case: Case) -> BlockMask:
         scores, window_size=max(0, case.kept_blocks - forced) * MASK_BLOCK, block_size=(MASK_BLOCK, MASK_BLOCK),
         query_len=case.seqlen_q, is_causal=True, sink_blocks=TOPKQ_SINK_BLOCKS, local_blocks=TOPKQ_LOCAL_BLOCKS,
     )
+
+
+def query_topk_mask(scores: torch.Tensor, case: Case) -> BitMask:
+    """Each query's ``case.window`` keys of largest per-pair score ``[1, Hm, Sq, Sk]`` (``create_mask``,
+    packed): over every key for the seeds' table, as their Quick Start does, over the keys the
+    causal rule leaves each query otherwise (the pqtoken suite)."""
+    allowed = None
+    if case.suite != "seedtable":
+        allowed = torch.ones(case.seqlen_q, case.seqlen_k, dtype=torch.bool, device=scores.device).tril(case.seqlen_k - case.seqlen_q)
+        allowed = allowed[None, None]
+    return create_mask(scores, allowed, case.batch, case.seqlen_q, case.seqlen_k, case.window, packed=True)
 
 
 def cumulative_lengths(documents: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
@@ -127,8 +140,10 @@ class Inputs:
         query: ``[B, Sq, H, D]`` bf16.
         key, value: ``[B, Sk, Hkv, D]`` bf16.
         mask: ``[1, Hkv, 1, Sk]`` bool, chosen from the per-key scores: their block top-k
-            (``mask="block"``) or token top-k (``"token"``); None otherwise.
-        bias: ``[1, Hkv, 1, Sk]`` bf16 (the per-key scores themselves), ``[1, H, Sq, Sk]`` bf16, or None.
+            (``mask="block"``) or token top-k (``"token"``); a ``BitMask`` ``[1, Hkv, Sq, Sk]`` of each
+            query's top-k keys of a per-pair score (``"query-token"``); None otherwise.
+        bias: ``[1, Hkv, 1, Sk]`` bf16 (the per-key scores themselves), ``[1, H, Sq, Sk]`` bf16,
+            ``[1, Hkv, Sq, Sk]`` bf16 (``"pair"``: the per-pair scores the mask is chosen from), or None.
         block_mask: the per-query-block top-k of the scores (``mask="query-block"``), or None.
         cu_seqlens: packed documents (``case.documents``): ``[N + 1]`` int32 boundaries, the
             same for queries and keys. Then B is 1, Sq = Sk the total, ``block_mask`` each
@@ -256,11 +271,16 @@ def make_inputs(case: Case, device: torch.device | str, seed: int = SEED) -> Inp
         mask = create_mask(key_scores, None, batch, case.seqlen_q, case.seqlen_k, window_size=case.window)
     elif case.mask == "query-block":
         block_mask = query_block_topk_mask(key_scores, case)
+    pair_scores = randn(1, kv_heads, case.seqlen_q, case.seqlen_k) if "pair" == case.bias or case.mask == "query-token" else None
+    if case.mask == "query-token":
+        mask = query_topk_mask(pair_scores, case)
     query = randn(batch, case.seqlen_q, heads, head_dim)
     key = randn(batch, case.seqlen_k, kv_heads, head_dim)
     value = randn(batch, case.seqlen_k, kv_heads, head_dim)
     if case.bias == "full":
         bias = randn(1, heads, case.seqlen_q, case.seqlen_k)
+    elif case.bias == "pair":
+        bias = pair_scores
     else:
         bias = key_scores if case.bias == "key" else None
     for t in (query, key, value, bias):

@@ -1,4 +1,5 @@
-"""The model of the llama and firstcall suites: a 4-layer transformers Llama with random weights.
+"""The models of the llama, firstcall and doge suites: a 4-layer transformers Llama, and a 4-layer
+transformers Doge (the seeds' model family, with its dynamic mask), both with random weights.
 
 Its attention has the llm suite's shape (H=16, Hkv=4, D=128), so a layer's attention is one of
 that suite's problems, without mask or bias. The vocabulary is the real 32000: at S=16K the
@@ -20,6 +21,18 @@ LLAMA_CONFIG = {
     "vocab_size": 32000,
     "max_position_embeddings": 16384,
 }
+# Doge as the per-query-mask issue measures it: its attention keeps each query's top 1024 keys.
+DOGE_CONFIG = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4096,
+    "vocab_size": 32000,
+    "max_position_embeddings": 16384,
+    "keep_window_size": 1024,
+    "is_moe": False,
+}
 MODEL_DTYPE = torch.bfloat16
 WEIGHT_SEED = 0  # both attention implementations get the same weights
 GENERATE_NEW_TOKENS = 8
@@ -34,20 +47,33 @@ def describe_llama() -> str:
     )
 
 
-def build_llama(attn_implementation: str, device: torch.device | str) -> torch.nn.Module:
-    """The model in bf16 on ``device``, initialised there (a CPU init of its 0.3 B weights takes seconds).
+def describe_doge() -> str:
+    c = DOGE_CONFIG
+    return (
+        f"transformers Doge, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads "
+        f"({c['num_key_value_heads']} K/V), keep_window_size {c['keep_window_size']}, vocab {c['vocab_size']}, random weights"
+    )
+
+
+def build_llama(attn_implementation: str, device: torch.device | str, family: str = "llama") -> torch.nn.Module:
+    """The model (``family`` "llama" or "doge") in bf16 on ``device``, initialised there (a CPU init
+    of its 0.3 B weights takes seconds).
 
     ``attn_implementation="flash_dma"`` is registered first (``flash_dma.integrations.transformers``).
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, DogeConfig, LlamaConfig
 
     from flash_dma.integrations.transformers import ATTENTION_NAME, register
 
     if attn_implementation == ATTENTION_NAME:
         register()
+    config = LlamaConfig(**LLAMA_CONFIG) if family == "llama" else DogeConfig(**DOGE_CONFIG)
     torch.manual_seed(WEIGHT_SEED)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_CONFIG), attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        if family == "doge":
+            for layer in model.model.layers:  # away from Doge's A = 0, where every key's score ties
+                torch.nn.init.normal_(layer.self_attn.A)
     return model.to(MODEL_DTYPE)
 
 

@@ -21,6 +21,7 @@ from flash_dma import BlockMask, build_block_mask, flash_dma_func, flash_dma_var
 from flash_dma.benchmark import llama
 from flash_dma.benchmark.inputs import DTYPE, CacheInputs, Inputs, TokenInputs, pad_documents
 from flash_dma.benchmark.suites import Case
+from flash_dma.bit_mask import WORD_BITS, BitMask
 from flash_dma.block_mask import EMPTY, FULL
 
 # Dynamo keeps one compiled entry per shape (dynamic=False) and per score_mod; a full run needs up
@@ -115,6 +116,22 @@ class FlashDma(Method):
         return Prepared(forward, inputs.leaves)
 
 
+class FlashDmaNoMask(Method):
+    name = "flash-dma-nomask"
+    description = (
+        "the same `flash_dma_func` call with `attn_mask=None` (the bias kept): what the mask's selection "
+        "costs or saves (per-query suites)"
+    )
+    applies_mask = False
+    skips_masked_keys = False
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        def forward() -> torch.Tensor:
+            return flash_dma_func(inputs.query, inputs.key, inputs.value, attn_bias=inputs.bias, is_causal=True)
+
+        return Prepared(forward, inputs.leaves)
+
+
 def _bottom_right_causal(seqlen_q: int, seqlen_k: int) -> Callable:
     """``visible(q_idx, kv_idx)``: key ``kv_idx`` is at or before query ``q_idx``, aligned bottom-right."""
     offset = seqlen_k - seqlen_q
@@ -132,6 +149,19 @@ def flex_mask_mod(mask: torch.Tensor, num_heads: int, seqlen_q: int) -> Callable
 
     def mask_mod(b, h, q_idx, kv_idx):
         return mask[0, h // group, 0, kv_idx] & causal(q_idx, kv_idx)
+
+    return mask_mod
+
+
+def flex_bit_mask_mod(mask: BitMask, num_heads: int, seqlen_q: int) -> Callable:
+    """Flex ``mask_mod`` of a per-query :class:`BitMask` ``[1, Hm, Sq, Sk]`` (its bits read from
+    its words) and the bottom-right causal rule."""
+    words = mask.words
+    group = num_heads // words.shape[1]
+    causal = _bottom_right_causal(seqlen_q, mask.shape[3])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (((words[0, h // group, q_idx, kv_idx // WORD_BITS] >> (kv_idx % WORD_BITS)) & 1) != 0) & causal(q_idx, kv_idx)
 
     return mask_mod
 
@@ -206,6 +236,8 @@ def flex_mods(case: Case, inputs: Inputs) -> tuple[Callable, Callable | None]:
         mask_mod = flex_document_mask_mod(case.documents, inputs.block_mask, case.heads)
     elif inputs.block_mask is not None:
         mask_mod = flex_block_mask_mod(inputs.block_mask, case.heads, case.seqlen_q, case.seqlen_k)
+    elif isinstance(inputs.mask, BitMask):
+        mask_mod = flex_bit_mask_mod(inputs.mask, case.heads, case.seqlen_q)
     elif inputs.mask is not None:
         mask_mod = flex_mask_mod(inputs.mask, case.heads, case.seqlen_q)
     else:
@@ -392,13 +424,15 @@ def additive_float_mask(mask: torch.Tensor, bias: torch.Tensor, seqlen_q: int, n
     Block 0 is always kept, so no query row is left with only -inf (which SDPA turns into NaN).
 
     Args:
-        mask: ``[1, Hkv, 1, Sk]`` bool.
-        bias: ``[1, Hkv, 1, Sk]`` or ``[1, H, Sq, Sk]``; the result is differentiable with respect to it.
+        mask: ``[1, Hkv, 1, Sk]`` bool, or a per-query ``BitMask`` ``[1, Hkv, Sq, Sk]``.
+        bias: ``[1, Hkv, 1, Sk]``, ``[1, Hkv, Sq, Sk]`` or ``[1, H, Sq, Sk]``; the result is
+            differentiable with respect to it.
 
     Returns:
         ``[1, 1|H, Sq, Sk]`` in the bias dtype: one head when mask and bias have one head.
     """
     seqlen_k = mask.shape[-1]
+    mask = mask.dense() if isinstance(mask, BitMask) else mask
     mask, bias = (t if t.shape[1] in (1, num_heads) else _repeat_heads(t, num_heads) for t in (mask, bias))
     causal = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=mask.device).tril(seqlen_k - seqlen_q)
     return torch.where(causal, bias.masked_fill(~mask, float("-inf")), float("-inf"))
@@ -406,7 +440,7 @@ def additive_float_mask(mask: torch.Tensor, bias: torch.Tensor, seqlen_q: int, n
 
 def float_mask_gib(case: Case) -> float:
     """Size of :func:`additive_float_mask`'s result for ``case``."""
-    heads = 1 if case.kv_heads == 1 and case.bias == "key" else case.heads
+    heads = 1 if case.kv_heads == 1 and case.bias in ("key", "pair") else case.heads
     return heads * case.seqlen_q * case.seqlen_k * DTYPE.itemsize / 2**30
 
 
@@ -496,17 +530,19 @@ class Llama(Method):
     applies_mask = False
     skips_masked_keys = False
 
-    def __init__(self, attn_implementation: str):
+    def __init__(self, attn_implementation: str, family: str = "llama"):
         self.attn_implementation = attn_implementation
-        self.name = f"llama-{attn_implementation.replace('_', '-')}"
+        self.family = family
+        self.name = f"{family}-{attn_implementation.replace('_', '-')}"
+        model = llama.describe_llama() if family == "llama" else llama.describe_doge()
         self.description = (
-            f'the {llama.describe_llama()}, bf16, with `attn_implementation="{attn_implementation}"`: a train step '
-            f"(LM loss over every position, forward + backward, no mask) or `generate(max_new_tokens="
-            f"{llama.GENERATE_NEW_TOKENS})`; the model is built outside the timed region"
+            f'the {model}, bf16, with `attn_implementation="{attn_implementation}"`: a train step '
+            f"(LM loss over every position, forward + backward{', Doge choosing its own dynamic mask' if family == 'doge' else ', no mask'}) "
+            f"or `generate(max_new_tokens={llama.GENERATE_NEW_TOKENS})`; the model is built outside the timed region"
         )
 
     def prepare(self, case: Case, inputs: TokenInputs) -> Prepared:
-        model = llama.build_llama(self.attn_implementation, inputs.input_ids.device)
+        model = llama.build_llama(self.attn_implementation, inputs.input_ids.device, self.family)
         if case.kind == "generate":
             model.eval()
             return Prepared(lambda: llama.generate(model, inputs.input_ids), ())
@@ -519,6 +555,7 @@ METHODS: dict[str, Method] = {
         FlashDma(reuse_block_mask=True),
         FlashDma(reuse_block_mask=False),
         FlashDma(reuse_block_mask=True, backend="flex"),
+        FlashDmaNoMask(),
         Flex(),
         SdpaAdditive(),
         Sdpa(),
@@ -526,6 +563,8 @@ METHODS: dict[str, Method] = {
         SdpaDense("sdpa-cudnn", "CUDNN_ATTENTION", "CUDNN_ATTENTION (cuDNN, FlashAttention-3 class on H100)"),
         Llama("flash_dma"),
         Llama("sdpa"),
+        Llama("flash_dma", "doge"),
+        Llama("sdpa", "doge"),
         FlashDmaVarlen(),
         FlashDmaPadded(),
         FlashDmaKvcache(),

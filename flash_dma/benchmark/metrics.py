@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import BlockMask
 from flash_dma.masks import attended_fraction
 
@@ -66,6 +67,14 @@ def block_active_pairs(block_mask: BlockMask, seqlen_q: int, seqlen_k: int, batc
     (batch, query head); each mask head stands for ``H / Hm`` query heads.
     """
     fraction = attended_fraction(seqlen_q, seqlen_k, block_mask=block_mask, is_causal=True)
+    return round(fraction * active_pairs(seqlen_q, seqlen_k, batch, num_heads))
+
+
+def bit_mask_active_pairs(mask: BitMask, seqlen_q: int, seqlen_k: int, batch: int, num_heads: int) -> int:
+    """Visible (query, key) pairs under a per-query :class:`BitMask` and the bottom-right causal rule,
+    counted from its bits a chunk of rows at a time (``attended_fraction``: the mean over the
+    mask's heads), times the causal pairs of every (batch, query head)."""
+    fraction = attended_fraction(seqlen_q, seqlen_k, mask, is_causal=True)
     return round(fraction * active_pairs(seqlen_q, seqlen_k, batch, num_heads))
 
 

@@ -22,6 +22,7 @@ from flash_dma.benchmark.measure import Measurement, TimingOptions, measure, mea
 from flash_dma.benchmark.methods import METHODS, Method, MethodOptions, Prepared
 from flash_dma.benchmark.metrics import (
     active_pairs,
+    bit_mask_active_pairs,
     attention_flops,
     block_active_pairs,
     document_active_pairs,
@@ -32,6 +33,7 @@ from flash_dma.benchmark.metrics import (
 )
 from flash_dma.benchmark.results import Result
 from flash_dma.benchmark.suites import Case
+from flash_dma.bit_mask import BitMask
 
 _NOTE_CHARS = 300
 T = TypeVar("T")
@@ -96,6 +98,8 @@ def count_work(
                                     bias.element_size())
     if method.applies_mask and inputs.block_mask is not None:
         pairs = block_active_pairs(inputs.block_mask, case.seqlen_q, case.seqlen_k, case.batch, case.heads)
+    elif method.applies_mask and isinstance(inputs.mask, BitMask):
+        pairs = bit_mask_active_pairs(inputs.mask, case.seqlen_q, case.seqlen_k, case.batch, case.heads)
     else:
         mask = inputs.mask if method.applies_mask else None
         pairs = active_pairs(case.seqlen_q, case.seqlen_k, case.batch, case.heads, mask)

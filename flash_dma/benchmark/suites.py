@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from flash_dma.benchmark.llama import GENERATE_NEW_TOKENS, describe_llama
+from flash_dma.benchmark.llama import GENERATE_NEW_TOKENS, describe_doge, describe_llama
 from flash_dma.integers import cdiv
 
 MASK_BLOCK = 128  # keys per block of the top-k masks: the default block of flash-dma and Flex
@@ -25,6 +25,11 @@ MASK_BLOCK = 128  # keys per block of the top-k masks: the default block of flas
 SUITE_HELP = {
     "llm": "a GQA layer (B=1, H=16, Hkv=4, D=128), block top-k per key: S=4K-32K keeping 1 to 1/32 of the "
            "128-key blocks, 128K keeping 1/8, and a per-pair bias; vs Flex, SDPA and cuDNN",
+    "seedtable": "the seeds' headline table: S=32K, B=1, H=2, Hkv=1, D=64, causal, a per-pair bias [1,1,S,S] and "
+                 "each query's top-W keys of it (create_mask, packed) for W=32..32K; vs the same call without "
+                 "the mask and SDPA with the additive mask",
+    "pqtoken": "the llm shape at 16K with each query's top-2048 keys of a per-pair score (a per-query mask "
+               "[1,4,S,S], packed) and a per-key bias; vs the same call without the mask, Flex and cuDNN",
     "topkq": "the llm shape at 16K with a per-query-block top-k (each 128-query block keeps its own 1/8 of "
              "the key blocks, with block 0 and its diagonal block); vs Flex",
     "token": "the llm shape at 16K with a token-level mask (the 2048 keys of largest bias per head, "
@@ -33,6 +38,8 @@ SUITE_HELP = {
             "over caches up to 512K, and a window sweep at 32K",
     "host": "host time per call at S=128, with the seeds' mask and bias and with neither; vs Flex and SDPA",
     "llama": "the train step of a 4-layer transformers Llama at 4K and 16K, attention by flash-dma or SDPA",
+    "doge": "the train step of a 4-layer transformers Doge (hidden 1024, 8/2 heads, keep_window_size 1024: its "
+            "own dynamic per-query mask) at 4K, 8K and 16K, attention by flash-dma or SDPA, with peak memory",
     "firstcall": "the first call in a new process, with warm and with cold compiler caches, and a new "
                  "process's first Llama generate and train step",
     "varlen": "the llm shape over 8 documents of 512 to 8K tokens packed into 32K (flash_dma_varlen_func), "
@@ -55,6 +62,13 @@ LLM_MASKED_METHODS = ("flash-dma", "flash-dma-percall", "flash-dma-flex", "flex"
 CEILING = "sdpa-cudnn"
 
 SEED_SHAPE = {"batch": 1, "heads": 2, "kv_heads": 1, "head_dim": 64}
+SEEDTABLE_LENGTH = 32768
+SEEDTABLE_WINDOWS = (32, 1024, 8192, 32768)  # the seeds' table's W
+SEEDTABLE_HEADLINE_WINDOW = 1024
+PQTOKEN_LENGTH = 16384
+PQTOKEN_KEPT_KEYS = 2048  # per query
+# The per-query suites' own rows: the same call with no mask, beside flash-dma's.
+PER_QUERY_METHODS = ("flash-dma", "flash-dma-nomask")
 SEED_PREFILL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 SEED_PREFILL_WINDOW = 2048  # keys kept per query row: the seeds' default window
 SEED_DECODE_LENGTHS = (256, 1024, 4096, 16384, 65536, 131072, 262144, 524288)
@@ -82,6 +96,9 @@ HOST_LENGTH = 128
 HOST_METHODS = ("flash-dma", "flex", "sdpa")
 
 LLAMA_LENGTHS = (4096, 16384)
+DOGE_SHAPE = {"batch": 1, "heads": 8, "kv_heads": 2, "head_dim": 128}
+DOGE_LENGTHS = (4096, 8192, 16384)
+DOGE_METHODS = ("doge-flash-dma", "doge-sdpa")
 LLAMA_METHODS = ("llama-flash-dma", "llama-sdpa")
 LLAMA_PROMPT_LENGTH = 128
 
@@ -172,9 +189,10 @@ class Case:
     keep: float  # fraction of the MASK_BLOCK-key blocks (of each query block's: "query-block") or keys kept
     methods: tuple[str, ...]
     modes: tuple[str, ...]
-    bias: str = "key"  # "key" | "full" | "none"
+    bias: str = "key"  # "key" | "full" [1, H, Sq, Sk] | "pair" [1, Hkv, Sq, Sk] | "none"
     window: int | None = None  # keys per row (seed suite) or per head ("token") that ``keep`` comes from
-    # "block": block top-k per key | "query-block": per query block | "token" | "random" | "none"
+    # "block": block top-k per key | "query-block": per query block | "token" | "random"
+    # | "query-token": each query's top-k keys of a per-pair score, as a BitMask | "none"
     mask: str = "block"
     cache: str | None = None  # "warm" | "cold" compiler caches: the first call in a new process; None: here
     documents: tuple[int, ...] | None = None  # lengths of the packed documents (varlen suite); None: unpacked
@@ -240,8 +258,8 @@ class Case:
         """What the mask keeps, for the tables: ``"4/32"`` blocks, ``"16/128 per q-block"``, ``"2048/16384 keys"``."""
         if self.mask == "none":
             return "all"
-        if self.mask in ("token", "random"):
-            return f"{self.kept_keys}/{self.seqlen_k} keys"
+        if self.mask in ("token", "random", "query-token"):
+            return f"{self.kept_keys}/{self.seqlen_k} keys" + (" per query" if self.mask == "query-token" else "")
         if self.documents is not None:
             return f"{self.kept_blocks}/{self.key_blocks} per doc"
         per_query_block = " per q-block" if self.mask == "query-block" else ""
@@ -256,7 +274,7 @@ class Case:
             text = f"prompt={self.seqlen_k} generate {GENERATE_NEW_TOKENS}"
         else:
             length = f"Sk={self.seqlen_k}" if self.seqlen_q != self.seqlen_k else f"S={self.seqlen_k}"
-            bias = f" bias[1,{self.heads},Sq,Sk]" if self.bias == "full" else ""
+            bias = {"full": f" bias[1,{self.heads},Sq,Sk]", "pair": f" bias[1,{self.kv_heads},Sq,Sk]"}.get(self.bias, "")
             docs = f" {len(self.documents)} docs" if self.documents is not None else ""
             layout = ""
             if self.uses_kv_cache:
@@ -269,6 +287,8 @@ class Case:
             return f"W={self.window}"
         if self.mask == "token":
             return f"top-{self.kept_keys} keys"
+        if self.mask == "query-token":
+            return f"top-{self.kept_keys} keys per query"
         if self.mask == "none":
             return "bias only" if self.bias != "none" else "no mask, no bias"
         if self.mask == "random":
@@ -278,7 +298,7 @@ class Case:
 
     def shape_text(self) -> str:
         if self.is_model:
-            return f"{describe_llama()}, B={self.batch}"
+            return f"{describe_doge() if self.suite == 'doge' else describe_llama()}, B={self.batch}"
         heads = f"H={self.heads} Hkv={self.kv_heads} D={self.head_dim}"
         if self.documents is not None:
             return f"{len(self.documents)} documents packed (lengths {', '.join(map(str, self.documents))}), {heads}"
@@ -316,6 +336,28 @@ def seed_cases(quick: bool = False) -> list[Case]:
         for w in windows
     ]
     return cases
+
+
+def seedtable_cases(quick: bool = False) -> list[Case]:
+    """The seeds' table at every W (the mask made from the bias itself); SDPA with the additive mask at
+    the seeds' headline W only (its time does not depend on W). ``quick``: that W alone."""
+    windows = (SEEDTABLE_HEADLINE_WINDOW,) if quick else SEEDTABLE_WINDOWS
+    return [
+        Case("seedtable", "window", **SEED_SHAPE, seqlen_q=SEEDTABLE_LENGTH, seqlen_k=SEEDTABLE_LENGTH,
+             keep=_window_keep(w, SEEDTABLE_LENGTH),
+             methods=PER_QUERY_METHODS + (("sdpa-additive",) if w == SEEDTABLE_HEADLINE_WINDOW else ()),
+             modes=MODES, window=w, mask="query-token", bias="pair")
+        for w in windows
+    ]
+
+
+def pqtoken_cases(quick: bool = False) -> list[Case]:
+    """One case: each query's top-2048 keys of a random per-pair score, the bias per key."""
+    return [
+        Case("pqtoken", "prefill", **LLM_SHAPE, seqlen_q=PQTOKEN_LENGTH, seqlen_k=PQTOKEN_LENGTH,
+             keep=PQTOKEN_KEPT_KEYS / PQTOKEN_LENGTH, methods=(*PER_QUERY_METHODS, "flex", CEILING), modes=MODES,
+             window=PQTOKEN_KEPT_KEYS, mask="query-token")
+    ]
 
 
 def llm_cases(quick: bool = False) -> list[Case]:
@@ -380,6 +422,15 @@ def llama_cases(quick: bool = False) -> list[Case]:
     ]
 
 
+def doge_cases(quick: bool = False) -> list[Case]:
+    lengths = DOGE_LENGTHS[:1] if quick else DOGE_LENGTHS
+    return [
+        Case("doge", "train", **DOGE_SHAPE, seqlen_q=s, seqlen_k=s, keep=1.0, methods=DOGE_METHODS, modes=("fwdbwd",),
+             mask="none", bias="none")
+        for s in lengths
+    ]
+
+
 def first_call_cases(quick: bool = False) -> list[Case]:
     """A first-time user's call (no block mask built beforehand), then the Llama's first generate and step."""
     attention = dict(**LLM_SHAPE, seqlen_q=FIRST_CALL_LENGTH, seqlen_k=FIRST_CALL_LENGTH, keep=FIRST_CALL_KEEP,
@@ -427,11 +478,14 @@ def kvcache_cases(quick: bool = False) -> list[Case]:
 
 BUILDERS = {
     "llm": llm_cases,
+    "seedtable": seedtable_cases,
+    "pqtoken": pqtoken_cases,
     "topkq": topkq_cases,
     "token": token_cases,
     "seed": seed_cases,
     "host": host_cases,
     "llama": llama_cases,
+    "doge": doge_cases,
     "firstcall": first_call_cases,
     "varlen": varlen_cases,
     "kvcache": kvcache_cases,
