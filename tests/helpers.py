@@ -193,6 +193,27 @@ def triton_call(case: Case, inputs: dict, **kwargs):
         triton_backend.SMALL_PROBLEM = small
 
 
+# The Hopper kernels' per-query forms (tests/backends/triton/test_*_hopper.py): BitMasks (bits read
+# on PARTIAL tiles, FULL and EMPTY tiles from the summary), biases per pair (read per tile; their
+# gradients written per tile, added over a group's heads in registers, or by atomics where
+# programs share them), and masks and biases per query row (read once per work item).
+HOPPER_PAIR_CASES = [
+    # The seeds' form: one bias and one mask shared by the group's heads, causal.
+    # (Sk a multiple of 8 at D = 64: the loader stages the bias with TMA, and dK/dV stores its gradient so.)
+    Case(batch=1, seqlen_q=1000, seqlen_k=1000, heads=2, kv_heads=1, head_dim=64, mask="1,1,Sq,Sk", bias="1,1,Sq,Sk", causal=True, packed=True, block_size=(128, 128)),
+    Case(seqlen_q=904, seqlen_k=1000, heads=4, kv_heads=2, head_dim=64, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),
+    Case(seqlen_q=1023, seqlen_k=1024, heads=2, kv_heads=1, head_dim=64, mask="1,1,Sq,Sk", bias="1,1,Sq,Sk", window=(300, 0), packed=True, block_size=(128, 128)),
+    Case(seqlen_q=700, seqlen_k=900, head_dim=128, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),
+    Case(seqlen_q=500, seqlen_k=700, heads=4, kv_heads=2, head_dim=64, mask="B,H,Sq,Sk", bias="1,Hkv,Sq,Sk", window=(100, 3), packed=True, block_size=(128, 128)),
+    Case(seqlen_q=300, seqlen_k=63, heads=3, kv_heads=1, head_dim=128, mask="B,Hkv,Sq,Sk", bias="B,Hkv,1,Sk", causal=True, packed=True, block_size=(128, 128)),
+    Case(seqlen_q=600, seqlen_k=777, head_dim=64, mask="1,Hkv,Sq,Sk", bias="B,1,Sq,Sk", mask_kind="tiles", packed=True, block_size=(256, 256)),
+    Case(seqlen_q=17, seqlen_k=1023, head_dim=64, bias="1,1,Sq,Sk", bias_fp32=True, causal=True),
+    Case(seqlen_q=1023, seqlen_k=1023, head_dim=128, mask="B,H,Sq,1", bias="1,Hkv,Sq,1", mask_kind="rows", causal=True),
+    Case(seqlen_q=300, seqlen_k=400, head_dim=64, mask="B,Hkv,1,Sk", bias="B,H,Sq,1", causal=True, block_size=(128, 128)),
+    Case(batch=2, seqlen_q=2048, seqlen_k=2048, heads=8, kv_heads=2, head_dim=128, mask="B,Hkv,Sq,Sk", bias="B,Hkv,1,Sk", mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),
+]
+
+
 def kernel_call(
     inputs: dict, summary=None, key_list=None, *, softmax_scale: float, window=(-1, -1), softcap: float = 0.0,
     deterministic: bool = False, mask=None,

@@ -36,7 +36,14 @@ import triton
 import triton.language as tl
 
 import flash_dma.backends.triton as triton_backend
-from flash_dma import build_block_mask, flash_dma_func, flash_dma_varlen_func, flash_dma_with_kvcache, topk_block_mask
+from flash_dma import (
+    build_block_mask,
+    flash_dma_func,
+    flash_dma_varlen_func,
+    flash_dma_with_kvcache,
+    pack_mask,
+    topk_block_mask,
+)
 from flash_dma.backends.triton import backward as triton_backward
 from flash_dma.backends.triton.block_summary import block_lists, block_state
 from flash_dma.backends.triton.key_list import build_key_list
@@ -134,7 +141,8 @@ class Attention:
 
     ``walk``: "auto" (as the backend chooses: small problems read the mask on every tile),
     "listed" (key list or in-call summary, as large problems), "summary" (``build_block_mask``
-    of ``block_size`` passed in), "topk" (``topk_block_mask`` per query block of the bias, no mask).
+    of ``block_size`` passed in), "packed" (the mask as a ``BitMask`` in blocks of
+    ``block_size``), "topk" (``topk_block_mask`` per query block of the bias, no mask).
     """
 
     batch: int
@@ -172,6 +180,8 @@ class Attention:
         block_mask = None
         if self.walk == "summary":
             block_mask = build_block_mask(mask, block_size=self.block_size)
+        elif self.walk == "packed":
+            mask = pack_mask(mask, block_size=self.block_size)
         elif self.walk == "topk":
             block_mask = topk_block_mask(
                 leaves["attn_bias"].detach(), self.seqlen_k // 4, block_size=self.block_size, query_len=self.seqlen_q,
@@ -441,6 +451,12 @@ CASES = {
                    deterministic=True),
         _attention("attn-blockmask-d64-window", batch=2, seqlen_q=129, seqlen_k=129, heads=4, kv_heads=2, head_dim=64,
                    mask="1,1,Sq,Sk", mask_kind="blocks", bias="B,H,Sq,1", window=(40, 40), walk="summary"),
+        # BitMasks: the Hopper kernels read the words (and a D = 64 per-pair bias) staged by TMA.
+        _attention("attn-bits-d64-pair-bias", batch=1, seqlen_q=300, seqlen_k=256, heads=2, kv_heads=1, head_dim=64,
+                   mask="1,1,Sq,Sk", bias="1,1,Sq,Sk", causal=True, walk="packed", block_size=(128, 128)),
+        _attention("attn-bits-d128-rows-bias", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=128,
+                   mask="B,Hkv,Sq,Sk", mask_kind="blocks", bias="B,H,Sq,1", window=(64, 8), walk="packed",
+                   block_size=(128, 128)),
         _attention("attn-topk-d64-causal", batch=2, seqlen_q=257, seqlen_k=257, heads=4, kv_heads=2, head_dim=64,
                    bias="B,Hkv,1,Sk", causal=True, walk="topk", block_size=(32, 32)),
         _attention("attn-sq1-gqa-d128", batch=2, seqlen_q=1, seqlen_k=257, heads=4, kv_heads=1, head_dim=128,

@@ -22,10 +22,12 @@ from flash_dma.benchmark.suites import (
     KVCACHE_LENGTH,
     KVCACHE_LONG_KEEP,
     KVCACHE_LONG_LENGTH,
+    DOGE_LENGTHS,
     LLAMA_LENGTHS,
     LLM_LENGTHS,
     LLM_LONG_LENGTH,
     SEED_PREFILL_LENGTHS,
+    SEEDTABLE_WINDOWS,
     TOKEN_KEPT_KEYS,
     format_fraction,
 )
@@ -228,8 +230,44 @@ def _percall(mode: str) -> Target:
     )
 
 
+def _ms(pick: Pick) -> Measure:
+    def measure(results):
+        row = pick(results)
+        return row.ms, f"{row.method} {row.ms:.3g} ms"
+
+    return measure
+
+
+def _seedtable(method: str, mode: str, window: int) -> Pick:
+    return _pick(method, mode, suite="seedtable", window=window)
+
+
 TARGETS = (
     *(_sparse_vs_flex("fwd", s, 0.7) for s in (16384, 32768, LLM_LONG_LENGTH)),
+    # The per-query-mask issue: the seeds' table, a per-query top-k of 16K, transformers' Doge.
+    *(
+        Target(f"seedtable S=32K W={w} fwd: flash-dma / flash-dma-nomask time", "<=", 1.0,
+               _time_ratio(_seedtable("flash-dma", "fwd", w), _seedtable("flash-dma-nomask", "fwd", w)))
+        for w in SEEDTABLE_WINDOWS
+    ),
+    *(
+        Target(f"seedtable S=32K W={w} {_MODE_LABELS[mode]}: flash-dma time", "<=", limit,
+               _ms(_seedtable("flash-dma", mode, w)), unit="ms")
+        for w in SEEDTABLE_WINDOWS
+        for mode, limit in (("fwd", 1.0), ("fwdbwd", 4.0))
+    ),
+    *(
+        Target(f"pqtoken S=16K {_MODE_LABELS[mode]}: flash-dma / {baseline} time", "<=", limit,
+               _time_ratio(_pick("flash-dma", mode, suite="pqtoken"), _pick(baseline, mode, suite="pqtoken")))
+        for mode in ("fwd", "fwdbwd")
+        for baseline, limit in (("flash-dma-nomask", 1.05), ("flex", 0.5))
+    ),
+    *(
+        Target(f"doge S={_k(s)} train step: doge-flash-dma / doge-sdpa {what}", "<=", limit,
+               ratio(*(_pick(m, "fwdbwd", suite="doge", seqlen_k=s) for m in ("doge-flash-dma", "doge-sdpa"))))
+        for s in DOGE_LENGTHS
+        for what, ratio, limit in (("time", _time_ratio, 0.5), ("peak memory", _peak_ratio, 0.6))
+    ),
     *(_sparse_vs_flex("fwdbwd", s, limit) for s, limit in ((4096, 0.8), (16384, 0.45), (32768, 0.45),
                                                              (LLM_LONG_LENGTH, 0.45))),
     Target("topkq S=16K fwd+bwd: flash-dma / flex time", "<=", 0.5,

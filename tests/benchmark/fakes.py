@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 from flash_dma.benchmark.results import Result
-from flash_dma.benchmark.suites import LLM_SHAPE, SEED_SHAPE, Case, kvcache_cases, varlen_cases
+from flash_dma.benchmark.suites import (
+    LLM_SHAPE,
+    SEED_SHAPE,
+    Case,
+    doge_cases,
+    kvcache_cases,
+    pqtoken_cases,
+    seedtable_cases,
+    varlen_cases,
+)
 
 MODES_OF_KIND = {"decode": ("fwd",), "generate": ("fwd",), "train": ("fwdbwd",)}
 
@@ -81,6 +90,15 @@ def passing_results() -> list[Result]:
     generate = case("firstcall", "generate", 128, methods=("llama-flash-dma",), mask="none", bias="none",
                     cache="warm")
     rows.append(row(generate, "llama-flash-dma", "fwd", ms=3000.0, setup_s=6.0, **no_work))
+    for seedtable in seedtable_cases():
+        for mode, ours, unmasked in (("fwd", 0.8, 0.9), ("fwdbwd", 3.0, 3.5)):
+            rows += [row(seedtable, "flash-dma", mode, ms=ours), row(seedtable, "flash-dma-nomask", mode, ms=unmasked)]
+    (pqtoken,) = pqtoken_cases()
+    for mode, ours, unmasked, flex in (("fwd", 1.0, 1.0, 4.0), ("fwdbwd", 4.0, 4.0, 16.0)):
+        rows += [row(pqtoken, method, mode, ms=ms) for method, ms in (("flash-dma", ours), ("flash-dma-nomask", unmasked), ("flex", flex))]
+    for step in doge_cases():
+        rows += [row(step, "doge-flash-dma", "fwdbwd", ms=40.0, tflops=None, peak_gib=2.0),
+                 row(step, "doge-sdpa", "fwdbwd", ms=100.0, tflops=None, peak_gib=5.0)]
     (varlen,) = varlen_cases()
     for mode, ours, flex, padded in (("fwd", 0.5, 0.8, 0.7), ("fwdbwd", 1.5, 4.0, 2.5)):
         rows += [row(varlen, "flash-dma-varlen", mode, ms=ours), row(varlen, "flex", mode, ms=flex),

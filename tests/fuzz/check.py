@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flash_dma import BlockMask, build_block_mask
+from flash_dma import BitMask, BlockMask, build_block_mask, pack_mask
 from flash_dma.backends.reference import reference_attention, visible_positions
 from flash_dma.backends.triton import backward as triton_backward
 from flash_dma.block_mask import effective_mask_rows
@@ -101,7 +101,9 @@ def make_inputs(trial: Trial, device) -> tuple[dict, BlockMask | None, torch.Ten
         bias_dtype = torch.float32 if trial.bias_fp32 else dtype
         bias = _stored(values.to(bias_dtype), trial.padded, float("nan")).requires_grad_()
     block_mask = None
-    if trial.walk == "summary":
+    if trial.walk == "summary" and trial.packed:
+        mask = pack_mask(mask, block_size=trial.block_size)  # its own summary: no block_mask
+    elif trial.walk == "summary":
         block_mask = build_block_mask(mask, block_size=trial.block_size)
     elif trial.walk == "topk":
         top = trial.topk
@@ -263,7 +265,7 @@ def _check_exact_zeros(trial: Trial, inputs: dict, block_mask, out, lse, oracle_
 
 
 def _snapshot(inputs: dict, block_mask) -> dict:
-    tensors = {name: t for name, t in inputs.items() if t is not None}
+    tensors = {name: t.words if isinstance(t, BitMask) else t for name, t in inputs.items() if t is not None}
     if block_mask is not None:
         tensors.update(state=block_mask.state, kv_lists=block_mask.kv_lists, q_lists=block_mask.q_lists)
     return {name: t.detach().clone() for name, t in tensors.items()}

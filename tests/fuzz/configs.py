@@ -105,8 +105,9 @@ class Trial:
 
     Walks: ``dense`` passes the mask alone to a small problem (read element-wise); ``listed``
     makes the backend walk it as it walks large problems (a key list for per-key masks, else a
-    summary it builds); ``summary`` passes ``build_block_mask(mask, block_size)``; ``topk``
-    passes ``topk_block_mask`` (with the mask, if any, as its padding mask).
+    summary it builds); ``summary`` passes ``build_block_mask(mask, block_size)``, or with
+    ``packed`` the mask as a ``BitMask`` in blocks of ``block_size``; ``topk`` passes
+    ``topk_block_mask`` (with the mask, if any, as its padding mask).
     """
 
     index: int
@@ -142,6 +143,7 @@ class Trial:
     grad_qkv: bool  # False: only the bias requires a gradient
     repeat_backward: bool  # run the backward twice and require bitwise-equal gradients
     check_inputs: bool  # require the inputs unchanged afterwards
+    packed: bool = False  # summary walk: the mask passed as a BitMask, which carries its own summary
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -170,7 +172,7 @@ class Trial:
             neg_inf = f"-inf{self.bias_neg_inf:g}" if self.bias_neg_inf else ""
             parts.append(f"bias[{self.bias}]{'fp32' if self.bias_fp32 else ''}{neg_inf}")
         if self.walk != "dense":
-            parts.append(self.walk + (f"{self.block_size[0]}x{self.block_size[1]}" if self.block_size else ""))
+            parts.append(self.walk + (f"{self.block_size[0]}x{self.block_size[1]}" if self.block_size else "") + ("-packed" if self.packed else ""))
         if self.causal:
             parts.append("causal")
         if self.window != (-1, -1):
@@ -329,4 +331,6 @@ def sample_trial(space: Space, seed: int, index: int) -> Trial:
         grad_qkv=family.bias is None or rng.random() < 0.9,
         repeat_backward=rng.random() < 0.25,
         check_inputs=rng.random() < 0.25,
+        # Drawn last, so that a seed's other draws stay as they were.
+        packed=family.walk == "summary" and family.mask is not None and family.block_size[1] >= 32 and rng.random() < 0.5,
     )

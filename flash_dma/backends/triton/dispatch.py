@@ -142,13 +142,18 @@ def hopper_takes_bits(call: Call) -> bool:
 
 
 def routing_table() -> str:
-    """``ROUTES`` as the markdown table of ``docs/api.md`` ("What runs where")."""
-    columns = [field for field in Form._fields if any(getattr(r, field) is not None for r in ROUTES)]
+    """``ROUTES`` as the markdown table of ``docs/api.md`` ("What runs where"): one row per route,
+    first match wins."""
+    def cell(values) -> str:
+        if values is None:
+            return "any"
+        return ", ".join({True: "yes", False: "no"}.get(v, str(v)) if isinstance(v, bool) else str(v) for v in values)
+
     lines = [
-        "| kernel | passes | " + " | ".join(c.replace("_", " ") for c in columns) + " |",
-        "|---|---|" + "---|" * len(columns),
+        "| kernel | passes | " + " | ".join(f.replace("_", " ") for f in Form._fields) + " |",
+        "|---|---|" + "---|" * len(Form._fields),
     ]
     for r in ROUTES:
-        cells = [", ".join(map(str, getattr(r, c))) if getattr(r, c) is not None else "any" for c in columns]
+        cells = [cell(getattr(r, field)) for field in Form._fields]
         lines.append(f"| {r.kernel} | {', '.join(r.passes)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

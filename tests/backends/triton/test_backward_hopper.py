@@ -15,6 +15,7 @@ from flash_dma.masks import topk_block_mask
 from tests.helpers import (
     DTYPE_IDS,
     HOPPER_ONLY,
+    HOPPER_PAIR_CASES,
     KERNEL_DTYPES,
     Case,
     assert_close,
@@ -56,27 +57,10 @@ CASES = [
 ]
 
 
-# Per-query forms (see test_forward_hopper.py); their gradients: a per-pair bias's written per
-# tile, added over a group's heads in registers, or by atomics where programs share it.
 PAIR_CASES = [
-    # The seeds' form: a group's heads share the bias and the walk (their gradients add in registers).
-    # (Sk a multiple of 8 at D = 64: the loader stages the bias with TMA, and dK/dV stores its gradient so.)
-    Case(batch=1, seqlen_q=1000, seqlen_k=1000, heads=2, kv_heads=1, head_dim=64, mask="1,1,Sq,Sk", bias="1,1,Sq,Sk", causal=True, packed=True, block_size=(128, 128)),
-    Case(seqlen_q=904, seqlen_k=1000, heads=4, kv_heads=2, head_dim=64, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),
-    Case(seqlen_q=1023, seqlen_k=1024, heads=2, kv_heads=1, head_dim=64, mask="1,1,Sq,Sk", bias="1,1,Sq,Sk", window=(300, 0), packed=True, block_size=(128, 128)),
-    Case(seqlen_q=700, seqlen_k=900, head_dim=128, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),
-    # A walk per query head under a bias the group shares: its gradient adds by atomics.
-    Case(seqlen_q=500, seqlen_k=700, heads=4, kv_heads=2, head_dim=64, mask="B,H,Sq,Sk", bias="1,Hkv,Sq,Sk", window=(100, 3), packed=True, block_size=(128, 128)),
-    Case(seqlen_q=300, seqlen_k=63, heads=3, kv_heads=1, head_dim=128, mask="B,Hkv,Sq,Sk", bias=PER_KEY, causal=True, packed=True, block_size=(128, 128)),
-    # A bias shared by the key/value heads (atomics), summary blocks of two tiles.
-    Case(seqlen_q=600, seqlen_k=777, head_dim=64, mask="1,Hkv,Sq,Sk", bias="B,1,Sq,Sk", mask_kind="tiles", packed=True, block_size=(256, 256)),
-    Case(seqlen_q=17, seqlen_k=1023, head_dim=64, bias="1,1,Sq,Sk", bias_fp32=True, causal=True),
-    # Masks and biases per query row: the LSEs carry them.
-    Case(seqlen_q=1023, seqlen_k=1023, head_dim=128, mask="B,H,Sq,1", bias="1,Hkv,Sq,1", mask_kind="rows", causal=True),
-    Case(seqlen_q=300, seqlen_k=400, head_dim=64, mask="B,Hkv,1,Sk", bias="B,H,Sq,1", causal=True, block_size=(128, 128)),
+    *HOPPER_PAIR_CASES,
     # A bool per-pair mask on a problem walked as large ones are: packed into bits inside the call.
     Case(seqlen_q=600, seqlen_k=600, heads=4, kv_heads=2, head_dim=128, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", causal=True, listed=True),
-    Case(batch=2, seqlen_q=2048, seqlen_k=2048, heads=8, kv_heads=2, head_dim=128, mask="B,Hkv,Sq,Sk", bias=PER_KEY, mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),
     # A bias per pair over a key list: dQ gathers its keys' biases (dK/dV is the Triton kernel's).
     Case(seqlen_q=400, seqlen_k=500, head_dim=64, mask=PER_KEY, bias="B,H,Sq,Sk", causal=True, listed=True),
 ]

@@ -14,7 +14,17 @@ from flash_dma.backends.triton.forward import attention_forward
 from flash_dma.backends.triton.hopper.common import stages_pair_bias
 from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.key_list import build_key_list
-from tests.helpers import DTYPE_IDS, HOPPER_ONLY, KERNEL_DTYPES, Case, assert_close, kernel_call, make_inputs, reference_outputs
+from tests.helpers import (
+    DTYPE_IDS,
+    HOPPER_ONLY,
+    HOPPER_PAIR_CASES,
+    KERNEL_DTYPES,
+    Case,
+    assert_close,
+    kernel_call,
+    make_inputs,
+    reference_outputs,
+)
 
 pytestmark = HOPPER_ONLY
 
@@ -42,23 +52,7 @@ CASES = [
     Case(batch=3, seqlen_q=2048, seqlen_k=2048, heads=16, kv_heads=4, head_dim=128, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
 ]
 
-# Per-query forms: BitMasks (bits read on PARTIAL tiles, FULL and EMPTY tiles from the summary),
-# biases per pair (read per tile), and masks and biases per query row (read once per work item).
-PAIR_CASES = [
-    # The seeds' form: one bias and one mask shared by the group's heads, causal.
-    # (Sk a multiple of 8 at D = 64: the loader stages the bias with TMA, and dK/dV stores its gradient so.)
-    Case(batch=1, seqlen_q=1000, seqlen_k=1000, heads=2, kv_heads=1, head_dim=64, mask="1,1,Sq,Sk", bias="1,1,Sq,Sk", causal=True, packed=True, block_size=(128, 128)),
-    Case(seqlen_q=904, seqlen_k=1000, heads=4, kv_heads=2, head_dim=64, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),
-    Case(seqlen_q=1023, seqlen_k=1024, heads=2, kv_heads=1, head_dim=64, mask="1,1,Sq,Sk", bias="1,1,Sq,Sk", window=(300, 0), packed=True, block_size=(128, 128)),
-    Case(seqlen_q=700, seqlen_k=900, head_dim=128, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),
-    Case(seqlen_q=500, seqlen_k=700, heads=4, kv_heads=2, head_dim=64, mask="B,H,Sq,Sk", bias="1,Hkv,Sq,Sk", window=(100, 3), packed=True, block_size=(128, 128)),
-    Case(seqlen_q=300, seqlen_k=63, heads=3, kv_heads=1, head_dim=128, mask="B,Hkv,Sq,Sk", bias=PER_KEY, causal=True, packed=True, block_size=(128, 128)),
-    Case(seqlen_q=600, seqlen_k=777, head_dim=64, mask="1,Hkv,Sq,Sk", bias="B,1,Sq,Sk", mask_kind="tiles", packed=True, block_size=(256, 256)),
-    Case(seqlen_q=17, seqlen_k=1023, head_dim=64, bias="1,1,Sq,Sk", bias_fp32=True, causal=True),
-    Case(seqlen_q=1023, seqlen_k=1023, head_dim=128, mask="B,H,Sq,1", bias="1,Hkv,Sq,1", mask_kind="rows", causal=True),
-    Case(seqlen_q=300, seqlen_k=400, head_dim=64, mask="B,Hkv,1,Sk", bias="B,H,Sq,1", causal=True, block_size=(128, 128)),
-    Case(batch=2, seqlen_q=2048, seqlen_k=2048, heads=8, kv_heads=2, head_dim=128, mask="B,Hkv,Sq,Sk", bias=PER_KEY, mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),
-]
+PAIR_CASES = HOPPER_PAIR_CASES
 
 
 def _call(case: Case, inputs: dict, key_list=None):
