@@ -63,6 +63,11 @@ def pack_words(rows_of, shape: tuple[int, int, int, int], device: torch.device) 
     return words
 
 
+def pack_mask_words(mask: torch.Tensor) -> torch.Tensor:
+    """The words of a bool or 0/1 integer mask ``[Bm, Hm, Sqm, Skm]``, a chunk of rows at a time."""
+    return pack_words(lambda start, stop: mask[:, :, start:stop] != 0, tuple(mask.shape), mask.device)
+
+
 def unpack_rows(words: torch.Tensor, key_len: int) -> torch.Tensor:
     """int32 words ``[..., W]`` -> bool ``[..., key_len]``: the inverse of :func:`pack_rows`."""
     shifts = torch.arange(8, dtype=torch.uint8, device=words.device)

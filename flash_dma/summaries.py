@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from flash_dma.backends.triton.ops import summary_lists, summary_state
-from flash_dma.bit_mask import WORD_BITS, BitMask, block_states, pack_words
+from flash_dma.bit_mask import WORD_BITS, BitMask, block_states, pack_mask_words
 from flash_dma.block_mask import (
     DEFAULT_BLOCK_SIZE,
     PARTIAL,
@@ -136,5 +136,4 @@ def pack_mask(attn_mask: torch.Tensor, *, block_size: tuple[int, int] = DEFAULT_
     """
     _check_bool_mask(attn_mask)
     check_bit_block_size(block_size)
-    words = pack_words(lambda start, stop: attn_mask[:, :, start:stop] != 0, tuple(attn_mask.shape), attn_mask.device)
-    return bit_mask_from_words(words, tuple(attn_mask.shape), block_size)
+    return bit_mask_from_words(pack_mask_words(attn_mask), tuple(attn_mask.shape), block_size)

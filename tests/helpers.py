@@ -221,6 +221,7 @@ def kernel_call(
     """The Triton backend's :class:`~flash_dma.backends.triton.layout.Call` of ``inputs``, walked by
     ``summary`` (a ``BlockMask``) or ``key_list``, for tests that launch kernels directly. ``mask``
     overrides the inputs' (a BitMask's words make the call read bits)."""
+    from flash_dma.backends.triton import walk_fields
     from flash_dma.backends.triton.layout import Call
     from flash_dma.bit_mask import BitMask
 
@@ -228,15 +229,13 @@ def kernel_call(
     bits = isinstance(mask, BitMask)
     if bits:
         mask, summary = mask.words, mask.summary
-    lists, block_q, block_k = (None, None), 0, 0
-    if summary is not None:
-        lists = (summary.kv_lists, summary.q_lists)
-        block_q = summary.block_size[0] if summary.state.shape[2] > 1 else 0
-        block_k = summary.block_size[1] if summary.state.shape[3] > 1 else 0
-    return Call(
+    call = Call(
         inputs["query"], inputs["key"], inputs["value"], None if key_list is not None else mask, inputs["attn_bias"],
-        *lists, key_list, None, None, block_q, block_k, softmax_scale, *window, softcap, deterministic, 0, 0, bits,
+        None, None, key_list, None, None, 0, 0, softmax_scale, *window, softcap, deterministic, 0, 0, bits,
     )
+    if summary is None:
+        return call
+    return call._replace(**walk_fields(summary.state, summary.block_size, summary.kv_lists, summary.q_lists))
 
 
 def listed_variants(cases: list[Case]) -> list[Case]:

@@ -21,9 +21,9 @@ import torch
 
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.dispatch import hopper_takes_bits
-from flash_dma.backends.triton.layout import Call
+from flash_dma.backends.triton.layout import Call, input_form
 from flash_dma.backends.triton.ops import attention_op, key_list, kvcache_forward, launch_forward, summary_lists, summary_state
-from flash_dma.bit_mask import BitMask, block_states, pack_words
+from flash_dma.bit_mask import BitMask, block_states, pack_mask_words
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE
 
 SMALL_PROBLEM = 1 << 24  # B x H x Sq x Sk
@@ -38,7 +38,7 @@ def _per_key(mask, num_heads: int, num_kv_heads: int) -> bool:
     return mask.shape[2] == 1 and (mask.shape[1] in (1, num_kv_heads) or num_heads == num_kv_heads)
 
 
-def _walk_fields(state: torch.Tensor, block_size, kv_lists=None, q_lists=None) -> dict:
+def walk_fields(state: torch.Tensor, block_size, kv_lists=None, q_lists=None) -> dict:
     """The walk fields of a :class:`Call` for a summary's block states ``[Bm, Hm, NQB, NKB]`` and
     lists (built here when not given). An axis of one summary block spans the whole axis
     (broadcast or short), which a block size of 0 says."""
@@ -67,24 +67,24 @@ def _call(problem) -> Call:
         problem.softcap, problem.deterministic, problem.max_seqlen_q, problem.max_seqlen_k, bits,
     )
     if summary is not None:
-        call = call._replace(**_walk_fields(summary.state, summary.block_size, summary.kv_lists, summary.q_lists))
+        call = call._replace(**walk_fields(summary.state, summary.block_size, summary.kv_lists, summary.q_lists))
         if not (bits or summary.needs_mask):
             return call._replace(mask=None)  # without PARTIAL blocks the mask is never read
     large = batch * num_heads * seqlen_q * seqlen_k > SMALL_PROBLEM
     if mask is None or bits or not large:
         return call
-    if mask.shape[2] > 1 and mask.shape[3] > 1 and hopper_takes_bits(call):
+    if input_form(mask) == "pairs" and hopper_takes_bits(call):
         # The Hopper kernels read a per-pair mask as bits (1/8 of its bytes), walked by a summary.
-        shape = tuple(mask.shape)
-        words = pack_words(lambda start, stop: mask[:, :, start:stop] != 0, shape, mask.device)
+        words = pack_mask_words(mask)
         if summary is None:
-            call = call._replace(**_walk_fields(block_states(words, shape, DEFAULT_BLOCK_SIZE), DEFAULT_BLOCK_SIZE))
+            state = block_states(words, tuple(mask.shape), DEFAULT_BLOCK_SIZE)
+            call = call._replace(**walk_fields(state, DEFAULT_BLOCK_SIZE))
         return call._replace(mask=words, mask_bits=True)
     if summary is not None:
         return call
     if _per_key(mask, num_heads, num_kv_heads):
         return call._replace(mask=None, key_list=key_list(mask, seqlen_k))
-    return call._replace(**_walk_fields(summary_state(mask, *DEFAULT_BLOCK_SIZE), DEFAULT_BLOCK_SIZE))
+    return call._replace(**walk_fields(summary_state(mask, *DEFAULT_BLOCK_SIZE), DEFAULT_BLOCK_SIZE))
 
 
 def attention(problem):

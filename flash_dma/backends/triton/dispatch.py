@@ -19,7 +19,16 @@ import torch
 
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.hopper.common import HEAD_DIMS, TILES
-from flash_dma.backends.triton.layout import SEQ_PACKED, WALK_BLOCKS, WALK_DENSE, Call, Sequences, tma_aligned, walk_kind
+from flash_dma.backends.triton.layout import (
+    SEQ_PACKED,
+    WALK_BLOCKS,
+    WALK_DENSE,
+    Call,
+    Sequences,
+    input_form,
+    tma_aligned,
+    walk_kind,
+)
 
 HOPPER, TRITON = "hopper", "triton"
 PASSES = ("forward", "dq", "dkdv")
@@ -94,16 +103,6 @@ def device_kind(device: torch.device) -> str:
     return "cuda"
 
 
-def _input_form(t: torch.Tensor | None, bits: bool = False) -> str:
-    if t is None:
-        return "none"
-    if bits:
-        return "bits"
-    if t.shape[2] == 1:
-        return "keys"
-    return "rows" if t.shape[3] == 1 else "pairs"
-
-
 def form_of(
     pass_: str, call: Call, sequences: Sequences | None = None, split: bool = False, dout: torch.Tensor | None = None,
 ) -> Form:
@@ -114,7 +113,7 @@ def form_of(
     block_m, block_n = TILES[pass_]
     tensors = (q, call.k, call.v) if dout is None else (q, call.k, call.v, dout)
     bias = call.bias
-    pair_bias = bias is not None and bias.shape[2] > 1 and bias.shape[3] > 1
+    pair_bias = input_form(bias) == "pairs"
     aligned = (
         call.list_block_q % block_m == 0 and call.list_block_k % block_n == 0 and q.numel() > 0 and call.k.numel() > 0
         and tma_aligned(*tensors) and not (pair_bias and bias.stride(3) != 1)  # consecutive keys (``hopper/common.pair_offsets``)
@@ -123,8 +122,8 @@ def form_of(
         device=device_kind(q.device),
         dtype=_DTYPES[q.dtype],
         head_dim=q.shape[3],
-        mask=_input_form(call.mask, call.mask_bits),
-        bias=_input_form(call.bias),
+        mask=input_form(call.mask, call.mask_bits),
+        bias=input_form(call.bias),
         walk=walk,
         sequences="fixed" if sequences is None else ("packed" if sequences.kind == SEQ_PACKED else "cache"),
         split=split,

@@ -116,6 +116,19 @@ def walk_kind(walk: torch.Tensor | None, key_list: torch.Tensor | None) -> int:
     return WALK_DENSE if walk is None else WALK_BLOCKS
 
 
+def input_form(t: torch.Tensor | None, bits: bool = False) -> str:
+    """How a ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` mask or bias varies: ``"none"``, ``"keys"`` (``[., ., 1,
+    Sk|1]``), ``"rows"`` (``[., ., Sq, 1]``), ``"pairs"`` (``[., ., Sq, Sk]``), or ``"bits"`` for a
+    BitMask's words (``bits``). The routing table (``dispatch.Form``) and the kernels' flags read it."""
+    if t is None:
+        return "none"
+    if bits:
+        return "bits"
+    if t.shape[2] == 1:
+        return "keys"
+    return "rows" if t.shape[3] == 1 else "pairs"
+
+
 def tensor_layout(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.shape, t.stride(), t.dtype)
 

@@ -3,8 +3,19 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from flash_dma.backends.triton.dispatch import HOPPER, TRITON, Form, route, routing_table
+from flash_dma.backends.triton.hopper.common import (
+    BIAS_NONE,
+    BIAS_PAIRS,
+    BIAS_ROWS,
+    MASK_BITS,
+    MASK_KEYS,
+    MASK_NONE,
+    hopper_arguments,
+)
+from flash_dma.backends.triton.layout import WALK_DENSE, Call, input_form
 
 API = Path(__file__).resolve().parents[3] / "docs" / "api.md"
 PLAIN = Form(
@@ -40,3 +51,34 @@ def test_docs_show_the_table_the_code_routes_by():
 def test_routes(changes, forward, dq, dkdv):
     form = PLAIN._replace(**changes)
     assert (route("forward", form), route("dq", form), route("dkdv", form)) == (forward, dq, dkdv)
+
+
+@pytest.mark.parametrize(
+    "shape, bits, form",
+    [
+        (None, False, "none"),
+        ((1, 2, 1, 64), False, "keys"),
+        ((1, 2, 1, 1), False, "keys"),
+        ((1, 2, 32, 1), False, "rows"),
+        ((1, 2, 32, 64), False, "pairs"),
+        ((1, 2, 32, 4), True, "bits"),
+    ],
+    ids=str,
+)
+def test_input_forms(shape, bits, form):
+    assert input_form(None if shape is None else torch.zeros(shape), bits) == form
+
+
+def test_hopper_kernels_are_told_the_forms_the_table_routed():
+    """The flags ``hopper_arguments`` passes are the kernels' codes of ``input_form``'s forms."""
+    q = torch.zeros(1, 32, 2, 64, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
+    words = torch.zeros(1, 2, 32, 4, dtype=torch.int32)
+    for mask, bits, bias, codes in (
+        (words, True, torch.zeros(1, 2, 32, 64, dtype=torch.bfloat16), (MASK_BITS.value, BIAS_PAIRS.value)),
+        (torch.ones(1, 2, 1, 64, dtype=torch.bool), False, torch.zeros(1, 2, 32, 1), (MASK_KEYS.value, BIAS_ROWS.value)),
+        (None, False, None, (MASK_NONE.value, BIAS_NONE.value)),
+    ):
+        call = Call(q, k, v, mask, bias, None, None, None, None, None, 0, 0, 0.125, -1, 0, 0.0, False, 0, 0, bits)
+        _, _, flags = hopper_arguments(call, k, v, None, WALK_DENSE)
+        assert tuple(flags[:2]) == codes

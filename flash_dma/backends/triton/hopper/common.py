@@ -32,6 +32,7 @@ from flash_dma.backends.triton.layout import (
     broadcast_strides,
     diagonal_band,
     head_divisor,
+    input_form,
     kernel_view,
     placeholder,
     walk_kind,
@@ -86,16 +87,10 @@ def jit_with_runtime_scalars(fn):
     return gluon.jit(fn, do_not_specialize=[n for n, p in params if n[0].islower() and p.annotation is inspect.Parameter.empty])
 
 
-def input_form(t: torch.Tensor | None, bits: bool = False) -> int:
-    """``MASK_*`` / ``BIAS_*`` of a ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` input (the codes coincide), or
-    of a BitMask's words (``bits``). A bool mask per pair is never here (``dispatch.py``)."""
-    if t is None:
-        return MASK_NONE.value
-    if not bits and t.shape[2] == 1:
-        return MASK_KEYS.value
-    if not bits and t.shape[3] == 1:
-        return MASK_ROWS.value
-    return BIAS_PAIRS.value
+# The kernels' codes of ``layout.input_form``'s forms. A bool mask per pair has none: it takes the
+# Triton kernels, or is packed into bits first (``dispatch.hopper_takes_bits``).
+MASK_CODES = {"none": MASK_NONE.value, "keys": MASK_KEYS.value, "rows": MASK_ROWS.value, "bits": MASK_BITS.value}
+BIAS_CODES = {"none": BIAS_NONE.value, "keys": BIAS_KEYS.value, "rows": BIAS_ROWS.value, "pairs": BIAS_PAIRS.value}
 
 
 # The parameters every Hopper kernel begins with, in order (``hopper_arguments``).
@@ -108,7 +103,7 @@ def stages_pair_bias(call: Call, walk_flag: int) -> bool:
     room for its ring); otherwise the math warpgroups load it themselves."""
     bias = call.bias
     return (
-        bias is not None and bias.shape[2] > 1 and bias.shape[3] > 1 and bias.element_size() == 2 and bias.is_contiguous()
+        input_form(bias) == "pairs" and bias.element_size() == 2 and bias.is_contiguous()
         and bias.data_ptr() % 16 == 0 and bias.shape[3] % 8 == 0 and walk_flag != WALK_KEYS and call.q.shape[3] == 64
     )
 
@@ -141,7 +136,10 @@ def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.T
         call.list_block_q, call.list_block_k, *diagonal_band(call.window_left, call.window_right, seqlen_q, seqlen_k),
         call.softmax_scale, call.softmax_scale * tiles.LOG2E.value,
     ]
-    constexprs = [input_form(mask, call.mask_bits), input_form(bias), walk_flag, head_dim, stages_pair_bias(call, walk_flag)]
+    constexprs = [
+        MASK_CODES[input_form(mask, call.mask_bits)], BIAS_CODES[input_form(bias)], walk_flag, head_dim,
+        stages_pair_bias(call, walk_flag),
+    ]
     return tensors, runtime, constexprs
 
 
