@@ -21,8 +21,9 @@ from flash_dma import BlockMask, build_block_mask, flash_dma_func, flash_dma_var
 from flash_dma.benchmark import llama
 from flash_dma.benchmark.inputs import DTYPE, CacheInputs, Inputs, TokenInputs, pad_documents
 from flash_dma.benchmark.suites import Case
-from flash_dma.bit_mask import WORD_BITS, BitMask
+from flash_dma.bit_mask import WORD_BITS, BitMask, pack_words
 from flash_dma.block_mask import EMPTY, FULL
+from flash_dma.summaries import bit_mask_from_words
 
 # Dynamo keeps one compiled entry per shape (dynamic=False) and per score_mod; a full run needs up
 # to about 20, more than the default limit of 8, past which dynamo would fall back to eager Flex
@@ -128,6 +129,28 @@ class FlashDmaNoMask(Method):
     def prepare(self, case: Case, inputs: Inputs) -> Prepared:
         def forward() -> torch.Tensor:
             return flash_dma_func(inputs.query, inputs.key, inputs.value, attn_bias=inputs.bias, is_causal=True)
+
+        return Prepared(forward, inputs.leaves)
+
+
+class FlashDmaBits(Method):
+    name = "flash-dma-bits"
+    description = (
+        "the per-query-block selection handed over as a per-query mask: a `BitMask` packed from the "
+        "block mask's elements, passed as `attn_mask` alone, so flash-dma finds its tiles from the bits "
+        "(topkq suite: whether time follows the non-empty tiles when neighbouring queries pick the same keys)"
+    )
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        blocks = inputs.block_mask
+        shape = (*blocks.mask_shape[:2], case.seqlen_q, case.seqlen_k)
+        words = pack_words(lambda start, stop: blocks.dense_rows(start, stop, case.seqlen_k) != EMPTY,
+                           shape, blocks.device)
+        mask = bit_mask_from_words(words, shape, blocks.block_size)
+
+        def forward() -> torch.Tensor:
+            return flash_dma_func(inputs.query, inputs.key, inputs.value, attn_mask=mask, attn_bias=inputs.bias,
+                                  is_causal=True)
 
         return Prepared(forward, inputs.leaves)
 
@@ -556,6 +579,7 @@ METHODS: dict[str, Method] = {
         FlashDma(reuse_block_mask=False),
         FlashDma(reuse_block_mask=True, backend="flex"),
         FlashDmaNoMask(),
+        FlashDmaBits(),
         Flex(),
         SdpaAdditive(),
         Sdpa(),

@@ -390,7 +390,7 @@ def topkq_cases(quick: bool = False) -> list[Case]:
     selection is only ever a block mask) and no float-mask SDPA (an 8 GiB ``[H, S, S]`` mask)."""
     return [
         Case("topkq", "prefill", **LLM_SHAPE, seqlen_q=TOPKQ_LENGTH, seqlen_k=TOPKQ_LENGTH, keep=TOPKQ_KEEP,
-             methods=("flash-dma", "flex", CEILING), modes=MODES, mask="query-block")
+             methods=("flash-dma", "flash-dma-bits", "flex", CEILING), modes=MODES, mask="query-block")
     ]
 
 

@@ -47,6 +47,9 @@ from flash_dma.interface import flash_dma_func, flash_dma_varlen_func
 from flash_dma.packed import values_checkable
 
 ATTENTION_NAME = doge.ATTENTION_NAME
+# transformers < 5.23 looks continuous batching's "paged|flash_dma" up by that name; later versions
+# drop the prefix themselves. The same function serves both (it takes the paged cache).
+_NAMES = (ATTENTION_NAME, f"paged|{ATTENTION_NAME}")
 # Why the installed transformers' Doge could not take flash-dma's Doge path, if it could not.
 _DOGE_MISFIT: RuntimeError | None = None
 
@@ -269,7 +272,7 @@ def _exempt_from_flash_attention_loading() -> None:
 
     @functools.wraps(original)
     def lazy_import_flash_attention(implementation, *args, **kwargs):
-        if implementation == ATTENTION_NAME:
+        if implementation in _NAMES:
             return None
         return original(implementation, *args, **kwargs)
 
@@ -292,8 +295,9 @@ def register() -> None:
             "AttentionMaskInterface: pip install 'flash-dma[hf]'"
         ) from error
     global _DOGE_MISFIT
-    AttentionInterface.register(ATTENTION_NAME, flash_dma_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, flash_dma_mask)
+    for name in _NAMES:
+        AttentionInterface.register(name, flash_dma_attention_forward)
+        AttentionMaskInterface.register(name, flash_dma_mask)
     _exempt_from_flash_attention_loading()
     try:
         doge.install()

@@ -75,7 +75,7 @@ def test_topkq_suite_keeps_one_eighth_of_the_blocks_per_query_block():
     (c,) = topkq_cases()
     assert (c.suite, c.mask, c.bias, c.seqlen_q, c.seqlen_k) == ("topkq", "query-block", "key", 16384, 16384)
     assert (c.batch, c.heads, c.kv_heads, c.head_dim) == (1, 16, 4, 128)
-    assert c.methods == ("flash-dma", "flex", "sdpa-cudnn") and c.modes == ("fwd", "fwdbwd")
+    assert c.methods == ("flash-dma", "flash-dma-bits", "flex", "sdpa-cudnn") and c.modes == ("fwd", "fwdbwd")
     assert c.kept_text == "16/128 per q-block" and c.label == "S=16384 keep=1/8 per q-block"
 
 

@@ -52,21 +52,30 @@ def test_loss_logits_and_gradients_match_sdpa():
 
 
 def test_the_kernels_get_a_bias_per_key_and_a_bit_mask(monkeypatch):
-    """No [B, H, S, S] float mask: the bias per key, and the selection packed one bit per pair."""
+    """No [B, H, S, S] float mask: the bias per key, and Doge's own selection packed one bit per pair."""
     _, ours = doge_models()
-    seen = []
-    real = integration.flash_dma_func
-    monkeypatch.setattr(integration, "flash_dma_func", lambda *args, **kwargs: (seen.append(args[3:5]), real(*args, **kwargs))[1])
-    input_ids = tokens(seqlen=30)
-    ours(input_ids)
-    assert len(seen) == TINY["num_hidden_layers"]
-    for mask, bias in seen:
+    seen, selections = [], []
+    real_call, real_prepare = integration.flash_dma_func, doge._prepare_dynamic_mask
+
+    def prepare(original, layer, hidden_states, dt_states, keep_window_size, attention_mask):
+        # What Doge itself keeps, from the causal mask this transformers hands it (5.23 a bool
+        # [B, 1, S, S]; earlier versions None, and Doge then ranks every key).
+        doge_mask = original(layer, hidden_states, dt_states, keep_window_size, attention_mask)
+        selections.append((doge_mask > torch.finfo(doge_mask.dtype).min, attention_mask))
+        return real_prepare(original, layer, hidden_states, dt_states, keep_window_size, attention_mask)
+
+    monkeypatch.setattr(doge, "_prepare_dynamic_mask", prepare)
+    monkeypatch.setattr(integration, "flash_dma_func", lambda *args, **kwargs: (seen.append(args[3:5]), real_call(*args, **kwargs))[1])
+    ours(tokens(seqlen=30))
+    assert len(seen) == len(selections) == TINY["num_hidden_layers"]
+    for (mask, bias), (expected, causal_mask) in zip(seen, selections):
         assert isinstance(mask, BitMask) and mask.shape == (2, TINY["num_key_value_heads"], 30, 30)
         assert bias.shape == (2, TINY["num_attention_heads"], 1, 30)
-        # Each query keeps the keep_window_size keys (or all it sees), never a key after it.
         kept = mask.dense()
-        assert torch.equal(kept.sum(-1), torch.clamp(torch.arange(1, 31), max=TINY["keep_window_size"]).expand(2, 2, 30))
-        assert not (kept & torch.ones(30, 30, dtype=torch.bool).triu(1)).any()
+        assert torch.equal(kept, expected)
+        if causal_mask is not None:  # each query keeps keep_window_size of its visible keys (or all)
+            assert torch.equal(kept.sum(-1), torch.clamp(torch.arange(1, 31), max=TINY["keep_window_size"]).expand(2, 2, 30))
+            assert not (kept & torch.ones(30, 30, dtype=torch.bool).triu(1)).any()
     assert all(not hasattr(layer.self_attn, doge._SELECTION) for layer in ours.model.layers)
 
 

@@ -1,6 +1,7 @@
 """attn_implementation="flash_dma" in transformers: tiny random models (no downloads) against SDPA."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -98,11 +99,21 @@ def test_generate_matches_sdpa_at_every_step(llama_pair, cache, pads):
     assert torch.equal(actual_tokens, expected_tokens)
 
 
+def batching_config(page: int, **batching) -> ContinuousBatchingConfig:
+    """``ContinuousBatchingConfig`` with pages of ``page`` tokens, under the field's name in the
+    installed transformers (``page_size`` from 5.23, ``block_size`` before), and a small static
+    budget, so that tests sharing one GPU do not each size the cache from its free memory."""
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    page_field = "page_size" if "page_size" in fields else "block_size"
+    batching.setdefault("max_batch_tokens", 64)
+    return ContinuousBatchingConfig(**{page_field: page}, **batching)
+
+
 def batch_tokens(model, prompts, **batching):
     """Greedy tokens of ``generate_batch`` (continuous batching over a paged cache), one list per prompt."""
     generation = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, pad_token_id=0)
     results = model.generate_batch(
-        inputs=prompts, generation_config=generation, continuous_batching_config=ContinuousBatchingConfig(**batching),
+        inputs=prompts, generation_config=generation, continuous_batching_config=batching_config(**batching),
         warmup=False,
     )
     assert [r.error for r in results.values()] == [None] * len(prompts)
@@ -111,7 +122,7 @@ def batch_tokens(model, prompts, **batching):
 
 @pytest.mark.parametrize(
     "batching",
-    [dict(num_blocks=8), dict(page_size=16, num_blocks=32, max_batch_tokens=24)],
+    [dict(page=256, num_blocks=8), dict(page=16, num_blocks=32, max_batch_tokens=24)],
     ids=["one-page-each", "small-pages-chunked-prefill"],
 )
 def test_continuous_batching_matches_sdpa(llama_pair, batching):
@@ -132,7 +143,7 @@ def test_a_continuous_batching_manager_serves_requests_as_they_come(llama_pair):
     prompts = [[5, 7, 9, 11], [3, 4, 60, 61, 62, 63]]
     generation = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
     manager = ours.init_continuous_batching(
-        generation_config=generation, continuous_batching_config=ContinuousBatchingConfig(page_size=16, num_blocks=8)
+        generation_config=generation, continuous_batching_config=batching_config(page=16, num_blocks=8)
     )
     manager.start()
     try:
