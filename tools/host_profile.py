@@ -32,7 +32,7 @@ from flash_dma.benchmark.suites import host_cases
 # Where profiled time is counted, first match wins: (part, what a function's file or name holds).
 PARTS = (
     ("validation (inputs.py)", ("flash_dma/inputs.py",)),
-    ("kernel launch (Triton's launcher)", ("triton_launcher", "triton/backends", "triton/compiler")),
+    ("kernel launch (Triton's launcher)", ("triton_launcher", "built-in method launch>", "triton/backends", "triton/compiler")),
     ("allocations (empty, zeros)", ("torch.empty", "torch.zeros", "new_zeros", "new_empty", "empty_like", "zeros_like")),
     ("Triton backend Python", ("flash_dma/backends/triton",)),
     ("other flash-dma Python", ("flash_dma/",)),
