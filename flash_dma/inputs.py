@@ -16,6 +16,7 @@ import torch
 
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import BlockMask
+from flash_dma.memo import Memo
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -143,9 +144,14 @@ def check_mask(mask, query: torch.Tensor, shape) -> None:
     if mask.device != query.device:
         raise ValueError(f"attn_mask: expected device {query.device} (the device of query), got {mask.device}")
     check_broadcastable("attn_mask", mask, shape)
-    # Integer masks must be 0/1. This reads the mask once; under torch.compile the check is skipped
-    # because it would force a graph break.
-    if mask.dtype != torch.bool and not torch.compiler.is_compiling():
+    check_mask_values(mask)
+
+
+def check_mask_values(mask) -> None:
+    """An integer mask must hold only 0 and 1. This reads the mask once, so it runs on every call
+    (no memo of layouts can answer it); under torch.compile it is skipped because it would force a
+    graph break."""
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool and not torch.compiler.is_compiling():
         if bool(((mask != 0) & (mask != 1)).any()):
             raise ValueError("attn_mask: an integer mask must hold only 0 and 1 (use a bool mask, True = attend)")
 
@@ -254,6 +260,27 @@ def normalize_inputs(
     ``entries`` ``(B, Sq, Sk, H, Hkv, D)`` is what masks, biases and summaries broadcast to, when
     not the tensors' own shape (packed sequences: one entry per sequence).
     """
+    signature = _signature(query, key, value, attn_mask, attn_bias, block_mask, entries)
+    if signature is None or signature not in _VALIDATED:
+        _check_tensors(query, key, value, attn_mask, attn_bias, block_mask, entries)
+        if signature is not None:
+            _VALIDATED.remember(signature, True)
+    else:
+        check_mask_values(attn_mask)
+    return AttentionProblem(
+        query=_last_dim_contiguous(query),
+        key=_last_dim_contiguous(key),
+        value=_last_dim_contiguous(value),
+        attn_mask=attn_mask,
+        attn_bias=attn_bias,
+        block_mask=block_mask,
+        **normalize_settings(query, softmax_scale, is_causal, window_size, softcap, deterministic),
+    )
+
+
+def _check_tensors(query, key, value, attn_mask, attn_bias, block_mask, entries) -> None:
+    """The checks of :func:`normalize_inputs`' tensor arguments: their types, shapes, dtypes and
+    devices (and the values of an integer mask)."""
     _check_qkv(query, key, value)
     shape = (query.shape[0], query.shape[1], key.shape[1], query.shape[2], key.shape[2], query.shape[3])
     shape = shape if entries is None else entries
@@ -263,14 +290,34 @@ def normalize_inputs(
         check_bias(attn_bias, query, shape)
     if block_mask is not None:
         _check_block_mask(block_mask, attn_mask, query, shape)
-    return AttentionProblem(
-        query=_last_dim_contiguous(query),
-        key=_last_dim_contiguous(key),
-        value=_last_dim_contiguous(value),
-        attn_mask=attn_mask,
-        attn_bias=attn_bias,
-        block_mask=block_mask,
-        **normalize_settings(query, softmax_scale, is_causal, window_size, softcap, deterministic),
+
+
+# Signatures of the tensor arguments that passed _check_tensors (the settings are checked on every call).
+_VALIDATED = Memo()
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _signature(query, key, value, attn_mask, attn_bias, block_mask, entries) -> tuple | None:
+    """All that :func:`_check_tensors` reads of its arguments (types, shapes, dtypes, devices; the
+    values of an integer mask are read on every call), or None where the checks must run: arguments
+    of other types, and tracing under torch.compile, whose own guards cover the shapes."""
+    types = type(query), type(key), type(value), type(attn_mask), type(attn_bias), type(block_mask)
+    if not (types[0] in _TENSOR_TYPES and types[1] in _TENSOR_TYPES and types[2] in _TENSOR_TYPES):
+        return None
+    if attn_mask is None or types[3] in _TENSOR_TYPES:
+        mask = None if attn_mask is None else (attn_mask.shape, attn_mask.dtype, attn_mask.device)
+    elif types[3] is BitMask:
+        mask = (attn_mask.shape, attn_mask.device)
+    else:
+        return None
+    if attn_bias is not None and types[4] not in _TENSOR_TYPES or block_mask is not None and types[5] is not BlockMask:
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    return (
+        types, query.shape, query.dtype, query.device, key.shape, key.dtype, key.device, value.shape, value.dtype,
+        value.device, mask, None if attn_bias is None else (attn_bias.shape, attn_bias.dtype, attn_bias.device),
+        None if block_mask is None else (block_mask.mask_shape, block_mask.device, block_mask.needs_mask), entries,
     )
 
 

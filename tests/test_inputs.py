@@ -1,9 +1,13 @@
 """Bad input gets a TypeError/ValueError naming the argument, the expectation and what was given."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
-from flash_dma import build_block_mask, flash_dma_func
+from flash_dma import build_block_mask, flash_dma_func, memo
+from flash_dma import inputs as inputs_module
 from tests.helpers import DEVICE
 
 B, SQ, SK, H, HKV, D = 2, 8, 12, 4, 2, 16
@@ -120,3 +124,38 @@ def test_integer_masks_of_zeros_and_ones_are_accepted():
     expected = flash_dma_func(**inputs, attn_mask=mask.bool())
     actual = flash_dma_func(**inputs, attn_mask=mask)
     assert torch.equal(actual, expected)
+
+
+def test_a_remembered_validation_still_rejects_a_call_that_differs_in_one_dtype_shape_or_device():
+    """Checks are run once per signature of the tensors (types, shapes, dtypes, devices); a call
+    that differs from a remembered one in any of these is checked afresh, and the values of an
+    integer mask are read on every call."""
+    inputs = _inputs()
+    mask = _mask(B, 1, SQ, SK, dtype=torch.int32)
+    expected = flash_dma_func(**inputs, attn_mask=mask)
+    assert torch.equal(flash_dma_func(**inputs, attn_mask=mask), expected)  # the remembered signature
+    with pytest.raises(ValueError, match=r"attn_mask: an integer mask must hold only 0 and 1"):
+        flash_dma_func(**inputs, attn_mask=2 * mask)
+    with pytest.raises(TypeError, match=r"key: expected dtype torch.float32 \(the dtype of query\), got torch.float16"):
+        flash_dma_func(**{**inputs, "key": inputs["key"].half()}, attn_mask=mask)
+    with pytest.raises(TypeError, match=r"attn_mask: expected a bool .* got torch.float32"):
+        flash_dma_func(**inputs, attn_mask=mask.float())
+    with pytest.raises(ValueError, match=r"attn_mask: dimension 1 \(heads\) must be 1 or 2 or 4, got 3"):
+        flash_dma_func(**inputs, attn_mask=_mask(B, 3, SQ, SK, dtype=torch.int32))
+    cpu = {name: t.cpu() for name, t in inputs.items()}
+    flash_dma_func(**cpu, attn_mask=mask.cpu())
+    with pytest.raises(ValueError, match=r"attn_mask: expected device cpu .* got meta"):
+        flash_dma_func(**cpu, attn_mask=torch.ones(B, 1, SQ, SK, dtype=torch.int32, device="meta"))
+
+
+def test_the_validation_memo_is_bounded_and_keeps_no_tensor(monkeypatch):
+    monkeypatch.setattr(memo, "MAX_ENTRIES", 3)
+    for seqlen_q in range(1, 9):
+        flash_dma_func(**_inputs(query=torch.randn(B, seqlen_q, H, D, device=DEVICE)))
+    assert 0 < len(inputs_module._VALIDATED) <= 3
+    inputs = _inputs()
+    alive = [weakref.ref(t) for t in inputs.values()]
+    flash_dma_func(**inputs)
+    del inputs
+    gc.collect()
+    assert all(ref() is None for ref in alive)

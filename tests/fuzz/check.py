@@ -25,6 +25,7 @@ from flash_dma.backends.reference import reference_attention, visible_positions
 from flash_dma.backends.triton import backward as triton_backward
 from flash_dma.block_mask import effective_mask_rows
 from flash_dma.masks import topk_block_mask
+from flash_dma.memo import forget_memos
 from tests.fuzz.configs import Trial
 from tests.helpers import Case, assert_close, poisoned_empty, reference_outputs, triton_call
 
@@ -132,10 +133,13 @@ def _forced_query_chunks(chunks: int):
     real = triton_backward.query_chunks
     if chunks > 1:
         triton_backward.query_chunks = lambda *problem: chunks
+        forget_memos()  # the chunks of a layout seen before are remembered
     try:
         yield
     finally:
         triton_backward.query_chunks = real
+        if chunks > 1:
+            forget_memos()
 
 
 @contextlib.contextmanager

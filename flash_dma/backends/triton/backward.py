@@ -22,32 +22,32 @@ On sm90, launches 2 and 3 run the Gluon kernels of ``hopper/`` where ``dispatch.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from flash_dma.backends.triton import configs
-from flash_dma.backends.triton.dispatch import HOPPER, form_of, route
+from flash_dma.backends.triton.dispatch import HOPPER, device_kind, form_of, route
 from flash_dma.backends.triton.forward import packed_sequences
 from flash_dma.backends.triton.hopper.dkdv import hopper_dkdv
 from flash_dma.backends.triton.hopper.dq import hopper_dq
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
-    CALL_TENSORS,
     DBIAS_FULL,
     DBIAS_NONE,
     DBIAS_PER_KEY,
     SPECIALIZED,
     Call,
     broadcast_strides,
+    call_signature,
     common_arguments,
-    common_layout,
     common_tensors,
     copy_engine_reads,
     grid_sizes,
     head_divisor,
     placeholder,
-    tensor_layout,
 )
 from flash_dma.backends.triton.tiles import (
     LOG2E,
@@ -77,6 +77,7 @@ from flash_dma.backends.triton.tiles import (
     walk_position,
 )
 from flash_dma.integers import cdiv
+from flash_dma.memo import Memo
 
 MAX_QUERY_CHUNKS = 8
 _QUERIES_PER_CHUNK = 2048
@@ -502,12 +503,24 @@ dq_launcher = Launcher(
 )
 
 
-def bias_gradient_buffer(
-    bias, batch, num_heads, num_kv_heads, seqlen_k, deterministic, query_chunks, hopper=False, per_head_walk=False,
-):
-    """The buffer the dK/dV kernel makes the bias gradient in, and how to read it.
+class BiasGradient(NamedTuple):
+    """How the dK/dV kernel makes the bias gradient (:func:`bias_gradient`): in a zeroed buffer
+    ``[chunks, Bd, Hd, Sqb, Sk]`` of ``dtype``, then summed over its chunks and over the
+    dimensions ``sums`` (of one chunk) into the bias's shape."""
 
-    Returns ``(buffer, kind, atomic, head_shared)``; the buffer is ``[chunks, Bd, Hd, Sqb, Sk]``.
+    shape: tuple[int, int, int, int, int]
+    dtype: torch.dtype
+    kind: int  # DBIAS_FULL or DBIAS_PER_KEY
+    atomic: bool
+    head_shared: bool
+    sums: tuple[int, ...]
+
+
+def bias_gradient(
+    bias, batch, num_heads, num_kv_heads, seqlen_k, deterministic, query_chunks, hopper=False, per_head_walk=False,
+) -> BiasGradient | None:
+    """How the dK/dV kernel makes the gradient of ``bias``; None when it is zero and takes no work.
+
     Programs own one (query chunk, batch, kv head). Where the bias is shared across programs
     (batch or kv heads broadcast), the deterministic path gives each program its own slice
     (extra memory: B or Hkv times the bias) and sums them afterwards; the default path
@@ -523,7 +536,7 @@ def bias_gradient_buffer(
     # key it is that key's bias: its gradient is 0 in a problem of its own, but not in a part of
     # a larger softmax (context parallelism's calls), so it is computed.
     if bk == 1 and seqlen_k > 1:
-        return None, DBIAS_NONE, False, False
+        return None
     shared_batch = bb == 1 and batch > 1
     shared_kv = bh == 1 and num_kv_heads > 1
     full = bq > 1
@@ -532,8 +545,10 @@ def bias_gradient_buffer(
     rows_h = num_kv_heads if shared_kv and deterministic else bh
     chunks = 1 if full else query_chunks
     dtype = bias.dtype if hopper and full and not atomic else torch.float32
-    buffer = torch.zeros(chunks, rows_b, rows_h, bq, bk, dtype=dtype, device=bias.device)
-    return buffer, DBIAS_FULL if full else DBIAS_PER_KEY, atomic, rows_h != num_heads
+    sums = tuple(d for d, (rows, size) in enumerate(((rows_b, bb), (rows_h, bh))) if rows != size)
+    return BiasGradient(
+        (chunks, rows_b, rows_h, bq, bk), dtype, DBIAS_FULL if full else DBIAS_PER_KEY, atomic, rows_h != num_heads, sums,
+    )
 
 
 def query_chunks(
@@ -582,9 +597,10 @@ def query_chunks(
     return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_ATOMIC_CHUNK, wanted))
 
 
-def _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, in_order, sequences):
+def _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, in_order, sequences, signature):
     """The dK/dV launch of ``attention_backward``, with its fp32 scratch for query chunks (added
-    up in chunk order when ``in_order``, else by atomics)."""
+    up in chunk order when ``in_order``, else by atomics). ``signature``: the layouts of the call,
+    of ``dout`` and of the gradients (``attention_backward``'s)."""
     q, k = call.q, call.k
     batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
     num_heads, head_dim, num_kv_heads = q.shape[2], q.shape[3], k.shape[2]
@@ -618,18 +634,16 @@ def _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks,
     def candidates():
         return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dkdv"), seqlen_q, list_block_q, list_block_k)
 
-    layout = (
-        common_layout(call, walk, sequences), call.key_list is not None, *call[CALL_TENSORS:], dout.stride(),
-        chunks, in_order, *dbias_flags, tensor_layout(dbias_acc), dk.dtype,
-    )
+    layout = (signature, chunks, dbias_flags)
     dkdv_launcher.launch(
         layout, [*common_tensors(call, walk, sequences), *own], build, candidates,
         lambda meta: (chunks, cdiv(seqlen_k, meta["BLOCK_N"]), batch * num_kv_heads),
     )
 
 
-def _launch_dq(call, dout, lse, delta, dq, sequences):
-    """The Triton dQ launch of ``attention_backward``."""
+def _launch_dq(call, dout, lse, delta, dq, sequences, signature):
+    """The Triton dQ launch of ``attention_backward``. ``signature``: the layouts of the call, of
+    ``dout`` and of ``dq`` (``attention_backward``'s)."""
     q, k = call.q, call.k
     batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
     num_heads, head_dim = q.shape[2], q.shape[3]
@@ -649,7 +663,7 @@ def _launch_dq(call, dout, lse, delta, dq, sequences):
         return configs.fit_to_problem(configs.backward_candidates(device, block_d, "dq"), seqlen_q, call.list_block_q, call.list_block_k)
 
     dq_launcher.launch(
-        (common_layout(call, walk, sequences), call.key_list is not None, *call[CALL_TENSORS:], dout.stride(), dq.dtype),
+        signature,
         [*common_tensors(call, walk, sequences), dout, lse, delta, dq], build, candidates,
         lambda meta: (cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_heads),
     )
@@ -674,52 +688,85 @@ def attention_backward(
     not asked for).
     """
     q, k, bias = call.q, call.k, call.bias
-    sequences = packed_sequences(call)
-    batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
-    num_heads, head_dim = q.shape[2], q.shape[3]
-    device = q.device
-    block_d = configs.head_dim_block(head_dim)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     lse = lse.contiguous()
+    grad_dtype = grad_dtype or q.dtype
+    bias_requires_grad = bias is not None and bias_requires_grad
+    # The layout of everything the passes read but out and lse (whose own layouts key the delta launch).
+    signature = (
+        call_signature(call), dout.stride(), dout.data_ptr() % 16 == 0, device_kind(q.device), bias_requires_grad,
+        num_query_chunks, grad_dtype,
+    )
+    plan = _PLANS.get(signature)
+    if plan is None:
+        plan = _PLANS.remember(signature, _plan(call, dout, bias_requires_grad, num_query_chunks))
+    sequences = packed_sequences(call)
+    device = q.device
+    num_heads, head_dim = q.shape[2], q.shape[3]
     # Delta is per token: packed sequences need no bounds for it.
     token_rows = q.shape[1]
     delta = torch.empty(q.shape[0], num_heads, token_rows, dtype=torch.float32, device=device)
+
+    def delta_arguments():
+        block_d = configs.head_dim_block(head_dim)
+        args = [out, dout, delta, *out.stride()[:3], *dout.stride()[:3], token_rows, num_heads, head_dim, _DELTA_ROWS, block_d]
+        return args, (out.dtype, block_d)
+
     delta_launcher.launch(
-        (out.shape, out.stride(), dout.stride(), out.dtype, device), [out, dout, delta],
-        lambda: ([out, dout, delta, *out.stride()[:3], *dout.stride()[:3], token_rows, num_heads, head_dim, _DELTA_ROWS, block_d], (out.dtype, block_d)),
+        (out.shape, out.stride(), dout.stride(), out.dtype, device), [out, dout, delta], delta_arguments,
         configs.single_program_config, lambda meta: (cdiv(token_rows, _DELTA_ROWS), q.shape[0] * num_heads),
     )
-    grad_dtype = grad_dtype or q.dtype
     dk = torch.empty(k.shape, dtype=grad_dtype, device=device)
     dv = torch.empty_like(dk)
-    num_kv_heads = k.shape[2]
-    queued = route("dkdv", form_of("dkdv", call, sequences, dout=dout)) == HOPPER
-    masked = call.mask is not None or call.q_lists is not None or call.key_list is not None
-    chunks = num_query_chunks or query_chunks(seqlen_q, seqlen_k, batch * num_kv_heads, call.deterministic, device, queued, masked)
-    dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = None, DBIAS_NONE, False, False
-    if bias is not None and bias_requires_grad:
-        per_head_walk = call.q_lists is not None and call.q_lists.shape[1] == num_heads and num_heads > num_kv_heads
-        dbias_acc, dbias_kind, dbias_atomic, dbias_head_shared = bias_gradient_buffer(
-            bias, batch, num_heads, num_kv_heads, seqlen_k, call.deterministic, chunks, queued, per_head_walk,
-        )
-    dbias_flags = (dbias_kind, dbias_atomic, dbias_head_shared)
-    if queued:
-        hopper_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks)
+    gradient = plan.bias_gradient
+    dbias_acc = None if gradient is None else torch.zeros(gradient.shape, dtype=gradient.dtype, device=device)
+    dbias_flags = (DBIAS_NONE, False, False) if gradient is None else (gradient.kind, gradient.atomic, gradient.head_shared)
+    if plan.hopper_dkdv:
+        hopper_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, signature)
     else:
-        _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, call.deterministic, sequences)
+        _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, call.deterministic, sequences, signature)
     # dQ is allocated once the dK/dV scratch is released, so the two never add up in the peak.
     dq = torch.empty(q.shape, dtype=grad_dtype, device=device)
-    if route("dq", form_of("dq", call, sequences, dout=dout)) == HOPPER:
-        hopper_dq(call, dout, lse, delta, dq)
+    if plan.hopper_dq:
+        hopper_dq(call, dout, lse, delta, dq, signature)
     else:
-        _launch_dq(call, dout, lse, delta, dq, sequences)
+        _launch_dq(call, dout, lse, delta, dq, sequences, signature)
 
     dbias = None
-    if bias is not None and bias_requires_grad:
-        if dbias_acc is None:
-            dbias = bias.new_zeros(bias.shape)  # a bias broadcast over keys cannot change the softmax
-        else:
-            extra = [d for d in (0, 1) if dbias_acc.shape[d + 1] != bias.shape[d]]
-            dbias = dbias_acc[0] if dbias_acc.shape[0] == 1 else dbias_acc.sum(dim=0)
-            dbias = (dbias.sum(dim=extra, keepdim=True) if extra else dbias).to(bias.dtype)
+    if gradient is not None:
+        dbias = dbias_acc[0] if gradient.shape[0] == 1 else dbias_acc.sum(dim=0)
+        dbias = (dbias.sum(dim=gradient.sums, keepdim=True) if gradient.sums else dbias).to(bias.dtype)
+    elif bias_requires_grad:
+        dbias = bias.new_zeros(bias.shape)  # a bias broadcast over keys cannot change the softmax
     return dq, dk, dv, dbias
+
+
+class _Plan(NamedTuple):
+    """What a backward decides from its layout alone (memoised per layout in :data:`_PLANS`)."""
+
+    hopper_dkdv: bool  # the Gluon kernels of ``hopper/`` serve dK/dV, and dQ (``dispatch.py``)
+    hopper_dq: bool
+    chunks: int  # query chunks of dK/dV (``query_chunks``)
+    bias_gradient: BiasGradient | None  # None when not asked for, or zero
+
+
+_PLANS = Memo()
+
+
+def _plan(call: Call, dout: torch.Tensor, bias_requires_grad: bool, num_query_chunks: int | None) -> _Plan:
+    sequences = packed_sequences(call)
+    batch, seqlen_q, seqlen_k = grid_sizes(call.q, call.k, sequences)
+    num_heads, num_kv_heads = call.q.shape[2], call.k.shape[2]
+    hopper_dkdv = route("dkdv", form_of("dkdv", call, sequences, dout=dout)) == HOPPER
+    hopper_dq = route("dq", form_of("dq", call, sequences, dout=dout)) == HOPPER
+    masked = call.mask is not None or call.q_lists is not None or call.key_list is not None
+    chunks = num_query_chunks or query_chunks(
+        seqlen_q, seqlen_k, batch * num_kv_heads, call.deterministic, call.q.device, hopper_dkdv, masked,
+    )
+    gradient = None
+    if bias_requires_grad:
+        per_head_walk = call.q_lists is not None and call.q_lists.shape[1] == num_heads and num_heads > num_kv_heads
+        gradient = bias_gradient(
+            call.bias, batch, num_heads, num_kv_heads, seqlen_k, call.deterministic, chunks, hopper_dkdv, per_head_walk,
+        )
+    return _Plan(hopper_dkdv, hopper_dq, chunks, gradient)

@@ -11,6 +11,7 @@ keeps the two equal.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -89,6 +90,7 @@ ROUTES = (
 )
 
 
+@functools.lru_cache(maxsize=1024)  # forms are few: a walk of the table per call costs more than the lookup
 def route(pass_: str, form: Form) -> str:
     """The kernel that serves ``pass_`` of a call of ``form``."""
     return next(r.kernel for r in ROUTES if r.covers(pass_, form))

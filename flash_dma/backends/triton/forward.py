@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from flash_dma.backends.triton import configs
-from flash_dma.backends.triton.dispatch import HOPPER, form_of, route
+from flash_dma.backends.triton.dispatch import HOPPER, device_kind, form_of, route
 from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
@@ -30,12 +30,13 @@ from flash_dma.backends.triton.layout import (
     SPECIALIZED,
     Call,
     Sequences,
+    call_signature,
     common_arguments,
-    common_layout,
     common_tensors,
     copy_engine_reads,
     grid_sizes,
     placeholder,
+    sequences_signature,
     tensor_layout,
 )
 from flash_dma.backends.triton.tiles import (
@@ -61,6 +62,7 @@ from flash_dma.backends.triton.tiles import (
     walk_position,
 )
 from flash_dma.integers import cdiv
+from flash_dma.memo import Memo
 
 MAX_SPLITS = 256
 _KEYS_PER_SPLIT = 256  # fewer keys than this per split is not worth a split
@@ -326,31 +328,22 @@ def attention_forward(
     Returns:
         ``out`` and ``lse`` in the layout of q: ``[B, Sq, H, D]`` in q's dtype and ``[B, H, Sq]`` float32.
     """
-    q, k, key_list, kv_lists = call.q, call.k, call.key_list, call.kv_lists
-    list_block_q, list_block_k = call.list_block_q, call.list_block_k
     sequences = sequences or packed_sequences(call)
-    batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
-    num_heads, head_dim = q.shape[2], q.shape[3]
-    num_kv_heads = k.shape[2]
-    group = num_heads // num_kv_heads
-    walked = key_list if key_list is not None else kv_lists
-    walk_heads = 1 if walked is None else walked.shape[1]
-    # Packing a group's heads into one tile needs one walk shared by all of its rows.
-    pack_gqa = (
-        group > 1 and seqlen_q * group <= 64 and walk_heads in (1, num_kv_heads) and list_block_q == 0
-        and (sequences is None or sequences.kind != SEQ_PACKED)
-    )
-    rows = seqlen_q * group if pack_gqa else seqlen_q
-    if num_splits is None:
-        programs = batch * (num_kv_heads if pack_gqa else num_heads) * cdiv(rows, 64)
-        num_splits = split_count(programs, seqlen_k, q.device)
-    num_splits = max(1, min(num_splits, MAX_SPLITS))
-
+    signature = (call_signature(call), sequences_signature(sequences), num_splits, device_kind(call.q.device))
+    plan = _PLANS.get(signature)
+    if plan is None:
+        plan = _PLANS.remember(signature, _plan(call, sequences, num_splits))
+    q, k, key_list, kv_lists = call.q, call.k, call.key_list, call.kv_lists
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[0], num_heads, q.shape[1], dtype=torch.float32, device=q.device)
-    if route("forward", form_of("forward", call, sequences, split=num_splits > 1 or pack_gqa)) == HOPPER:
-        hopper_forward(call, out, lse)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    if plan.hopper:
+        hopper_forward(call, out, lse, signature)
         return out, lse
+    pack_gqa, rows, num_splits = plan.pack_gqa, plan.rows, plan.num_splits
+    list_block_q, list_block_k = call.list_block_q, call.list_block_k
+    batch, _, seqlen_k = grid_sizes(q, k, sequences)
+    num_heads, head_dim, num_kv_heads = q.shape[2], q.shape[3], k.shape[2]
+    walked = key_list if key_list is not None else kv_lists
     if num_splits > 1:
         out_target = torch.empty(num_splits, *q.shape, dtype=torch.float32, device=q.device)
         lse_target = torch.empty(num_splits, q.shape[0], q.shape[1], num_heads, dtype=torch.float32, device=q.device)
@@ -385,11 +378,7 @@ def attention_forward(
     def candidates():
         return configs.fit_to_problem(configs.forward_candidates(q.device, block_d, decode), rows, list_block_q, list_block_k)
 
-    layout = (
-        common_layout(call, walked, sequences), key_list is not None, list_block_q, list_block_k,
-        call.softmax_scale, call.window_left, call.window_right, call.softcap, num_splits, tensor_layout(cache_rows),
-        tensor_layout(table), cache.page_size if paged else 0,
-    )
+    layout = (signature, tensor_layout(cache_rows), tensor_layout(table), cache.page_size if paged else 0)
     forward_launcher.launch(
         layout, [*common_tensors(call, walked, sequences), out_target, lse_target, cache_rows, table],
         build, candidates, lambda meta: (cdiv(rows, meta["BLOCK_M"]), batch * heads, num_splits),
@@ -407,3 +396,36 @@ def attention_forward(
             configs.single_program_config, lambda meta: (total_q * num_heads,),
         )
     return out, lse
+
+
+class _Plan(NamedTuple):
+    """What a forward launch decides from its layout alone (memoised per layout in :data:`_PLANS`)."""
+
+    hopper: bool  # the Gluon kernel of ``hopper/forward.py`` serves it (``dispatch.py``)
+    pack_gqa: bool  # a GQA group's heads packed into one tile's rows
+    rows: int  # rows of a tile's program: queries, times the group with pack_gqa
+    num_splits: int  # split-KV parts
+
+
+_PLANS = Memo()
+
+
+def _plan(call: Call, sequences: Sequences | None, num_splits: int | None) -> _Plan:
+    q, k = call.q, call.k
+    batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
+    num_heads, num_kv_heads = q.shape[2], k.shape[2]
+    group = num_heads // num_kv_heads
+    walked = call.key_list if call.key_list is not None else call.kv_lists
+    walk_heads = 1 if walked is None else walked.shape[1]
+    # Packing a group's heads into one tile needs one walk shared by all of its rows.
+    pack_gqa = (
+        group > 1 and seqlen_q * group <= 64 and walk_heads in (1, num_kv_heads) and call.list_block_q == 0
+        and (sequences is None or sequences.kind != SEQ_PACKED)
+    )
+    rows = seqlen_q * group if pack_gqa else seqlen_q
+    if num_splits is None:
+        programs = batch * (num_kv_heads if pack_gqa else num_heads) * cdiv(rows, 64)
+        num_splits = split_count(programs, seqlen_k, q.device)
+    num_splits = max(1, min(num_splits, MAX_SPLITS))
+    hopper = route("forward", form_of("forward", call, sequences, split=num_splits > 1 or pack_gqa)) == HOPPER
+    return _Plan(hopper, pack_gqa, rows, num_splits)

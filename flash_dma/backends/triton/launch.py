@@ -34,6 +34,7 @@ import triton.testing
 from triton.runtime import _allocation
 
 from flash_dma.backends.triton.configs import autotune_enabled, triton_interpreting
+from flash_dma.memo import Memo, forget_memos
 
 _I32 = 2**31
 
@@ -61,17 +62,17 @@ def _int_spec(value: int):
 
 
 _LAUNCHERS: list["Launcher"] = []
-_MAX_PLANS = 4096  # layouts remembered per kernel; past that the memo starts afresh
 
 
 def forget_choices() -> None:
-    """Drop every launcher's chosen configurations and compiled handles, so that the next calls
-    choose again (for example after ``FLASH_DMA_AUTOTUNE`` or ``FLASH_DMA_CACHE_DIR`` changed)."""
+    """Drop every launcher's chosen configurations and compiled handles, and every memoised
+    decision, so that the next calls choose again (for example after ``FLASH_DMA_AUTOTUNE`` or
+    ``FLASH_DMA_CACHE_DIR`` changed)."""
     for launcher in _LAUNCHERS:
         launcher.choices.clear()
         launcher.compiled.clear()
-        launcher.plans.clear()
         launcher._stored = None
+    forget_memos()
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,7 +161,7 @@ class Launcher:
         self.reset_slots = [names.index(n) for n in reset_to_zero]
         self.choices: dict = {}  # problem key -> Config
         self.compiled: dict = {}  # launch signature -> (CompiledKernel, Config)
-        self.plans: dict = {}  # (caller's layout, pointers aligned) -> Prepared
+        self.plans = Memo()  # (caller's layout, pointers aligned) -> Prepared
         self._stored: dict | None = None  # tuning choices on disk, read on first use
         _LAUNCHERS.append(self)
 
@@ -178,10 +179,8 @@ class Launcher:
         layout = (layout, True if aligned else tuple(a % 16 == 0 for a in addresses))
         prepared = self.plans.get(layout)
         if prepared is None:
-            if len(self.plans) >= _MAX_PLANS:
-                self.plans.clear()
             args, key = build()
-            prepared = self.plans[layout] = self.prepare(grid, args, key, candidates)
+            prepared = self.plans.remember(layout, self.prepare(grid, args, key, candidates))
         prepared.run(tensors, addresses)
 
     def prepare(self, grid, args: list, key: tuple, candidates: Callable[[], list]) -> Prepared:

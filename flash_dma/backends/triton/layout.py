@@ -82,7 +82,7 @@ def diagonal_band(window_left: int, window_right: int, seqlen_q: int, seqlen_k: 
 
 
 # Kinds of bias gradient the dK/dV kernels make: none, column sums of dS (a bias per key), or dS
-# itself (a bias per pair); ``backward.bias_gradient_buffer`` chooses.
+# itself (a bias per pair); ``backward.bias_gradient`` chooses.
 DBIAS_NONE, DBIAS_PER_KEY, DBIAS_FULL = 0, 1, 2
 
 TMA_MIN_BLOCK_D = 128
@@ -211,14 +211,24 @@ def common_tensors(call: Call, walked, sequences: Sequences | None = None) -> li
     ]
 
 
-def common_layout(call: Call, walked, sequences: Sequences | None = None) -> tuple:
-    """Everything :func:`common_arguments` reads of a call's tensors besides their addresses."""
-    q, k, v, mask, bias = call[:5]
+def call_signature(call: Call) -> tuple:
+    """Everything the kernels' choice, configuration and arguments read of ``call`` besides its
+    tensors' addresses: each tensor's shape, strides, dtype and whether its address is 16-byte
+    aligned (TMA and Triton's pointer specialisation read that), the device and the settings.
+
+    Computed once per pass, it keys the memoised decisions of the passes (``forward.py``,
+    ``backward.py``) and their launches, so that a call of a layout seen before repeats none of them.
+    """
     return (
-        q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
-        tensor_layout(mask), call.mask_bits, tensor_layout(bias), tensor_layout(walked),
-        None if sequences is None else (sequences.kind, sequences.batch, sequences.max_seqlen_q, sequences.max_seqlen_k),
+        tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in call[:CALL_TENSORS]]),
+        call.q.device,
+        call[CALL_TENSORS:],
     )
+
+
+def sequences_signature(sequences: Sequences | None) -> tuple | None:
+    """What :func:`common_arguments` reads of ``sequences`` besides its tensors' addresses."""
+    return None if sequences is None else (sequences.kind, sequences.batch, sequences.max_seqlen_q, sequences.max_seqlen_k)
 
 
 def common_arguments(

@@ -93,16 +93,20 @@ def _forward_fake(q, *_):
     return q.new_empty(batch, seqlen_q, num_heads, head_dim), q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
 
 
-def _backward(dout, *fields_out_lse_and_flag) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, dbias)``; dbias is empty when not asked for (custom ops return tensors)."""
+def _backward(dout, *fields_out_lse_and_flag) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(dq, dk, dv, dbias)``; dbias is None when not asked for."""
     *fields, out, lse, bias_requires_grad = fields_out_lse_and_flag
-    call = Call(*fields)
-    dq, dk, dv, dbias = attention_backward(dout, call, out, lse, bias_requires_grad)
-    return dq, dk, dv, call.q.new_empty(0) if dbias is None else dbias
+    return attention_backward(dout, Call(*fields), out, lse, bias_requires_grad)
+
+
+def _backward_tensors(dout, *fields_out_lse_and_flag) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_backward` with an empty dbias when not asked for: custom ops return tensors."""
+    dq, dk, dv, dbias = _backward(dout, *fields_out_lse_and_flag)
+    return dq, dk, dv, dq.new_empty(0) if dbias is None else dbias
 
 
 backward_op = torch.library.custom_op(
-    "flash_dma::backward", _backward, mutates_args=(),
+    "flash_dma::backward", _backward_tensors, mutates_args=(),
     schema=f"(Tensor dout, {_CALL_SCHEMA}, Tensor out, Tensor lse, bool bias_requires_grad) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 
@@ -122,19 +126,23 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _gradients(ctx, dout, backward):
+def _gradients(ctx, dout, backward, bias_input: int = BIAS_FIELD):
+    """``(dq, dk, dv, dbias or None)``; ``bias_input`` is the bias's place among the op's inputs."""
     *tensors, out, lse = ctx.saved_tensors
-    bias_requires_grad = tensors[BIAS_FIELD] is not None and ctx.needs_input_grad[BIAS_FIELD]
+    bias_requires_grad = tensors[BIAS_FIELD] is not None and ctx.needs_input_grad[bias_input]
     dq, dk, dv, dbias = backward(dout, *tensors, *ctx.settings, out, lse, bias_requires_grad)
+    return dq, dk, dv, dbias if bias_requires_grad else None
+
+
+def _field_gradients(ctx, dout, _dlse):
     # One gradient per field of the call: q, k and v, the bias's, and none for the others.
+    dq, dk, dv, dbias = _gradients(ctx, dout, backward_op)
     grads = [dq, dk, dv, *[None] * (len(Call._fields) - 3)]
-    grads[BIAS_FIELD] = dbias if bias_requires_grad else None
+    grads[BIAS_FIELD] = dbias
     return tuple(grads)
 
 
-torch.library.register_autograd(
-    "flash_dma::forward", lambda ctx, dout, _dlse: _gradients(ctx, dout, backward_op), setup_context=_setup_context
-)
+torch.library.register_autograd("flash_dma::forward", _field_gradients, setup_context=_setup_context)
 
 
 def _kvcache_forward(
@@ -181,21 +189,22 @@ def kvcache_forward(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _EagerAttention(torch.autograd.Function):
-    # The settings travel as one tuple: apply's host time grows with its argument count.
+    # Only the differentiable tensors are inputs, and the call travels whole: apply's host time
+    # grows with its argument count. The call's other tensors are saved all the same, so that an
+    # in-place change to any of them before the backward is caught, as with the custom op.
     @staticmethod
-    def forward(ctx, *tensors_and_settings):
-        fields = (*tensors_and_settings[:CALL_TENSORS], *tensors_and_settings[CALL_TENSORS])
-        output = launch_forward(*fields)
-        _setup_context(ctx, fields, output)
+    def forward(ctx, q, k, v, bias, call):
+        output = attention_forward(call)
+        _setup_context(ctx, call, output)
         return output
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        return (*_gradients(ctx, dout, _backward)[:CALL_TENSORS], None)
+        return (*_gradients(ctx, dout, _backward, bias_input=3), None)  # the inputs: q, k, v, bias, call
 
 
 def attention_op(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``call``, differentiable: through the custom op when compiling."""
     if torch.compiler.is_compiling():
         return forward_op(*call)
-    return _EagerAttention.apply(*call[:CALL_TENSORS], call[CALL_TENSORS:])
+    return _EagerAttention.apply(call.q, call.k, call.v, call.bias, call)

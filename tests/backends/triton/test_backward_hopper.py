@@ -7,6 +7,7 @@ Cases run the whole backward through ``flash_dma_func`` and check which kernels 
 import pytest
 import torch
 
+from flash_dma import memo
 from flash_dma.backends.triton import backward as backward_module
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.forward import attention_forward
@@ -91,6 +92,7 @@ def hopper_calls(monkeypatch):
 def test_hopper_gradients_match_reference(case, dtype, chunks, hopper_calls, monkeypatch, poison_outputs):
     """Written directly (one chunk) or added up in fp32 scratch (three chunks of each key tile's queries)."""
     monkeypatch.setattr(backward_module, "query_chunks", lambda *args: chunks)
+    memo.forget_memos()  # the chunks of a layout seen before are remembered
     inputs = make_inputs(case, dtype, requires_grad=True)
     before = {name: t.detach().clone() for name, t in inputs.items() if t is not None}
     out = triton_call(case, inputs)
@@ -112,6 +114,7 @@ def test_hopper_walks_a_per_query_block_summary(dtype, hopper_calls, monkeypatch
     masked = []
     real = backward_module.query_chunks
     monkeypatch.setattr(backward_module, "query_chunks", lambda *args: (masked.append(args[-1]), real(*args))[1])
+    memo.forget_memos()  # the chunks of a layout seen before are remembered
     inputs = make_inputs(case, dtype, requires_grad=True)
     summary = topk_block_mask(
         inputs["attn_bias"].detach(), 256, block_size=(128, 128), query_len=case.seqlen_q, is_causal=True,

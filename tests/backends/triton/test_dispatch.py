@@ -80,5 +80,5 @@ def test_hopper_kernels_are_told_the_forms_the_table_routed():
         (None, False, None, (MASK_NONE.value, BIAS_NONE.value)),
     ):
         call = Call(q, k, v, mask, bias, None, None, None, None, None, 0, 0, 0.125, -1, 0, 0.0, False, 0, 0, bits)
-        _, _, flags = hopper_arguments(call, k, v, None, WALK_DENSE)
+        _, flags = hopper_arguments(call, k, v, None, WALK_DENSE)
         assert tuple(flags[:2]) == codes

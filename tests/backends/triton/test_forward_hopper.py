@@ -14,6 +14,7 @@ from flash_dma.backends.triton.forward import attention_forward
 from flash_dma.backends.triton.hopper.common import stages_pair_bias
 from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.key_list import build_key_list
+from flash_dma.backends.triton.layout import call_signature
 from tests.helpers import (
     DTYPE_IDS,
     HOPPER_ONLY,
@@ -70,7 +71,7 @@ def _check(case: Case, inputs: dict, call, dtype) -> None:
     q = inputs["query"]
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
-    hopper_forward(call, out, lse)
+    hopper_forward(call, out, lse, call_signature(call))
     oracle_out, oracle_lse, _ = reference_outputs(case, inputs, None, torch.float64)
     baseline_out, baseline_lse, _ = reference_outputs(case, inputs, None, dtype)
     assert_close("out", out, oracle_out, baseline_out)

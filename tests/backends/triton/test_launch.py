@@ -1,12 +1,14 @@
 """Launching: every head dim fits the device, tuning is stored on disk, and the direct launch
 path takes the right compiled kernel whatever the strides and alignment of its inputs."""
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
 
-from flash_dma import flash_dma_func
+from flash_dma import flash_dma_func, memo
 from flash_dma.backends.triton import launch, layout
 from flash_dma import build_block_mask
 from tests.helpers import DEVICE, KERNEL_DTYPES, Case, assert_close, assert_gradients_close, make_inputs, reference_outputs
@@ -137,3 +139,21 @@ def test_tma_needs_aligned_rows_and_a_problem_where_it_pays(monkeypatch):
     assert not copy_engine_reads(128, 16384, misaligned)
     monkeypatch.setenv("FLASH_DMA_TMA", "0")
     assert not copy_engine_reads(128, 16384, rows)
+
+
+def test_memoised_plans_are_bounded_and_keep_no_tensor(monkeypatch):
+    """What a layout decides is remembered per layout (``flash_dma.memo``): in bounded memos that
+    hold no tensor, so that no call's inputs or outputs outlive it."""
+    monkeypatch.setattr(memo, "MAX_ENTRIES", 2)
+    memo.forget_memos()  # those of earlier tests: each memo is cut back when it next remembers
+    alive = []
+    for seqlen in (17, 18, 19, 20):
+        case = Case(batch=1, seqlen_q=seqlen, seqlen_k=seqlen, heads=2, kv_heads=1, head_dim=16, mask="1,1,1,Sk", bias="1,1,1,Sk", causal=True)
+        inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
+        out = flash_dma_func(**inputs, is_causal=True, backend="triton")
+        out.sum().backward()
+        alive += [weakref.ref(t) for t in (*inputs.values(), out)]
+        del inputs, out
+    assert all(len(m) <= 2 for m in memo._MEMOS)
+    gc.collect()
+    assert all(ref() is None for ref in alive)

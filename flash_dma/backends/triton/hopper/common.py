@@ -4,7 +4,8 @@ The kernels split their roles as FlashAttention-3 does: a *loader* warp walks ea
 tiles (the walks of ``tiles.py``) and copies them with TMA into shared-memory rings; two
 warpgroups of 64 rows (or keys) each do the math. What they share lives here:
 
-- records (``record``) and the arguments every Hopper kernel begins with (:func:`hopper_arguments`);
+- records (``record``) and the arguments every Hopper kernel begins with (:func:`hopper_tensors`,
+  :func:`hopper_arguments`);
 - the forms of the mask and the bias (``MASK_*``, ``BIAS_*``) and how each is read: per key,
   staged by the loader with each K tile (``_load_key_tile``); per query row, once per work item
   (``row_epilogue`` in the forward, ``_row_statistics`` in the backward's LSEs); per pair, by the
@@ -93,7 +94,7 @@ MASK_CODES = {"none": MASK_NONE.value, "keys": MASK_KEYS.value, "rows": MASK_ROW
 BIAS_CODES = {"none": BIAS_NONE.value, "keys": BIAS_KEYS.value, "rows": BIAS_ROWS.value, "pairs": BIAS_PAIRS.value}
 
 
-# The parameters every Hopper kernel begins with, in order (``hopper_arguments``).
+# The pointer parameters every Hopper kernel begins with, in order (``hopper_tensors``).
 COMMON_TENSORS = ("Q", "K", "V", "Mask", "Bias", "Walk")
 
 
@@ -108,12 +109,23 @@ def stages_pair_bias(call: Call, walk_flag: int) -> bool:
     )
 
 
-def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.Tensor | None, walk_flag: int) -> tuple[list, list, list]:
-    """``(tensors, runtime, constexprs)``: the parameters every Hopper kernel begins with.
+def hopper_tensors(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.Tensor | None) -> list:
+    """The pointer parameters every Hopper kernel begins with: ``Q, K, V, Mask, Bias, Walk`` (``k``
+    and ``v`` as the kernel copies them: gathered for a key list)."""
+    q, mask, bias = call.q, call.mask, call.bias
+    device = q.device
+    return [
+        q, k, v, placeholder(device, torch.uint8) if mask is None else kernel_view(mask),
+        placeholder(device, q.dtype) if bias is None else bias, placeholder(device, torch.int32) if walk is None else walk,
+    ]
 
-    ``tensors`` are ``Q, K, V, Mask, Bias, Walk`` (``k`` and ``v`` as the kernel copies them:
-    gathered for a key list); ``runtime`` their strides (mask and bias as ``b, h, q, k``, zero
-    where broadcast), the rows (all but the last axis) and columns of mask and bias,
+
+def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.Tensor | None, walk_flag: int) -> tuple[list, list]:
+    """``(runtime, constexprs)``: the parameters every Hopper kernel begins with after
+    :func:`hopper_tensors`' pointers.
+
+    ``runtime`` are their strides (mask and bias as ``b, h, q, k``, zero where broadcast), the
+    rows (all but the last axis) and columns of mask and bias,
     ``batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group``, the head divisors of mask,
     bias and walk, the summary's block sizes, the band on the bottom-right diagonal and
     ``scale, scale_log2``; ``constexprs`` ``MASK, BIAS, WALK, HEAD_DIM, STAGED_BIAS``.
@@ -121,11 +133,6 @@ def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.T
     q, mask, bias = call.q, call.mask, call.bias
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
-    device = q.device
-    tensors = [
-        q, k, v, placeholder(device, torch.uint8) if mask is None else kernel_view(mask),
-        placeholder(device, q.dtype) if bias is None else bias, placeholder(device, torch.int32) if walk is None else walk,
-    ]
     runtime = [
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *broadcast_strides(mask), *broadcast_strides(bias),
         *broadcast_strides(walk)[:3], 0 if walk is None else walk.shape[-1],
@@ -140,7 +147,7 @@ def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.T
         MASK_CODES[input_form(mask, call.mask_bits)], BIAS_CODES[input_form(bias)], walk_flag, head_dim,
         stages_pair_bias(call, walk_flag),
     ]
-    return tensors, runtime, constexprs
+    return runtime, constexprs
 
 
 def walked_keys(call: Call, pass_walk: torch.Tensor | None) -> tuple:

@@ -50,6 +50,7 @@ from flash_dma.backends.triton.hopper.common import (
     Item,
     get,
     hopper_arguments,
+    hopper_tensors,
     input_base,
     jit_with_runtime_scalars,
     kept_by_bits,
@@ -79,10 +80,8 @@ from flash_dma.backends.triton.layout import (
     WALK_DENSE,
     Call,
     broadcast_strides,
-    common_layout,
     head_divisor,
     placeholder,
-    tensor_layout,
 )
 from flash_dma.integers import cdiv
 
@@ -592,15 +591,17 @@ hopper_dkdv_launcher = Launcher(
 
 def hopper_dkdv(
     call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-    dbias_acc: torch.Tensor | None, dbias_flags: tuple, chunks: int,
+    dbias_acc: torch.Tensor | None, dbias_flags: tuple, chunks: int, signature: tuple,
 ) -> None:
     """Write ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` of ``call`` (and the bias gradient into
     ``dbias_acc``, zeroed: ``[chunks, Bd, Hd, 1, Sk]`` float32 per key, ``[1, Bd, Hd, Sq, Sk]``
     per pair, in the bias's dtype unless added by atomics), as ``backward._launch_dkdv`` would.
 
     ``dout`` ``[B, Sq, H, D]``; ``lse``, ``delta`` ``[B, H, Sq]`` float32, contiguous;
-    ``dbias_flags`` is ``(kind, atomic, head_shared)`` of ``backward.bias_gradient_buffer``;
-    ``chunks`` splits each key tile's queries.
+    ``dbias_flags`` is ``(kind, atomic, head_shared)`` of ``backward.bias_gradient``;
+    ``chunks`` splits each key tile's queries. ``signature`` holds the layouts of the call, of
+    ``dout`` and of the gradients (``backward.attention_backward``'s): the launch is prepared
+    once per signature.
     """
     q, k, v = call.q, call.k, call.v
     batch, seqlen_q, num_heads, head_dim = q.shape
@@ -613,12 +614,13 @@ def hopper_dkdv(
         scratch_v = torch.zeros(dv.shape, dtype=torch.float32, device=device)
     dbias_target = placeholder(device, torch.float32) if dbias_acc is None else dbias_acc
     queue = torch.zeros(1, dtype=torch.int32, device=device)
-    dbias_slice = None if dbias_acc is None else dbias_acc[0]
     walk_flag = WALK_DENSE if call.q_lists is None else WALK_BLOCKS
-    tensors, runtime, flags = hopper_arguments(call, k, v, call.q_lists, walk_flag)
+    tensors = hopper_tensors(call, k, v, call.q_lists)
     own_tensors = [dout, lse, delta, dk, dv, scratch_k, scratch_v, dbias_target, queue]
 
     def build():
+        runtime, flags = hopper_arguments(call, k, v, call.q_lists, walk_flag)
+        dbias_slice = None if dbias_acc is None else dbias_acc[0]
         own = [
             *dout.stride()[:3], *dk.stride()[:3],
             0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0), *broadcast_strides(dbias_slice),
@@ -627,12 +629,8 @@ def hopper_dkdv(
         ]
         return [*tensors, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags)
 
-    layout = (
-        common_layout(call, call.q_lists), dout.stride(), tensor_layout(dk), tensor_layout(dbias_acc),
-        call.list_block_q, call.list_block_k, call.softmax_scale, call.window_left, call.window_right, chunks, dbias_flags,
-    )
     hopper_dkdv_launcher.launch(
-        layout, [*tensors, *own_tensors], build, lambda: [TILE],
+        (signature, chunks, dbias_flags), [*tensors, *own_tensors], build, lambda: [TILE],
         lambda meta: (min(items, configs.multiprocessor_count(device)),),
     )
     if chunks > 1:

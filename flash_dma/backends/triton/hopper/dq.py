@@ -27,6 +27,7 @@ from flash_dma.backends.triton.hopper.common import (
     TILES,
     Problem,
     hopper_arguments,
+    hopper_tensors,
     init_barriers,
     pair_buffers,
     pair_descriptors,
@@ -41,7 +42,7 @@ from flash_dma.backends.triton.hopper.common import (
     walked_keys,
 )
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import Call, common_layout, tensor_layout
+from flash_dma.backends.triton.layout import Call
 from flash_dma.integers import cdiv
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dq"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
@@ -196,25 +197,26 @@ def _dq_hopper_kernel(
 hopper_dq_launcher = Launcher(_dq_hopper_kernel, tensors=(*COMMON_TENSORS, "DO", "Lse", "Delta", "DQ"), specialized=())
 
 
-def hopper_dq(call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor) -> None:
+def hopper_dq(
+    call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, signature: tuple,
+) -> None:
     """Write ``dq`` ``[B, Sq, H, D]`` of ``call`` as the Triton dQ kernel would; ``dout`` ``[B,
-    Sq, H, D]``, ``lse`` and ``delta`` ``[B, H, Sq]`` float32, contiguous."""
+    Sq, H, D]``, ``lse`` and ``delta`` ``[B, H, Sq]`` float32, contiguous. ``signature`` holds the
+    layouts of the call, of ``dout`` and of ``dq`` (``backward.attention_backward``'s): the launch
+    is prepared once per signature."""
     q = call.q
     batch, seqlen_q, num_heads, head_dim = q.shape
     row_blocks = cdiv(seqlen_q, TILE.kwargs["BLOCK_M"])
     items = row_blocks * batch * num_heads
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
-    tensors, runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
+    tensors = hopper_tensors(call, k, v, walk)
 
     def build():
+        runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
         own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, KV_STAGES[head_dim]]
         return [*tensors, *runtime, *flags, dout, lse, delta, dq, *own], (q.dtype, dq.dtype, *flags)
 
-    layout = (
-        common_layout(call, walk), dout.stride(), tensor_layout(dq), call.list_block_q, call.list_block_k,
-        call.softmax_scale, call.window_left, call.window_right,
-    )
     hopper_dq_launcher.launch(
-        layout, [*tensors, dout, lse, delta, dq], build, lambda: [TILE],
+        signature, [*tensors, dout, lse, delta, dq], build, lambda: [TILE],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )

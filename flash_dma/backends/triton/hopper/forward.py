@@ -42,6 +42,7 @@ from flash_dma.backends.triton.hopper.common import (
     Problem,
     get,
     hopper_arguments,
+    hopper_tensors,
     pair_buffers,
     pair_descriptors,
     init_barriers,
@@ -58,7 +59,7 @@ from flash_dma.backends.triton.hopper.common import (
     walked_keys,
 )
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import Call, common_layout, tensor_layout
+from flash_dma.backends.triton.layout import Call
 from flash_dma.integers import cdiv
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["forward"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
@@ -280,26 +281,25 @@ def _attn_fwd_hopper_kernel(
 hopper_launcher = Launcher(_attn_fwd_hopper_kernel, tensors=(*COMMON_TENSORS, "Out", "Lse"), specialized=())
 
 
-def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor) -> None:
+def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: tuple) -> None:
     """Write ``out`` ``[B, Sq, H, D]`` and ``lse`` ``[B, H, Sq]`` float32 of ``call``, as
-    ``forward.attention_forward`` would (its kv_lists or key list walked)."""
+    ``forward.attention_forward`` would (its kv_lists or key list walked). ``signature`` holds the
+    call's layout (``layout.call_signature``), which fixes those of ``out`` and ``lse`` too: the
+    launch is prepared once per signature."""
     q = call.q
     batch, seqlen_q, num_heads, head_dim = q.shape
     row_blocks = cdiv(seqlen_q, TILE.kwargs["BLOCK_M"])
     items = row_blocks * batch * num_heads
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
-    tensors, runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
-
-    stages = STAGED_BIAS_KV_STAGES if flags[-1] else KV_STAGES[head_dim]
+    tensors = hopper_tensors(call, k, v, walk)
 
     def build():
+        runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
+        stages = STAGED_BIAS_KV_STAGES if flags[-1] else KV_STAGES[head_dim]
         own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages]
         return [*tensors, *runtime, *flags, out, lse, *own], (q.dtype, *flags)
 
-    layout = (
-        common_layout(call, walk), tensor_layout(out), tensor_layout(lse), call.list_block_q, call.list_block_k,
-        call.softmax_scale, call.window_left, call.window_right,
-    )
     hopper_launcher.launch(
-        layout, [*tensors, out, lse], build, lambda: [TILE], lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
+        signature, [*tensors, out, lse], build, lambda: [TILE],
+        lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )
