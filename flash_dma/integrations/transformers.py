@@ -39,6 +39,7 @@ table handed to flash_dma is refused (``NotImplementedError``) rather than atten
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -118,14 +119,35 @@ def _paged_attention(module, query, key, value, cache, kwargs: dict, **settings)
             "transformers' decode fast path (a block table, flash_attn_with_kvcache) is not wired to it, "
             "got a block table"
         )
-    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
-    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]  # cu_seq_lens_k: this layer's, after update
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, heads, D]
+    k, v, cu_k, max_k, max_q = _cached_keys(module, key, value, cache, kwargs)
+    cu_q = kwargs["cu_seq_lens_q"]
+    q = query[0].transpose(0, 1)  # [total_q, H, D]
     out = flash_dma_varlen_func(
-        _within(q, cu_q), _within(k, cu_k), _within(v, cu_k), cu_q, cu_k, kwargs["max_length_q"],
-        kwargs["max_length_k"], is_causal=True, **settings,
+        _within(q, cu_q), _within(k, cu_k), _within(v, cu_k), cu_q, cu_k, max_q, max_k, is_causal=True, **settings,
     )
     return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, q.shape[0] - out.shape[0]))[None]
+
+
+def _cached_keys(module, key, value, cache, kwargs: dict):
+    """Write the new keys and values into the paged cache and read each request's back:
+    ``(k, v, cu_seq_lens_k, max_k, max_q)``, ``k`` and ``v`` ``[total_k, Hkv, D]``, for this layer.
+
+    transformers 5.23 takes ``kwargs`` (updated in place with this layer's ``cu_seq_lens_k`` and
+    ``max_length_k``) and returns ``[1, Hkv, total_k, D]``; earlier 5.x versions take ``read_index``
+    and ``write_index``, return ``[total_k, Hkv, D]``, and name the lengths ``max_seqlen_*``, per
+    layer type where a model mixes full and sliding-window layers.
+    """
+    if "kwargs" in inspect.signature(cache.update).parameters:
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+        k, v = (t[0].transpose(0, 1) for t in (key, value))
+        return k, v, kwargs["cu_seq_lens_k"], kwargs["max_length_k"], kwargs["max_length_q"]
+    k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                        read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_k"]
+    if isinstance(cu_k, dict):
+        layer_type = "sliding_attention" if getattr(module, "sliding_window", None) else "full_attention"
+        cu_k, max_k = cu_k[layer_type], max_k[layer_type]
+    return k, v, cu_k, max_k, kwargs["max_seqlen_q"]
 
 
 def flash_dma_attention_forward(

@@ -183,6 +183,25 @@ def test_padded_continuous_batches_leave_the_padding_rows_out():
     assert torch.equal(out[0, :5], expected) and not out[0, 5:].any()
 
 
+class IndexedCache(PackedCache):
+    """``PagedAttentionCache.update`` of transformers before 5.23: read and write indices, keys ``[total_k, Hkv, D]``."""
+
+    def update(self, key_states, value_states, layer_idx, read_index, write_index):
+        return self.key[0].transpose(0, 1), self.value[0].transpose(0, 1)
+
+
+def test_continuous_batching_before_transformers_5_23_reads_its_cache_api():
+    # Lengths named max_seqlen_*, and per layer type where full and sliding-window layers mix.
+    q, k, v = random_qkv(batch=1, seqlen_q=8, seqlen_k=10)
+    cu_q, cu_k = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    kwargs = dict(cu_seq_lens_q=cu_q, max_seqlen_q=3, read_index=[], write_index=[],
+                  cu_seq_lens_k={"full_attention": cu_k, "sliding_attention": None},
+                  max_seqlen_k={"full_attention": 6, "sliding_attention": None})
+    out = _paged_attention(CausalLayer(), q, None, None, IndexedCache(k, v), kwargs)
+    current = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=3, max_length_k=6)
+    assert torch.equal(out, _paged_attention(CausalLayer(), q, None, None, PackedCache(k, v), current))
+
+
 def test_a_block_table_is_refused_rather_than_attending_without_the_cache():
     q, k, v = random_qkv(batch=1)
     kwargs = dict(block_table=torch.zeros(1, 1, dtype=torch.int32))
