@@ -36,6 +36,9 @@ DOGE_CONFIG = {
 MODEL_DTYPE = torch.bfloat16
 WEIGHT_SEED = 0  # both attention implementations get the same weights
 GENERATE_NEW_TOKENS = 8
+# The batching suite's serving workload: 16 requests of 128 to 2048 prompt tokens, 32 new tokens each.
+BATCH_PROMPT_LENGTHS = tuple(128 << (i % 5) for i in range(16))
+BATCH_NEW_TOKENS = 32
 
 
 def describe_llama() -> str:
@@ -83,6 +86,22 @@ def train_loss(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     ``use_cache=False``: otherwise the forward would also fill a KV cache, as generation does.
     """
     return model(input_ids, labels=input_ids, use_cache=False).loss
+
+
+def generate_batch(model: torch.nn.Module, input_ids: torch.Tensor) -> dict:
+    """Continuous batching (``generate_batch``, transformers' paged cache and scheduler, its default
+    configuration) of one request per row of ``input_ids`` ``[len(BATCH_PROMPT_LENGTHS), S]``, row
+    ``i`` cut to ``BATCH_PROMPT_LENGTHS[i]`` tokens; greedy, exactly :data:`BATCH_NEW_TOKENS` each."""
+    from transformers import GenerationConfig
+
+    prompts = [row[:length].tolist() for row, length in zip(input_ids, BATCH_PROMPT_LENGTHS, strict=True)]
+    # No end token (-1 is never produced), so every request generates all its tokens.
+    config = GenerationConfig(max_new_tokens=BATCH_NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    results = model.generate_batch(inputs=prompts, generation_config=config, warmup=False)
+    errors = sorted({r.error for r in results.values() if r.error})
+    if errors:
+        raise RuntimeError(f"generate_batch: {len(errors)} distinct request errors, first: {errors[0]}")
+    return results
 
 
 def generate(model: torch.nn.Module, prompt: torch.Tensor) -> torch.Tensor:

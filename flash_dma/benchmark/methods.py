@@ -572,6 +572,29 @@ class Llama(Method):
         return Prepared(lambda: llama.train_loss(model, inputs.input_ids), tuple(model.parameters()))
 
 
+class LlamaBatch(Method):
+    """The batching suite: the Llama serving its requests through ``generate_batch``."""
+
+    applies_mask = False
+    skips_masked_keys = False
+
+    def __init__(self, attn_implementation: str):
+        self.attn_implementation = attn_implementation
+        self.name = f"batch-{attn_implementation.replace('_', '-')}"
+        self.description = (
+            f'the {llama.describe_llama()}, bf16, with `attn_implementation="{attn_implementation}"`: '
+            f"`generate_batch` (continuous batching over transformers' paged cache, its default configuration) of "
+            f"{len(llama.BATCH_PROMPT_LENGTHS)} prompts of {min(llama.BATCH_PROMPT_LENGTHS)} to "
+            f"{max(llama.BATCH_PROMPT_LENGTHS)} tokens, {llama.BATCH_NEW_TOKENS} greedy new tokens each; "
+            "the model is built outside the timed region"
+        )
+
+    def prepare(self, case: Case, inputs: TokenInputs) -> Prepared:
+        model = llama.build_llama(self.attn_implementation, inputs.input_ids.device)
+        model.eval()
+        return Prepared(lambda: llama.generate_batch(model, inputs.input_ids), ())
+
+
 METHODS: dict[str, Method] = {
     method.name: method
     for method in (
@@ -589,6 +612,8 @@ METHODS: dict[str, Method] = {
         Llama("sdpa"),
         Llama("flash_dma", "doge"),
         Llama("sdpa", "doge"),
+        LlamaBatch("flash_dma"),
+        LlamaBatch("sdpa"),
         FlashDmaVarlen(),
         FlashDmaPadded(),
         FlashDmaKvcache(),

@@ -126,6 +126,7 @@ def _rows_table(rows: list[Result], ceiling_tflops: dict[tuple, float]) -> str:
         ("TFLOP/s", lambda r: _num(r.tflops)),
         ("vs cuDNN", vs_ceiling),
         ("GB/s", lambda r: _num(r.gbps)),
+        ("tokens/s", lambda r: _num(r.tokens_per_s)),
         ("peak GiB", lambda r: _num(r.peak_gib)),
         (f"time / {baseline}", relative),
         ("setup s", lambda r: "" if r.setup_s is None else f"{r.setup_s:.1f}"),

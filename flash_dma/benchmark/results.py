@@ -16,7 +16,7 @@ class Result:
     many calls, with ``cpu_ms`` the CPU time per call), or the first call in a new process
     (first-call rows). ``tflops`` is effective (over ``active_pairs``) and given for attention
     rows timed on the GPU; ``gbps`` counts the K/V bytes the method reads and is given for decode
-    rows only; ``peak_gib`` excludes the inputs; ``setup_s`` is the wall time spent before timing
+    rows only; ``tokens_per_s`` is the generated tokens per second of serving rows; ``peak_gib`` excludes the inputs; ``setup_s`` is the wall time spent before timing
     (block masks, compilation, autotuning; a new process's imports and inputs).
     """
 
@@ -31,6 +31,7 @@ class Result:
     setup_s: float | None = None
     active_pairs: int | None = None
     cpu_ms: float | None = None
+    tokens_per_s: float | None = None
     note: str = ""
 
     @property

@@ -68,7 +68,8 @@ def format_row(result: Result) -> str:
     if not result.ok:
         return f"{head}: skipped ({result.note})"
     numbers = [f"{result.ms:.4g} ms"]
-    for value, unit in ((result.cpu_ms, "ms CPU"), (result.tflops, "TFLOP/s"), (result.gbps, "GB/s")):
+    for value, unit in ((result.cpu_ms, "ms CPU"), (result.tflops, "TFLOP/s"), (result.gbps, "GB/s"),
+                        (result.tokens_per_s, "tokens/s")):
         if value is not None:
             numbers.append(f"{value:.4g} {unit}")
     if result.peak_gib is not None:
@@ -157,6 +158,7 @@ def _run_method(
             setup_s=prepare_s + m.setup_s,
             active_pairs=pairs,
             cpu_ms=m.cpu_ms,
+            tokens_per_s=None if case.generated_tokens is None else case.generated_tokens / (m.ms * 1e-3),
         )
         prepare_s = 0.0
 

@@ -16,7 +16,13 @@ import random
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from flash_dma.benchmark.llama import GENERATE_NEW_TOKENS, describe_doge, describe_llama
+from flash_dma.benchmark.llama import (
+    BATCH_NEW_TOKENS,
+    BATCH_PROMPT_LENGTHS,
+    GENERATE_NEW_TOKENS,
+    describe_doge,
+    describe_llama,
+)
 from flash_dma.integers import cdiv
 
 MASK_BLOCK = 128  # keys per block of the top-k masks: the default block of flash-dma and Flex
@@ -40,6 +46,9 @@ SUITE_HELP = {
     "llama": "the train step of a 4-layer transformers Llama at 4K and 16K, attention by flash-dma or SDPA",
     "doge": "the train step of a 4-layer transformers Doge (hidden 1024, 8/2 heads, keep_window_size 1024: its "
             "own dynamic per-query mask) at 4K, 8K and 16K, attention by flash-dma or SDPA, with peak memory",
+    "batching": f"transformers' continuous batching: the 4-layer Llama serving {len(BATCH_PROMPT_LENGTHS)} requests of "
+                f"{min(BATCH_PROMPT_LENGTHS)} to {max(BATCH_PROMPT_LENGTHS)} prompt tokens, {BATCH_NEW_TOKENS} new tokens "
+                "each, with generate_batch over its paged cache; attention by flash-dma or SDPA, in generated tokens/s",
     "firstcall": "the first call in a new process, with warm and with cold compiler caches, and a new "
                  "process's first Llama generate and train step",
     "varlen": "the llm shape over 8 documents of 512 to 8K tokens packed into 32K (flash_dma_varlen_func), "
@@ -51,7 +60,8 @@ SUITES = tuple(SUITE_HELP)
 MODES = ("fwd", "fwdbwd")
 # Attention calls timed on the GPU; then host time per call; then a model's train step and generate.
 ATTENTION_KINDS = ("prefill", "decode", "window")
-KINDS = (*ATTENTION_KINDS, "host", "train", "generate")
+MODEL_KINDS = ("train", "generate", "serve")
+KINDS = (*ATTENTION_KINDS, "host", *MODEL_KINDS)
 
 MASKED_METHODS = ("flash-dma", "flex", "sdpa-additive")
 DENSE_METHODS = ("sdpa-flash", "sdpa-cudnn")
@@ -100,6 +110,7 @@ DOGE_SHAPE = {"batch": 1, "heads": 8, "kv_heads": 2, "head_dim": 128}
 DOGE_LENGTHS = (4096, 8192, 16384)
 DOGE_METHODS = ("doge-flash-dma", "doge-sdpa")
 LLAMA_METHODS = ("llama-flash-dma", "llama-sdpa")
+BATCHING_METHODS = ("batch-flash-dma", "batch-sdpa")
 LLAMA_PROMPT_LENGTH = 128
 
 FIRST_CALL_LENGTH = 4096
@@ -211,7 +222,12 @@ class Case:
     @property
     def is_model(self) -> bool:
         """Model rows run a transformers Llama on token ids rather than one attention call."""
-        return self.kind in ("train", "generate")
+        return self.kind in MODEL_KINDS
+
+    @property
+    def generated_tokens(self) -> int | None:
+        """Tokens a serving row generates per call (one request per batch row); None for other rows."""
+        return self.batch * BATCH_NEW_TOKENS if self.kind == "serve" else None
 
     @property
     def counts_work(self) -> bool:
@@ -272,6 +288,8 @@ class Case:
             text = f"S={self.seqlen_k} train step"
         elif self.kind == "generate":
             text = f"prompt={self.seqlen_k} generate {GENERATE_NEW_TOKENS}"
+        elif self.kind == "serve":
+            text = f"{self.batch} requests, prompts up to {self.seqlen_k}, {BATCH_NEW_TOKENS} new tokens each"
         else:
             length = f"Sk={self.seqlen_k}" if self.seqlen_q != self.seqlen_k else f"S={self.seqlen_k}"
             bias = {"full": f" bias[1,{self.heads},Sq,Sk]", "pair": f" bias[1,{self.kv_heads},Sq,Sk]"}.get(self.bias, "")
@@ -431,6 +449,14 @@ def doge_cases(quick: bool = False) -> list[Case]:
     ]
 
 
+def batching_cases(quick: bool = False) -> list[Case]:
+    """One serving workload (:data:`~flash_dma.benchmark.llama.BATCH_PROMPT_LENGTHS`), one request per row."""
+    shape = dict(LLM_SHAPE, batch=len(BATCH_PROMPT_LENGTHS))
+    longest = max(BATCH_PROMPT_LENGTHS)
+    return [Case("batching", "serve", **shape, seqlen_q=longest, seqlen_k=longest, keep=1.0, methods=BATCHING_METHODS,
+                 modes=("fwd",), mask="none", bias="none")]
+
+
 def first_call_cases(quick: bool = False) -> list[Case]:
     """A first-time user's call (no block mask built beforehand), then the Llama's first generate and step."""
     attention = dict(**LLM_SHAPE, seqlen_q=FIRST_CALL_LENGTH, seqlen_k=FIRST_CALL_LENGTH, keep=FIRST_CALL_KEEP,
@@ -486,6 +512,7 @@ BUILDERS = {
     "host": host_cases,
     "llama": llama_cases,
     "doge": doge_cases,
+    "batching": batching_cases,
     "firstcall": first_call_cases,
     "varlen": varlen_cases,
     "kvcache": kvcache_cases,

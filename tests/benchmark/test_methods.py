@@ -222,11 +222,16 @@ def test_plain_sdpa_matches_flash_dma(name):
     assert len(prepared.leaves) == len(inputs.leaves)
 
 
-def test_llama_methods_share_weights_and_run_a_step_and_generate(monkeypatch):
+@pytest.fixture
+def tiny_llama(monkeypatch):
+    """The benchmark's Llama at CPU size, in float32."""
     tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=128, vocab_size=97, max_position_embeddings=64)
     monkeypatch.setattr(llama, "LLAMA_CONFIG", tiny)
     monkeypatch.setattr(llama, "MODEL_DTYPE", torch.float32)
+
+
+def test_llama_methods_share_weights_and_run_a_step_and_generate(tiny_llama):
     train = Case("llama", "train", 1, 4, 2, 16, 32, 32, 1.0, ("llama-flash-dma", "llama-sdpa"), ("fwdbwd",),
                  bias="none", mask="none")
     ids = TokenInputs(torch.randint(1, 97, (1, 32), generator=torch.Generator().manual_seed(0)))
@@ -244,6 +249,22 @@ def test_llama_methods_share_weights_and_run_a_step_and_generate(monkeypatch):
     assert prepared.leaves == ()
     tokens = prepared.forward()
     assert tokens.shape == (1, 32 + llama.GENERATE_NEW_TOKENS) and torch.equal(tokens[:, :32], ids.input_ids)
+
+
+def test_batching_methods_serve_every_request_the_same_tokens(tiny_llama, monkeypatch):
+    # Continuous batching of a tiny Llama: flash-dma and SDPA generate the same greedy tokens.
+    monkeypatch.setattr(llama, "BATCH_PROMPT_LENGTHS", (5, 17, 2))
+    monkeypatch.setattr(llama, "BATCH_NEW_TOKENS", 4)
+    serve = Case("batching", "serve", 3, 4, 2, 16, 17, 17, 1.0, ("batch-flash-dma", "batch-sdpa"), ("fwd",),
+                 bias="none", mask="none")
+    ids = TokenInputs(torch.randint(1, 97, (3, 17), generator=torch.Generator().manual_seed(0)))
+    served = []
+    for name in ("batch-flash-dma", "batch-sdpa"):
+        prepared = METHODS[name].prepare(serve, ids)
+        assert prepared.leaves == ()
+        results = prepared.forward()
+        served.append([results[key].generated_tokens for key in sorted(results)])
+    assert [len(tokens) for tokens in served[0]] == [4, 4, 4] and served[0] == served[1]
 
 
 # Packed documents at CPU sizes: 100, 300 and 156 keys, ragged 128-key blocks, each keeping half of its own.

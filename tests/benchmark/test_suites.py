@@ -2,8 +2,10 @@ import pytest
 
 from flash_dma.benchmark.methods import METHODS
 from flash_dma.benchmark.runner import count_rows
+from flash_dma.benchmark.llama import BATCH_PROMPT_LENGTHS
 from flash_dma.benchmark.suites import (
     DENSE_METHODS,
+    batching_cases,
     SUITES,
     build_cases,
     first_call_cases,
@@ -99,6 +101,14 @@ def test_host_suite_is_tiny_with_and_without_mask_and_bias():
         assert c.methods == ("flash-dma", "flex", "sdpa") and c.modes == ("fwd", "fwdbwd")
     assert (seeds.mask, seeds.bias, seeds.kept_keys) == ("token", "key", 128)  # the seeds' window keeps all 128
     assert (bare.mask, bare.bias, bare.label) == ("none", "none", "S=128 no mask, no bias")
+
+
+def test_batching_suite_serves_requests_of_many_lengths():
+    (c,) = batching_cases()
+    assert (c.kind, c.batch, c.seqlen_k, c.modes) == ("serve", 16, 2048, ("fwd",)) and c.is_model and not c.counts_work
+    assert c.methods == ("batch-flash-dma", "batch-sdpa") and c.generated_tokens == 16 * 32
+    assert sorted(set(BATCH_PROMPT_LENGTHS)) == [128, 256, 512, 1024, 2048]
+    assert c.label == "16 requests, prompts up to 2048, 32 new tokens each"
 
 
 def test_llama_suite_times_train_steps():
