@@ -4,6 +4,7 @@ Public API (see ``docs/api.md``):
 
 - :func:`flash_dma_func`: attention with a broadcastable mask and a trainable bias.
 - :func:`flash_dma_varlen_func`: the same over packed sequences of different lengths.
+- :func:`flash_dma_topk_func`: top-k index attention, keys listed per query (DSA), with a trainable bias.
 - :func:`flash_dma_with_kvcache`: decoding over a contiguous or paged KV cache with a per-key bias.
 - :func:`build_block_mask` / :class:`BlockMask`: a reusable block summary of a mask
   (:func:`block_mask_from_state` from block states).
@@ -25,6 +26,7 @@ from flash_dma.block_mask import BlockMask
 from flash_dma.interface import (
     flash_dma_func,
     flash_dma_func_auto,
+    flash_dma_topk_func,
     flash_dma_varlen_func,
     flash_dma_with_kvcache,
     flash_dmattn_func,
@@ -61,6 +63,7 @@ __all__ = [
     "create_mask",
     "flash_dma_func",
     "flash_dma_func_auto",
+    "flash_dma_topk_func",
     "flash_dma_varlen_func",
     "flash_dma_with_kvcache",
     "flash_dmattn_func",
