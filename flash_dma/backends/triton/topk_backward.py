@@ -190,10 +190,11 @@ def inverse_map(call: TopkCall) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, num_kv_heads, width = indices.shape
     valid = valid_indices(indices, 0, seqlen_q, seqlen_k, (call.window_left, call.window_right))
     # Entries that do not count sort last, past every key's run.
-    keys = torch.where(valid, indices, seqlen_k).permute(0, 2, 1, 3).reshape(batch, num_kv_heads, seqlen_q * width)
-    sorted_keys, order = torch.sort(keys, dim=-1, stable=True)
+    keys = torch.where(valid, indices, seqlen_k).transpose(1, 2).reshape(batch, num_kv_heads, seqlen_q * width)
+    # Contiguous: the kernel reads [B, Hkv, Sq * W] rows (a reshape can stay a strided view, and sort keeps strides).
+    sorted_keys, order = torch.sort(keys.contiguous(), dim=-1, stable=True)
     boundaries = torch.arange(seqlen_k + 1, dtype=keys.dtype, device=keys.device).expand(batch, num_kv_heads, -1).contiguous()
-    return order, torch.searchsorted(sorted_keys, boundaries)
+    return order.contiguous(), torch.searchsorted(sorted_keys.contiguous(), boundaries)
 
 
 def _bias_sum(expanded: torch.Tensor, bias: torch.Tensor, batch_dim: int, head_dim: int) -> torch.Tensor:
