@@ -59,14 +59,14 @@ class TopkCase:
 def make_indices(case: TopkCase, gen: torch.Generator) -> torch.Tensor:
     """Random keys with -1 entries, entries past Sk, repeats, and one query row listing nothing."""
     shape = (case.batch, case.seqlen_q, case.kv_heads, case.width)
-    high = case.hot or case.seqlen_k
+    high = case.hot or max(case.seqlen_k, 1)  # with no key at all, key 0 is out of range too
     indices = torch.randint(0, high, shape, generator=gen)
     draw = torch.rand(shape, generator=gen)
     indices = torch.where(draw < 0.15, -1, indices)
     indices = torch.where(draw > 0.95, case.seqlen_k + torch.randint(0, 3, shape, generator=gen), indices)
     repeat = torch.rand(shape, generator=gen) < 0.2
     indices = torch.where(repeat, indices.roll(1, dims=-1), indices)
-    indices[:, case.seqlen_q // 2] = -1
+    indices[:, case.seqlen_q // 2 :][:, :1] = -1
     return indices.to(DEVICE, torch.int32)
 
 
