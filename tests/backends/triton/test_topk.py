@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from flash_dma import flash_dma_func, flash_dma_topk_func, topk_mask
-from flash_dma.backends.reference import reference_topk_attention
-from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, assert_close, guarded
+from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, assert_close, guarded, topk_reference_outputs
 
 
 @dataclass(frozen=True)
@@ -92,15 +91,8 @@ def settings(case: TopkCase) -> dict:
 
 def reference(case: TopkCase, inputs: dict, dout: torch.Tensor, compute_dtype: torch.dtype):
     """``(out, lse, grads)`` of the reference in ``compute_dtype`` (inputs cast to it in float64)."""
-    cast = (lambda t: t.detach().double()) if compute_dtype == torch.float64 else (lambda t: t.detach())
-    leaves = {n: cast(inputs[n]).requires_grad_() for n in ("query", "key", "value", "attn_bias") if inputs[n] is not None}
     window = (case.window[0], 0) if case.causal else case.window
-    out, lse = reference_topk_attention(
-        leaves["query"], leaves["key"], leaves["value"], inputs["indices"], leaves.get("attn_bias"),
-        window=window, softcap=case.softcap, compute_dtype=compute_dtype,
-    )
-    out.backward(cast(dout))
-    return out.detach(), lse.detach(), {n: t.grad for n, t in leaves.items()}
+    return topk_reference_outputs(inputs, dout, compute_dtype, window, softcap=case.softcap)
 
 
 def run_triton(case: TopkCase, inputs: dict, **kwargs):
