@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from flash_dma.backends.triton.backward import attention_backward
-from flash_dma.backends.triton.dispatch import TOPK, hopper_takes_bits, route, topk_form
+from flash_dma.backends.triton.dispatch import hopper_takes_bits
 from flash_dma.backends.triton.layout import Call, TopkCall, input_form
 from flash_dma.backends.triton.ops import (
     attention_op,
@@ -139,10 +139,6 @@ def attention_with_cache(cached):
     )
 
 
-# The kernel families that serve top-k calls, by the name ``dispatch.route`` gives.
-_TOPK_KERNELS = {TOPK: topk_attention_op}
-
-
 def topk_attention(problem):
     """Backend entry point of ``flash_dma_topk_func``: ``(out, lse)`` for a :class:`~flash_dma.topk.TopkProblem`."""
     left, right = problem.window
@@ -150,4 +146,4 @@ def topk_attention(problem):
         problem.query, problem.key, problem.value, problem.indices, problem.attn_bias, problem.softmax_scale, left, right,
         problem.softcap, problem.deterministic,
     )
-    return _TOPK_KERNELS[route("forward", topk_form(call))](call)
+    return topk_attention_op(call)

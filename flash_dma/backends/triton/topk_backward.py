@@ -23,6 +23,7 @@ import triton.language as tl
 from flash_dma.backends.reference import valid_indices
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.backward import softmax_grad
+from flash_dma.backends.triton.dispatch import TOPK
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import TopkCall
 from flash_dma.backends.triton.tiles import LOG2E, load_tile, scores_log2
@@ -171,15 +172,19 @@ def _topk_dkdv_kernel(
             tl.store(DBias + bh * seqlen_k + j, tl.sum(dbias, 0))
 
 
-dq_launcher = Launcher(
-    _topk_dq_kernel, tensors=("Q", "K", "V", "Indices", "Bias", "Out", "DO", "Lse", "Delta", "DQ", "DBias"),
-    specialized=(*TOPK_SPECIALIZED, *_GRADIENT_STRIDES),
-)
-dkdv_launcher = Launcher(
-    _topk_dkdv_kernel,
-    tensors=("Q", "K", "V", "Indices", "Bias", "DO", "Lse", "Delta", "Order", "Starts", "DK", "DV", "DBias"),
-    specialized=(*TOPK_SPECIALIZED, *_GRADIENT_STRIDES),
-)
+DQ_LAUNCHERS = {
+    TOPK: Launcher(
+        _topk_dq_kernel, tensors=("Q", "K", "V", "Indices", "Bias", "Out", "DO", "Lse", "Delta", "DQ", "DBias"),
+        specialized=(*TOPK_SPECIALIZED, *_GRADIENT_STRIDES),
+    ),
+}
+DKDV_LAUNCHERS = {
+    TOPK: Launcher(
+        _topk_dkdv_kernel,
+        tensors=("Q", "K", "V", "Indices", "Bias", "DO", "Lse", "Delta", "Order", "Starts", "DK", "DV", "DBias"),
+        specialized=(*TOPK_SPECIALIZED, *_GRADIENT_STRIDES),
+    ),
+}
 
 
 def inverse_map(call: TopkCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +234,7 @@ def topk_backward(
     dq = torch.empty(q.shape, dtype=q.dtype, device=device)
     pair_grad = torch.empty(batch, seqlen_q, num_kv_heads, heads, width if dbias_pairs else 0, dtype=torch.float32, device=device)
     topk_launch(
-        dq_launcher, call, [out, dout, lse, delta, dq, pair_grad], extra, [dbias_pairs, per_head],
+        DQ_LAUNCHERS, "dq", call, [out, dout, lse, delta, dq, pair_grad], extra, [dbias_pairs, per_head],
         lambda: configs.topk_candidates(block_d, group), seqlen_q,
     )
 
@@ -241,7 +246,7 @@ def topk_backward(
     rows = max(configs.topk_dkdv_rows(), block_g)
     tile = triton.Config({"BLOCK_E": rows // block_g, "BLOCK_G": block_g}, num_warps=4, num_stages=1)
     topk_launch(
-        dkdv_launcher, call, [dout, lse, delta, order, starts, dk, dv, key_grad], extra, [dbias_keys, per_head],
+        DKDV_LAUNCHERS, "dkdv", call, [dout, lse, delta, order, starts, dk, dv, key_grad], extra, [dbias_keys, per_head],
         lambda: [tile], seqlen_k,
     )
 

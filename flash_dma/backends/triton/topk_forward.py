@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from flash_dma.backends.triton import configs
+from flash_dma.backends.triton.dispatch import TOPK, route, topk_form
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import TOPK_TENSORS, TopkCall, band, call_signature, placeholder
 from flash_dma.backends.triton.tiles import LN2, LOG2E, load_tile, scores_log2
@@ -149,11 +150,13 @@ def topk_arguments(call: TopkCall) -> tuple[list, list]:
     return runtime, constexprs
 
 
-def topk_launch(launcher: Launcher, call: TopkCall, extra_tensors: list, extra_runtime: list, extra_flags: list, tiles, grid_rows: int):
-    """Launch one top-k kernel over the grid ``(grid_rows, B x Hkv)``: the shared pointers, then
+def topk_launch(launchers: dict, pass_: str, call: TopkCall, extra_tensors: list, extra_runtime: list, extra_flags: list, tiles, grid_rows: int):
+    """Launch ``pass_`` of ``call`` with the kernel of ``launchers`` (by kernel family) that ``dispatch.route``
+    names, over the grid ``(grid_rows, B x Hkv)``: the shared pointers, then
     ``extra_tensors``, the shared runtime arguments, ``extra_runtime``, the shared flags,
     ``extra_flags``, ``BLOCK_D`` and the tile (``tiles()``'s configurations)."""
     q, k = call.q, call.k
+    launcher = launchers[route(pass_, topk_form(call))]
     block_d = configs.head_dim_block(q.shape[3])
     tensors = [q, k, call.v, call.indices, placeholder(q.device, torch.float32) if call.bias is None else call.bias, *extra_tensors]
 
@@ -165,9 +168,9 @@ def topk_launch(launcher: Launcher, call: TopkCall, extra_tensors: list, extra_r
     launcher.launch(layout, tensors, build, tiles, lambda meta: (grid_rows, q.shape[0] * k.shape[2]))
 
 
-forward_launcher = Launcher(
-    _topk_fwd_kernel, tensors=("Q", "K", "V", "Indices", "Bias", "Out", "Lse"), specialized=TOPK_SPECIALIZED,
-)
+FORWARD_LAUNCHERS = {
+    TOPK: Launcher(_topk_fwd_kernel, tensors=("Q", "K", "V", "Indices", "Bias", "Out", "Lse"), specialized=TOPK_SPECIALIZED),
+}
 
 
 def topk_forward(call: TopkCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +180,7 @@ def topk_forward(call: TopkCall) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
     group = q.shape[2] // call.k.shape[2]
     topk_launch(
-        forward_launcher, call, [out, lse], [], [],
+        FORWARD_LAUNCHERS, "forward", call, [out, lse], [], [],
         lambda: configs.topk_candidates(configs.head_dim_block(q.shape[3]), group), q.shape[1],
     )
     return out, lse
