@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flash_dma.inputs import _check_qkv, _last_dim_contiguous, bias_dtypes, normalize_settings
+from flash_dma.inputs import _check_qkv, _last_dim_contiguous, check_bias_tensor, normalize_settings
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,7 @@ def _check_indices(indices, query, key) -> None:
 def _check_topk_bias(bias, query, key, indices) -> None:
     batch, seqlen_q, num_heads, _ = query.shape
     seqlen_k, num_kv_heads = key.shape[1], key.shape[2]
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"attn_bias: expected a torch.Tensor or None, got {type(bias).__name__}")
-    if bias.dtype not in (torch.float32, query.dtype):
-        raise TypeError(f"attn_bias: expected dtype {bias_dtypes(query.dtype, 'query')}, got {bias.dtype}")
-    if bias.device != query.device:
-        raise ValueError(f"attn_bias: expected device {query.device} (the device of query), got {bias.device}")
+    check_bias_tensor(bias, query)
     heads = (1, num_kv_heads, num_heads)
     width = indices.shape[3]
     per_pair = bias.dim() == 4 and bias.shape[0] in (1, batch) and bias.shape[1] == seqlen_q

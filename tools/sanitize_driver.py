@@ -136,6 +136,16 @@ def _gradients(
     return {f"d{name}": t.grad for name, t in leaves.items() if t is not None}
 
 
+def _attention_leaves(target: Target, gen: torch.Generator, shape_q, shape_kv, bias_shape) -> dict:
+    """Trainable ``query``, ``key``, ``value`` and ``attn_bias`` (None without ``bias_shape``), drawn in that order."""
+    return _trainable({
+        "query": target.floats(torch.randn(shape_q, generator=gen)),
+        "key": target.floats(torch.randn(shape_kv, generator=gen)),
+        "value": target.floats(torch.randn(shape_kv, generator=gen)),
+        "attn_bias": target.floats(torch.randn(bias_shape, generator=gen)) if bias_shape else None,
+    })
+
+
 @dataclasses.dataclass(frozen=True)
 class Attention:
     """``flash_dma_func`` forward and backward. Mask and bias shapes are written like ``"B,Hkv,1,Sk"``.
@@ -171,12 +181,7 @@ class Attention:
     def run(self, target: Target, gen: torch.Generator) -> Results:
         shape_q = (self.batch, self.seqlen_q, self.heads, self.head_dim)
         shape_kv = (self.batch, self.seqlen_k, self.kv_heads, self.head_dim)
-        leaves = _trainable({
-            "query": target.floats(torch.randn(shape_q, generator=gen)),
-            "key": target.floats(torch.randn(shape_kv, generator=gen)),
-            "value": target.floats(torch.randn(shape_kv, generator=gen)),
-            "attn_bias": target.floats(torch.randn(self._dims(self.bias), generator=gen)) if self.bias else None,
-        })
+        leaves = _attention_leaves(target, gen, shape_q, shape_kv, self._dims(self.bias) if self.bias else None)
         mask = target.ints(_keep(self._dims(self.mask), self.mask_kind, gen)) if self.mask else None
         block_mask = None
         if self.walk == "summary":
@@ -221,13 +226,11 @@ class Topk:
         shape = (self.batch, self.seqlen_q, self.kv_heads, self.width)
         indices = torch.randint(-1, (self.hot or self.seqlen_k) + 3, shape, generator=gen)
         indices = torch.where(torch.rand(shape, generator=gen) < 0.2, indices.roll(1, dims=-1), indices)
-        leaves = _trainable({
-            "query": target.floats(torch.randn(self.batch, self.seqlen_q, self.heads, self.head_dim, generator=gen)),
-            "key": target.floats(torch.randn(self.batch, self.seqlen_k, self.kv_heads, self.head_dim, generator=gen)),
-            "value": target.floats(torch.randn(self.batch, self.seqlen_k, self.kv_heads, self.head_dim, generator=gen)),
-            "attn_bias": target.floats(torch.randn([sizes.get(s, 1) for s in self.bias.split(",")], generator=gen))
-            if self.bias else None,
-        })
+        leaves = _attention_leaves(
+            target, gen, (self.batch, self.seqlen_q, self.heads, self.head_dim),
+            (self.batch, self.seqlen_k, self.kv_heads, self.head_dim),
+            tuple(sizes.get(s, 1) for s in self.bias.split(",")) if self.bias else None,
+        )
         out, lse = flash_dma_topk_func(
             **leaves, indices=target.ints(indices.to(torch.int32)), is_causal=self.causal, window_size=self.window,
             softcap=self.softcap, return_lse=True, backend=target.backend,

@@ -238,6 +238,31 @@ def _exact_zeros(name: str, t: torch.Tensor, where: torch.Tensor, problems: list
         problems.append(f"{name}: {wrong} of {int(where.sum())} elements that must be exactly 0 are not")
 
 
+def _check_results(results: list, inputs: dict, grads: dict, out, dtype, problems: list[str]) -> None:
+    """Each ``(name, actual, oracle, baseline, floor)`` by the suite's tolerance rule; the output's dtype
+    and every gradient's dtype and shape."""
+    for name, actual, oracle, baseline, floor in results:
+        try:
+            assert_close(name, actual, oracle, baseline, floor)
+        except AssertionError as error:
+            problems.append(str(error))
+    if out.dtype != dtype:
+        problems.append(f"out: dtype {out.dtype}, expected {dtype}")
+    for name, grad in grads.items():
+        if grad.dtype != inputs[name].dtype or grad.shape != inputs[name].shape:
+            expected = f"{inputs[name].dtype} {tuple(inputs[name].shape)}"
+            problems.append(f"{name} gradient: {grad.dtype} {tuple(grad.shape)}, expected {expected}")
+
+
+def _check_empty_rows(empty, lse, out, grads: dict, problems: list[str]) -> None:
+    """Rows with no visible key (``empty`` ``[B, H, Sq]``): lse = -inf, out = 0 and dQ = 0."""
+    if not bool((lse[empty] == float("-inf")).all()):
+        problems.append("lse: rows with no visible key must be -inf")
+    _exact_zeros("out (rows with no visible key)", out.transpose(1, 2), empty, problems)
+    if "query" in grads:
+        _exact_zeros("query gradient (rows with no visible key)", grads["query"].transpose(1, 2), empty, problems)
+
+
 def _compare(trial: Trial, inputs: dict, block_mask, dout, out, lse, grads: dict, outcome: Outcome) -> None:
     """Every result against the float64 reference (the suite's tolerance rule), then the exact properties."""
     problems = outcome.problems
@@ -255,17 +280,7 @@ def _compare(trial: Trial, inputs: dict, block_mask, dout, out, lse, grads: dict
         if name == "attn_bias" and grad.shape == inputs[name].shape and grad.shape[3] > 1:
             grad = grad.double() - _output_rounding(trial, inputs, block_mask, dout, out, oracle_out)
         results.append((name, grad, oracle_grads[name], baseline_grads[name], grad_floor))
-    for name, actual, oracle, baseline, floor in results:
-        try:
-            assert_close(name, actual, oracle, baseline, floor)
-        except AssertionError as error:
-            problems.append(str(error))
-    if out.dtype != dtype:
-        problems.append(f"out: dtype {out.dtype}, expected {dtype}")
-    for name, grad in grads.items():
-        if grad.dtype != inputs[name].dtype or grad.shape != inputs[name].shape:
-            expected = f"{inputs[name].dtype} {tuple(inputs[name].shape)}"
-            problems.append(f"{name} gradient: {grad.dtype} {tuple(grad.shape)}, expected {expected}")
+    _check_results(results, inputs, grads, out, dtype, problems)
     outcome.empty_rows = bool((oracle_lse == float("-inf")).any())
     shapes = [(out, oracle_out), (lse, oracle_lse), *((g, inputs[n]) for n, g in grads.items())]
     if all(actual.shape == expected.shape for actual, expected in shapes):
@@ -276,11 +291,7 @@ def _check_exact_zeros(trial: Trial, inputs: dict, block_mask, out, lse, oracle_
     """Rows with no visible key: lse = -inf, out = 0 and dQ = 0; unattended bias positions and keys: zero gradients."""
     empty = oracle_lse == float("-inf")  # [B, H, Sq]
     if empty.any():
-        if not bool((lse[empty] == float("-inf")).all()):
-            problems.append("lse: rows with no visible key must be -inf")
-        _exact_zeros("out (rows with no visible key)", out.transpose(1, 2), empty, problems)
-        if "query" in grads:
-            _exact_zeros("query gradient (rows with no visible key)", grads["query"].transpose(1, 2), empty, problems)
+        _check_empty_rows(empty, lse, out, grads, problems)
     attended = _attended(trial, inputs, block_mask)
     if "attn_bias" in grads:
         unseen = ~_reduce(attended, trial, grads["attn_bias"].shape, "any")
@@ -361,24 +372,13 @@ def _compare_topk(trial: Trial, inputs: dict, dout, out, lse, grads: dict, outco
         if name == "attn_bias" and grad.shape == inputs[name].shape:
             grad = grad.double() - _topk_output_rounding(trial, inputs, dout, out, oracle_out)
         results.append((name, grad, oracle_grads[name], baseline_grads[name], grad_floor))
-    for name, actual, oracle, baseline, floor in results:
-        try:
-            assert_close(name, actual, oracle, baseline, floor)
-        except AssertionError as error:
-            problems.append(str(error))
-    for name, grad in grads.items():
-        if grad.dtype != inputs[name].dtype or grad.shape != inputs[name].shape:
-            problems.append(f"{name} gradient: {grad.dtype} {tuple(grad.shape)}, expected {inputs[name].dtype} {tuple(inputs[name].shape)}")
+    _check_results(results, inputs, grads, out, dtype, problems)
     empty = oracle_lse == float("-inf")  # [B, H, Sq]
     outcome.empty_rows = bool(empty.any())
     if problems:
         return
     if empty.any():
-        if not bool((lse[empty] == float("-inf")).all()):
-            problems.append("lse: rows with no visible key must be -inf")
-        _exact_zeros("out (rows with no visible key)", out.transpose(1, 2), empty, problems)
-        if "query" in grads:
-            _exact_zeros("query gradient (rows with no visible key)", grads["query"].transpose(1, 2), empty, problems)
+        _check_empty_rows(empty, lse, out, grads, problems)
     group = trial.heads // trial.kv_heads
     counted = valid_indices(inputs["indices"], 0, trial.seqlen_q, trial.seqlen_k, _window(trial)).repeat_interleave(group, dim=2)
     attended = counted & (_pair_bias(trial, inputs) != float("-inf"))  # [B, Sq, H, W]

@@ -215,11 +215,7 @@ topk_forward_op = torch.library.custom_op(
     "flash_dma::topk_forward", _launch_topk_forward, mutates_args=(), schema=f"({_TOPK_SCHEMA}) -> (Tensor, Tensor)"
 )
 
-
-@topk_forward_op.register_fake
-def _topk_forward_fake(q, *_):
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    return q.new_empty(batch, seqlen_q, num_heads, head_dim), q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
+topk_forward_op.register_fake(_forward_fake)  # the same outputs: out like q, lse [B, H, Sq]
 
 
 def _topk_backward(dout, *fields_out_lse_and_flag):

@@ -4,55 +4,26 @@ entry, causal and window rules on the indices, both bias forms, GQA and MQA."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from flash_dma import flash_dma_func, flash_dma_topk_func, topk_mask
-from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, assert_close, guarded, topk_reference_outputs
+from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, Case, assert_close, call_kwargs, guarded, topk_reference_outputs
 
 
 @dataclass(frozen=True)
-class TopkCase:
-    batch: int = 2
-    seqlen_q: int = 17
+class TopkCase(Case):
+    """A top-k problem: ``bias`` is ``"pairs:<b>,<h>"`` or ``"keys:<b>,<h>"`` (b in {1, B}, h in {1, Hkv, H}) or None."""
+
     seqlen_k: int = 63
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 16
     width: int = 5
-    # "pairs:<b>,<h>" or "keys:<b>,<h>" with b in {1, B} and h in {1, Hkv, H}; None for no bias.
-    bias: str | None = None
-    bias_fp32: bool = False
-    causal: bool = False
-    window: tuple[int, int] = (-1, -1)
-    softcap: float = 0.0
     # Keys drawn from the first `hot` keys only (0: all), so that many queries pick the same keys.
     hot: int = 0
 
     def __str__(self) -> str:
-        parts = [f"B{self.batch}-Sq{self.seqlen_q}-Sk{self.seqlen_k}-H{self.heads}-Hkv{self.kv_heads}-D{self.head_dim}-W{self.width}"]
-        if self.bias:
-            parts.append(f"bias[{self.bias}]" + ("fp32" if self.bias_fp32 else ""))
-        if self.causal:
-            parts.append("causal")
-        if self.window != (-1, -1):
-            parts.append(f"win{self.window[0]},{self.window[1]}")
-        if self.softcap:
-            parts.append(f"cap{self.softcap:g}")
-        if self.hot:
-            parts.append(f"hot{self.hot}")
-        return "-".join(parts)
-
-    @property
-    def window_size(self):
-        return self.window
-
-    def generator(self, salt: str = "") -> torch.Generator:
-        seed = int.from_bytes(hashlib.sha256(f"{self}{salt}".encode()).digest()[:4], "little")
-        return torch.Generator().manual_seed(seed)
+        return super().__str__() + f"-W{self.width}" + (f"-hot{self.hot}" if self.hot else "")
 
 
 def make_indices(case: TopkCase, gen: torch.Generator) -> torch.Tensor:
@@ -85,10 +56,6 @@ def make_topk_inputs(case: TopkCase, dtype: torch.dtype, requires_grad: bool = T
     return {"query": q, "key": k, "value": v, "indices": make_indices(case, gen), "attn_bias": bias}
 
 
-def settings(case: TopkCase) -> dict:
-    return {"is_causal": case.causal, "window_size": case.window, "softcap": case.softcap}
-
-
 def reference(case: TopkCase, inputs: dict, dout: torch.Tensor, compute_dtype: torch.dtype):
     """``(out, lse, grads)`` of the reference in ``compute_dtype`` (inputs cast to it in float64)."""
     window = (case.window[0], 0) if case.causal else case.window
@@ -96,10 +63,24 @@ def reference(case: TopkCase, inputs: dict, dout: torch.Tensor, compute_dtype: t
 
 
 def run_triton(case: TopkCase, inputs: dict, **kwargs):
-    out, lse = flash_dma_topk_func(**inputs, **settings(case), return_lse=True, backend="triton", **kwargs)
+    out, lse = flash_dma_topk_func(**inputs, **call_kwargs(case), return_lse=True, backend="triton", **kwargs)
     dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
     out.backward(dout)
     return out, lse, dout
+
+
+def check_against_reference(case: TopkCase, dtype: torch.dtype) -> None:
+    """Output, LSE and every gradient (in its input's dtype and shape) against the float64 reference."""
+    inputs = make_topk_inputs(case, dtype)
+    out, lse, dout = run_triton(case, inputs)
+    oracle_out, oracle_lse, oracle = reference(case, inputs, dout, torch.float64)
+    base_out, base_lse, baseline = reference(case, inputs, dout, dtype)
+    assert_close("out", out, oracle_out, base_out)
+    assert_close("lse", lse, oracle_lse, base_lse)
+    for name, expected in oracle.items():
+        grad = inputs[name].grad
+        assert grad.dtype == inputs[name].dtype and grad.shape == inputs[name].shape, name
+        assert_close(name, grad, expected, baseline[name])
 
 
 TOPK_CASES = [
@@ -116,16 +97,7 @@ TOPK_CASES = [
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", TOPK_CASES, ids=str)
 def test_topk_matches_reference(case, dtype, poison_outputs):
-    inputs = make_topk_inputs(case, dtype)
-    out, lse, dout = run_triton(case, inputs)
-    oracle_out, oracle_lse, oracle = reference(case, inputs, dout, torch.float64)
-    base_out, base_lse, baseline = reference(case, inputs, dout, dtype)
-    assert_close("out", out, oracle_out, base_out)
-    assert_close("lse", lse, oracle_lse, base_lse)
-    for name, expected in oracle.items():
-        grad = inputs[name].grad
-        assert grad.dtype == inputs[name].dtype and grad.shape == inputs[name].shape, name
-        assert_close(name, grad, expected, baseline[name])
+    check_against_reference(case, dtype)
 
 
 def test_rows_with_no_counting_entry_give_zero_and_no_gradient():
@@ -172,11 +144,4 @@ def test_equals_flash_dma_func_with_the_bit_mask_of_distinct_indices():
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 def test_topk_long_llm_shape(dtype):
     case = TopkCase(batch=1, seqlen_q=1023, seqlen_k=1500, heads=16, kv_heads=4, head_dim=128, width=256, bias="keys:1,Hkv", causal=True)
-    inputs = make_topk_inputs(case, dtype)
-    out, lse, dout = run_triton(case, inputs)
-    oracle_out, oracle_lse, oracle = reference(case, inputs, dout, torch.float64)
-    base_out, base_lse, baseline = reference(case, inputs, dout, dtype)
-    assert_close("out", out, oracle_out, base_out)
-    assert_close("lse", lse, oracle_lse, base_lse)
-    for name, expected in oracle.items():
-        assert_close(name, inputs[name].grad, expected, baseline[name])
+    check_against_reference(case, dtype)
