@@ -81,8 +81,9 @@ _BACKWARD = {
 # Top-k index attention (``topk_forward.py``, ``topk_backward.py``), untuned: BLOCK_N gathered keys
 # per tile by head-dim bucket, (BLOCK_N, warps, stages); BLOCK_M is the group's heads padded to 16.
 _TOPK = {64: (64, 4, 3), 128: (64, 4, 2), 256: (32, 4, 2)}
-# Rows (queries x group heads) per chunk of the key-outer dK/dV kernel.
-TOPK_DKDV_ROWS = 64
+# Elements (rows of queries x group heads, times BLOCK_D) per chunk of the key-outer dK/dV kernel:
+# its q and dO chunks live in registers (at D = 128, 64 rows spilled on sm90, 32 did not).
+TOPK_DKDV_ELEMENTS = 4096
 # Decode shapes (few query rows, split over keys): BLOCK_M shrinks to the rows.
 _DECODE = [(16, 128, 4, 3), (16, 64, 4, 4), (16, 128, 8, 4), (16, 32, 4, 2)]
 _INTERPRETER_TILE = 32
@@ -166,8 +167,9 @@ def topk_candidates(block_d: int, group: int) -> list[triton.Config]:
     return [_config(block_m, block_n, num_warps, num_stages)]
 
 
-def topk_dkdv_rows() -> int:
-    return _INTERPRETER_TILE if triton_interpreting() else TOPK_DKDV_ROWS
+def topk_dkdv_rows(block_d: int, block_g: int) -> int:
+    """Rows of a chunk of the top-k dK/dV kernel: at least the group's (padded) heads."""
+    return max(block_g, _INTERPRETER_TILE if triton_interpreting() else TOPK_DKDV_ELEMENTS // block_d)
 
 
 def single_program_config() -> list[triton.Config]:

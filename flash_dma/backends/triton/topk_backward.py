@@ -243,7 +243,7 @@ def topk_backward(
     dv = torch.empty(k.shape, dtype=k.dtype, device=device)
     key_grad = torch.empty(batch, num_kv_heads, heads, seqlen_k if dbias_keys else 0, dtype=torch.float32, device=device)
     block_g = configs.next_power_of_2(group)
-    rows = max(configs.topk_dkdv_rows(), block_g)
+    rows = configs.topk_dkdv_rows(block_d, block_g)
     tile = triton.Config({"BLOCK_E": rows // block_g, "BLOCK_G": block_g}, num_warps=4, num_stages=1)
     topk_launch(
         DKDV_LAUNCHERS, "dkdv", call, [dout, lse, delta, order, starts, dk, dv, key_grad], extra, [dbias_keys, per_head],
