@@ -29,10 +29,6 @@ class TopkProblem:
     softcap: float
     deterministic: bool
 
-    @property
-    def bias_per_key(self) -> bool:
-        return self.attn_bias is not None and self.attn_bias.dim() == 3
-
 
 def _check_indices(indices, query, key) -> None:
     batch, seqlen_q, _, _ = query.shape
