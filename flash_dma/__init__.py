@@ -4,12 +4,14 @@ Public API (see ``docs/api.md``):
 
 - :func:`flash_dma_func`: attention with a broadcastable mask and a trainable bias.
 - :func:`flash_dma_varlen_func`: the same over packed sequences of different lengths.
+- :func:`flash_dma_topk_func`: top-k index attention, keys listed per query (DSA), with a trainable bias.
 - :func:`flash_dma_with_kvcache`: decoding over a contiguous or paged KV cache with a per-key bias.
 - :func:`build_block_mask` / :class:`BlockMask`: a reusable block summary of a mask
   (:func:`block_mask_from_state` from block states).
 - :func:`pack_mask` / :class:`BitMask`: a per-query mask stored one bit per pair, with its summary.
 - :mod:`flash_dma.masks`: dynamic masks from a learned bias (:func:`create_mask`, :func:`topk_block_mask`)
-  or from chosen keys (:func:`indices_to_mask`).
+  or from chosen keys (:func:`indices_to_mask`); top-k ``indices`` from an indexer's scores
+  (:func:`topk_indices`) and their ``BitMask`` (:func:`topk_mask`).
 - :class:`DynamicMaskAttention`: the trainable dynamic-mask attention layer.
 - :func:`get_available_backends`, :func:`flash_dma_func_auto`: backend selection.
 - :func:`flash_dmattn_func`, :func:`flash_sparse_attn_func`: v1-compatible entry points.
@@ -25,12 +27,13 @@ from flash_dma.block_mask import BlockMask
 from flash_dma.interface import (
     flash_dma_func,
     flash_dma_func_auto,
+    flash_dma_topk_func,
     flash_dma_varlen_func,
     flash_dma_with_kvcache,
     flash_dmattn_func,
     flash_sparse_attn_func,
 )
-from flash_dma.masks import attended_fraction, create_mask, indices_to_mask, topk_block_mask
+from flash_dma.masks import attended_fraction, create_mask, indices_to_mask, topk_block_mask, topk_indices, topk_mask
 from flash_dma.modules import DynamicMaskAttention
 from flash_dma.summaries import block_mask_from_state, build_block_mask, pack_mask
 
@@ -61,6 +64,7 @@ __all__ = [
     "create_mask",
     "flash_dma_func",
     "flash_dma_func_auto",
+    "flash_dma_topk_func",
     "flash_dma_varlen_func",
     "flash_dma_with_kvcache",
     "flash_dmattn_func",
@@ -69,4 +73,6 @@ __all__ = [
     "indices_to_mask",
     "pack_mask",
     "topk_block_mask",
+    "topk_indices",
+    "topk_mask",
 ]

@@ -161,13 +161,18 @@ def bias_dtypes(dtype: torch.dtype, owner: str) -> str:
     return "float32" if dtype == torch.float32 else f"float32 or {dtype} (the dtype of {owner})"
 
 
-def check_bias(bias: torch.Tensor, query: torch.Tensor, shape) -> None:
+def check_bias_tensor(bias, query: torch.Tensor) -> None:
+    """``attn_bias`` must be a tensor of float32 or ``query``'s dtype, on ``query``'s device (any shape)."""
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"attn_bias: expected a torch.Tensor or None, got {type(bias).__name__}")
     if bias.dtype not in (torch.float32, query.dtype):
         raise TypeError(f"attn_bias: expected dtype {bias_dtypes(query.dtype, 'query')}, got {bias.dtype}")
     if bias.device != query.device:
         raise ValueError(f"attn_bias: expected device {query.device} (the device of query), got {bias.device}")
+
+
+def check_bias(bias: torch.Tensor, query: torch.Tensor, shape) -> None:
+    check_bias_tensor(bias, query)
     check_broadcastable("attn_bias", bias, shape)
 
 

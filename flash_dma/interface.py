@@ -11,6 +11,7 @@ from flash_dma.block_mask import BlockMask
 from flash_dma.inputs import UNBOUNDED, normalize_inputs
 from flash_dma.kv_cache import normalize_kvcache_inputs
 from flash_dma.packed import normalize_varlen_inputs
+from flash_dma.topk import normalize_topk_inputs
 
 
 def flash_dma_func(
@@ -79,6 +80,69 @@ def flash_dma_func(
         # Empty problems have nothing to launch; the reference handles them with autograd intact.
         implementation = resolve_backend("reference", query.device)
     out, lse = implementation.attention(problem)
+    return (out, lse) if return_lse else out
+
+
+def flash_dma_topk_func(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    indices: torch.Tensor,
+    attn_bias: torch.Tensor | None = None,
+    *,
+    softmax_scale: float | None = None,
+    is_causal: bool = False,
+    window_size: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
+    softcap: float = 0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """Top-k index attention: each query attends the keys listed for it (DeepSeek's DSA form, GQA).
+
+    The query heads of a key/value head's group share that head's list. An entry counts when it is
+    in ``[0, Sk)`` and inside the causal/window band of its query (``-1`` pads a list); each entry
+    that counts is one attended pair, so a key listed twice counts twice. Scores, softmax, LSE,
+    empty rows and gradients follow :func:`flash_dma_func`.
+
+    Args:
+        query: ``[B, Sq, H, D]``, float16, bfloat16 or float32; D from 1 to 256.
+        key, value: ``[B, Sk, Hkv, D]``, same dtype and device; ``H % Hkv == 0``.
+        indices: ``[B, Sq, Hkv, W]`` int32, the keys each query's group attends; values are not
+            checked on the host (no synchronisation): entries outside ``[0, Sk)`` count as none.
+        attn_bias: per selected pair ``[1|B, Sq, 1|Hkv|H, W]`` (slot w of ``indices``), or per key
+            ``[1|B, 1|Hkv|H, Sk]`` (gathered at the listed keys); float32 or ``query.dtype``, or
+            None. Its gradient has its own shape.
+        softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
+        is_causal: entry j counts for query i only if ``j <= i + Sk - Sq`` (bottom-right aligned).
+        window_size: ``(left, right)``, -1 unbounded, as for :func:`flash_dma_func`.
+        softcap: when > 0, scores are ``softcap * tanh(x / softcap)`` before the bias is added.
+        deterministic: accepted for :func:`flash_dma_func`'s signature; the top-k gradients are
+            always bitwise reproducible (no atomics).
+        return_lse: also return the log-sum-exp of the scores.
+        backend: ``"triton"``, ``"reference"`` or None (Triton on CUDA, reference elsewhere).
+
+    Returns:
+        ``out`` ``[B, Sq, H, D]`` in ``query.dtype``; with ``return_lse`` also ``lse`` ``[B, H, Sq]``
+        float32 (natural log, not differentiable). A query row with no counting entry gets
+        ``out = 0``, ``lse = -inf`` and zero gradients.
+    """
+    problem = normalize_topk_inputs(
+        query,
+        key,
+        value,
+        indices,
+        attn_bias,
+        softmax_scale=softmax_scale,
+        is_causal=is_causal,
+        window_size=window_size,
+        softcap=softcap,
+        deterministic=deterministic,
+    )
+    implementation = resolve_backend(backend, query.device)
+    if query.numel() == 0 or key.shape[1] == 0 or indices.shape[3] == 0:
+        implementation = resolve_backend("reference", query.device)
+    out, lse = implementation.topk_attention(problem)
     return (out, lse) if return_lse else out
 
 

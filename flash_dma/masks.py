@@ -10,6 +10,8 @@ its gradient comes from.
 - :func:`topk_block_mask`: whole key blocks, straight into the :class:`~flash_dma.BlockMask` that
   ``flash_dma_func(block_mask=...)`` takes; no element-wise mask exists at any point. This is the
   form in which the kernels skip the unselected blocks entirely.
+- :func:`topk_indices`: each query's top keys from an indexer's scores, as the ``indices`` of
+  ``flash_dma_topk_func``; :func:`topk_mask` packs them into the equivalent ``BitMask``.
 - :func:`attended_fraction`: the fraction of (query, key) pairs that a mask lets through.
 
 Every selection is deterministic: among equal scores the key with the lower index wins.
@@ -22,7 +24,7 @@ import torch
 from flash_dma.backends.reference import visible_positions
 from flash_dma.bit_mask import BitMask, pack_words
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, FULL, PARTIAL, BlockMask, check_block_size, effective_mask_rows
-from flash_dma.inputs import UNBOUNDED, check_choice, check_int
+from flash_dma.inputs import UNBOUNDED, _normalize_window, check_choice, check_int
 from flash_dma.integers import cdiv
 from flash_dma.packed import packed_rows, values_checkable
 from flash_dma.summaries import bit_mask_from_words, block_mask_from_state, check_bit_block_size
@@ -300,6 +302,63 @@ def indices_to_mask(
 
     shape = (batch, heads, rows, key_len)
     return bit_mask_from_words(pack_words(select, shape, indices.device), shape, block_size)
+
+
+def topk_indices(
+    scores: torch.Tensor,
+    width: int,
+    *,
+    is_causal: bool = False,
+    window_size: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
+) -> torch.Tensor:
+    """Each query's ``width`` highest-scoring visible keys, as the ``indices`` of :func:`flash_dma.flash_dma_topk_func`.
+
+    Args:
+        scores: ``[B, Hkv, Sq, Sk]`` float, an indexer's score per (query, key) and key/value head
+            (DSA's lightning indexer); read under ``torch.no_grad``. NaN scores are never chosen.
+        width: W, keys per query, at least 1.
+        is_causal, window_size: only keys that ``flash_dma_func`` would show the query (bottom-right
+            aligned) are chosen.
+
+    Returns:
+        ``[B, Sq, Hkv, W]`` int32: the chosen keys in ascending order, then ``-1`` where a query sees
+        fewer than W keys. Ties go to the lower key index. Rows are selected a chunk at a time, so
+        that no tensor of ``[Sq, Sk]`` per head exists beyond ``scores`` itself.
+    """
+    if not isinstance(scores, torch.Tensor) or not scores.dtype.is_floating_point:
+        raise TypeError(f"scores: expected a floating-point torch.Tensor, got {getattr(scores, 'dtype', type(scores).__name__)}")
+    if scores.dim() != 4:
+        raise ValueError(f"scores: expected a 4-D tensor [B, Hkv, Sq, Sk], got shape {tuple(scores.shape)}")
+    check_int("width", width, 1)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__} {is_causal!r}")
+    window = _normalize_window(window_size, is_causal)
+    batch, heads, query_len, key_len = scores.shape
+    indices = torch.full((batch, query_len, heads, width), -1, dtype=torch.int32, device=scores.device)
+    rows_per_chunk = max(1, _COUNT_CHUNK_ELEMENTS // max(1, batch * heads * key_len))
+    with torch.no_grad():
+        for start in range(0, query_len, rows_per_chunk):
+            stop = min(query_len, start + rows_per_chunk)
+            visible = visible_positions(torch.arange(start, stop, device=scores.device), query_len, key_len, window)
+            keep = _keep_largest(scores[:, :, start:stop], visible, width)  # [B, Hkv, c, Sk]
+            # Kept keys first, in ascending order (a stable sort of the kept flags), then the rest.
+            chosen = torch.sort(keep.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
+            taken = keep.sum(dim=-1, keepdim=True) > torch.arange(chosen.shape[-1], device=scores.device)
+            indices[:, start:stop, :, : chosen.shape[-1]] = torch.where(taken, chosen, -1).to(torch.int32).transpose(1, 2)
+    return indices
+
+
+def topk_mask(indices: torch.Tensor, key_len: int, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BitMask:
+    """The :class:`~flash_dma.BitMask` ``[B, Hkv, Sq, key_len]`` of top-k ``indices`` ``[B, Sq, Hkv, W]``
+    (those of :func:`flash_dma.flash_dma_topk_func`): for short sequences, where the dense per-query
+    path is faster. ``flash_dma_func(q, k, v, topk_mask(indices, Sk), bias, is_causal=...)`` then
+    attends what ``flash_dma_topk_func`` attends when no key is listed twice (a mask holds a key
+    once). Entries < 0 mean none; an entry ``>= key_len`` is a ``ValueError`` (as in :func:`indices_to_mask`)."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices: expected a torch.Tensor, got {type(indices).__name__}")
+    if indices.dim() != 4:
+        raise ValueError(f"indices: expected a 4-D tensor [B, Sq, Hkv, W], got shape {tuple(indices.shape)}")
+    return indices_to_mask(indices.transpose(1, 2), key_len, block_size=block_size)
 
 
 def _query_block_layout(

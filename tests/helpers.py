@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
-from flash_dma.backends.reference import reference_attention
+from flash_dma.backends.reference import reference_attention, reference_topk_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Marks of the tests of the Hopper (Gluon) kernels: sm90 only; elsewhere test_compiles_for_gpu compiles them.
@@ -281,6 +281,23 @@ def reference_outputs(case: Case, inputs: dict, dout: torch.Tensor | None, compu
         out.backward(cast(dout))
         grads = {name: t.grad for name, t in leaves.items()}
     return out.detach(), lse, grads
+
+
+def topk_reference_outputs(inputs: dict, dout: torch.Tensor, compute_dtype: torch.dtype, window, **kwargs):
+    """``(out, lse, grads)`` of ``flash_dma_topk_func``'s reference computing in ``compute_dtype``,
+    cast as :func:`reference_outputs` casts; ``window`` with causal folded in."""
+    cast = (lambda t: t.detach().double()) if compute_dtype == torch.float64 else (lambda t: t.detach())
+    leaves = {
+        name: cast(inputs[name]).requires_grad_(inputs[name].requires_grad)
+        for name in ("query", "key", "value", "attn_bias")
+        if inputs[name] is not None
+    }
+    out, lse = reference_topk_attention(
+        leaves["query"], leaves["key"], leaves["value"], inputs["indices"], leaves.get("attn_bias"),
+        window=window, compute_dtype=compute_dtype, **kwargs,
+    )
+    out.backward(cast(dout))
+    return out.detach(), lse.detach(), {name: t.grad for name, t in leaves.items() if t.requires_grad}
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

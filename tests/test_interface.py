@@ -4,8 +4,16 @@ import pytest
 import torch
 
 import flash_dma
-from flash_dma import flash_dma_func, flash_dma_func_auto, flash_dmattn_func, flash_sparse_attn_func, get_available_backends
+from flash_dma import (
+    flash_dma_func,
+    flash_dma_func_auto,
+    flash_dma_topk_func,
+    flash_dmattn_func,
+    flash_sparse_attn_func,
+    get_available_backends,
+)
 from flash_dma.backends.triton.configs import triton_interpreting
+from tests.backends.triton.test_topk import TopkCase, make_topk_inputs
 from tests.helpers import DEVICE, Case, make_inputs
 
 BACKENDS = get_available_backends(DEVICE)
@@ -77,3 +85,32 @@ def test_empty_problems(backend, seqlen_q, seqlen_k):
 
 def test_public_names():
     assert set(flash_dma.__all__) <= set(dir(flash_dma))
+
+
+TOPK_CASE = TopkCase(seqlen_q=17, seqlen_k=33, width=5, bias="pairs:B,H", causal=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_output_lse_and_inputs_never_modified(backend):
+    if backend == "flex":
+        pytest.skip("flex does not serve flash_dma_topk_func (test_topk.py checks the error)")
+    inputs = make_topk_inputs(TOPK_CASE, torch.float32)
+    before = {name: t.detach().clone() for name, t in inputs.items() if t is not None}
+    out, lse = flash_dma_topk_func(**inputs, is_causal=True, softcap=3.0, return_lse=True, backend=backend)
+    assert out.shape == inputs["query"].shape and out.dtype == torch.float32
+    assert lse.shape == (TOPK_CASE.batch, TOPK_CASE.heads, TOPK_CASE.seqlen_q) and not lse.requires_grad
+    out.sum().backward()
+    for name, t in before.items():
+        assert torch.equal(inputs[name].detach(), t), name
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "flex"])
+@pytest.mark.parametrize(("seqlen_q", "seqlen_k", "width"), [(0, 5, 3), (5, 0, 3), (5, 7, 0)], ids=["Sq0", "Sk0", "W0"])
+def test_topk_empty_problems(backend, seqlen_q, seqlen_k, width):
+    case = TopkCase(seqlen_q=seqlen_q, seqlen_k=seqlen_k, width=width, bias="keys:B,Hkv")
+    inputs = make_topk_inputs(case, torch.float32)
+    out, lse = flash_dma_topk_func(**inputs, return_lse=True, backend=backend)
+    assert out.shape == (2, seqlen_q, 4, 16) and not out.any()
+    assert torch.isneginf(lse).all()
+    out.sum().backward()
+    assert not inputs["query"].grad.any() and not inputs["attn_bias"].grad.any()

@@ -4,9 +4,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flash_dma import flash_dma_func
+from flash_dma import flash_dma_func, flash_dma_topk_func, masks
+from flash_dma.backends.reference import visible_positions
 from flash_dma.block_mask import EMPTY, FULL, PARTIAL
-from flash_dma.masks import attended_fraction, create_mask, topk_block_mask
+from flash_dma.masks import attended_fraction, create_mask, topk_block_mask, topk_indices, topk_mask
 from tests.helpers import DEVICE
 
 
@@ -363,3 +364,47 @@ class TestAttendedFraction:
         summary = topk_block_mask(random_bias(1, 1, 1, 40), 40, padding, block_size=(16, 16))
         with pytest.raises(ValueError, match="block_mask: it may hold partial blocks"):
             attended_fraction(40, 40, block_mask=summary)
+
+
+class TestTopkIndices:
+    @pytest.mark.parametrize("levels", [None, 3], ids=["distinct", "ties"])
+    @pytest.mark.parametrize(("width", "causal", "window"), [(1, False, (-1, -1)), (5, True, (-1, -1)), (64, False, (4, 2))], ids=["W1", "W5-causal", "W64-win4,2"])
+    def test_matches_brute_force(self, levels, width, causal, window, monkeypatch):
+        monkeypatch.setattr(masks, "_COUNT_CHUNK_ELEMENTS", 2 * 3 * 37 * 4)  # chunks of 4 query rows
+        scores = random_bias(2, 3, 17, 37, levels=levels)
+        scores[0, 0, 2, 5] = float("nan")
+        indices = topk_indices(scores, width, is_causal=causal, window_size=window)
+        assert indices.shape == (2, 17, 3, width) and indices.dtype == torch.int32
+        visible = visible_positions(torch.arange(17), 17, 37, (window[0], 0) if causal else window)
+        keep = brute_force_topk(scores.nan_to_num(float("-inf")), visible & ~scores.isnan().cpu(), width)
+        for b, h, i in torch.nonzero(torch.ones(2, 3, 17)).tolist():
+            chosen = torch.nonzero(keep[b, h, i]).flatten().tolist()
+            assert indices[b, i, h].tolist() == chosen + [-1] * (width - len(chosen))
+
+    def test_mask_of_the_indices_attends_as_flash_dma_topk_func(self):
+        scores = random_bias(1, 2, 40, 40)
+        indices = topk_indices(scores, 8, is_causal=True)
+        mask = topk_mask(indices, 40, block_size=(16, 32))
+        assert mask.shape == (1, 2, 40, 40)
+        assert torch.equal(mask.dense().sum(-1).transpose(1, 2), (indices >= 0).sum(-1))
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 40, 4, 16, generator=gen).to(DEVICE)
+        k, v = (torch.randn(1, 40, 2, 16, generator=gen).to(DEVICE) for _ in range(2))
+        expected = flash_dma_topk_func(q, k, v, indices, is_causal=True, backend="reference")
+        torch.testing.assert_close(flash_dma_func(q, k, v, mask, is_causal=True, backend="reference"), expected)
+
+    @pytest.mark.parametrize(
+        ("call", "error", "message"),
+        [
+            (lambda: topk_indices(torch.zeros(2, 8, 8), 2), ValueError, r"scores: expected a 4-D tensor \[B, Hkv, Sq, Sk\]"),
+            (lambda: topk_indices(torch.zeros(1, 1, 2, 2, dtype=torch.int32), 2), TypeError, r"scores: expected a floating-point"),
+            (lambda: topk_indices(torch.zeros(1, 1, 2, 2), 0), ValueError, r"width: expected an int >= 1, got 0"),
+            (lambda: topk_indices(torch.zeros(1, 1, 2, 2), 1, is_causal=1), TypeError, r"is_causal: expected a bool"),
+            (lambda: topk_mask(torch.zeros(1, 2, 3, dtype=torch.int32), 4), ValueError, r"indices: expected a 4-D tensor \[B, Sq, Hkv, W\]"),
+            (lambda: topk_mask(torch.full((1, 1, 1, 1), 9, dtype=torch.int32), 4), ValueError, r"indices: every entry must be < key_len"),
+        ],
+        ids=["scores-3d", "scores-int", "width-0", "causal-int", "mask-3d", "mask-out-of-range"],
+    )
+    def test_bad_arguments_are_named(self, call, error, message):
+        with pytest.raises(error, match=message):
+            call()

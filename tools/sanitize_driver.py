@@ -39,6 +39,7 @@ import flash_dma.backends.triton as triton_backend
 from flash_dma import (
     build_block_mask,
     flash_dma_func,
+    flash_dma_topk_func,
     flash_dma_varlen_func,
     flash_dma_with_kvcache,
     pack_mask,
@@ -135,6 +136,16 @@ def _gradients(
     return {f"d{name}": t.grad for name, t in leaves.items() if t is not None}
 
 
+def _attention_leaves(target: Target, gen: torch.Generator, shape_q, shape_kv, bias_shape) -> dict:
+    """Trainable ``query``, ``key``, ``value`` and ``attn_bias`` (None without ``bias_shape``), drawn in that order."""
+    return _trainable({
+        "query": target.floats(torch.randn(shape_q, generator=gen)),
+        "key": target.floats(torch.randn(shape_kv, generator=gen)),
+        "value": target.floats(torch.randn(shape_kv, generator=gen)),
+        "attn_bias": target.floats(torch.randn(bias_shape, generator=gen)) if bias_shape else None,
+    })
+
+
 @dataclasses.dataclass(frozen=True)
 class Attention:
     """``flash_dma_func`` forward and backward. Mask and bias shapes are written like ``"B,Hkv,1,Sk"``.
@@ -170,12 +181,7 @@ class Attention:
     def run(self, target: Target, gen: torch.Generator) -> Results:
         shape_q = (self.batch, self.seqlen_q, self.heads, self.head_dim)
         shape_kv = (self.batch, self.seqlen_k, self.kv_heads, self.head_dim)
-        leaves = _trainable({
-            "query": target.floats(torch.randn(shape_q, generator=gen)),
-            "key": target.floats(torch.randn(shape_kv, generator=gen)),
-            "value": target.floats(torch.randn(shape_kv, generator=gen)),
-            "attn_bias": target.floats(torch.randn(self._dims(self.bias), generator=gen)) if self.bias else None,
-        })
+        leaves = _attention_leaves(target, gen, shape_q, shape_kv, self._dims(self.bias) if self.bias else None)
         mask = target.ints(_keep(self._dims(self.mask), self.mask_kind, gen)) if self.mask else None
         block_mask = None
         if self.walk == "summary":
@@ -193,6 +199,43 @@ class Attention:
                 block_mask=block_mask, deterministic=self.deterministic, return_lse=True, backend=target.backend,
             )
             return {"out": out, "lse": lse, **_gradients(out, leaves, target, gen)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topk:
+    """``flash_dma_topk_func`` forward and backward: ``width`` keys listed per query and key/value
+    head, drawn among the first ``hot`` keys (0: all), with -1 entries, entries past the keys and
+    repeats. ``bias``: per pair ``"B,Sq,H,W"``-like, per key ``"B,Hkv,Sk"``-like, or None."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    width: int
+    dtype: torch.dtype = torch.bfloat16
+    bias: str | None = None
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0
+    hot: int = 0
+
+    def run(self, target: Target, gen: torch.Generator) -> Results:
+        sizes = {"B": self.batch, "H": self.heads, "Hkv": self.kv_heads, "Sq": self.seqlen_q, "Sk": self.seqlen_k, "W": self.width}
+        shape = (self.batch, self.seqlen_q, self.kv_heads, self.width)
+        indices = torch.randint(-1, (self.hot or self.seqlen_k) + 3, shape, generator=gen)
+        indices = torch.where(torch.rand(shape, generator=gen) < 0.2, indices.roll(1, dims=-1), indices)
+        leaves = _attention_leaves(
+            target, gen, (self.batch, self.seqlen_q, self.heads, self.head_dim),
+            (self.batch, self.seqlen_k, self.kv_heads, self.head_dim),
+            tuple(sizes.get(s, 1) for s in self.bias.split(",")) if self.bias else None,
+        )
+        out, lse = flash_dma_topk_func(
+            **leaves, indices=target.ints(indices.to(torch.int32)), is_causal=self.causal, window_size=self.window,
+            softcap=self.softcap, return_lse=True, backend=target.backend,
+        )
+        return {"out": out, "lse": lse, **_gradients(out, leaves, target, gen)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,6 +474,11 @@ def _varlen(name: str, **spec) -> Case:
     return Case(name, varlen.run, varlen.dtype)
 
 
+def _topk(name: str, **spec) -> Case:
+    topk = Topk(**spec)
+    return Case(name, topk.run, topk.dtype)
+
+
 def _decode(name: str, **spec) -> Case:
     decode = Decode(**spec)
     return Case(name, decode.run, decode.dtype)
@@ -470,6 +518,13 @@ CASES = {
         _attention("attn-query-chunks", batch=1, seqlen_q=90, seqlen_k=70, heads=4, kv_heads=2, head_dim=64,
                    mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,1,1,Sk", causal=True, walk="summary",
                    block_size=(16, 16), query_chunks=2),
+        # flash_dma_topk_func: the gathering forward, dQ and key-outer dK/dV kernels.
+        _topk("topk-gqa-d128-pairs-causal", batch=2, seqlen_q=129, seqlen_k=257, heads=8, kv_heads=2, head_dim=128,
+              width=64, bias="B,Sq,H,W", causal=True),
+        _topk("topk-mqa-d64-keys-window-hot", batch=1, seqlen_q=257, seqlen_k=129, heads=4, kv_heads=1, head_dim=64,
+              width=33, bias="1,1,Sk", window=(32, 8), softcap=5.0, hot=8),
+        _topk("topk-len1-d72", batch=3, seqlen_q=1, seqlen_k=1, heads=2, kv_heads=2, head_dim=72, width=5,
+              bias="B,Sq,1,W"),
         # flash_dma_with_kvcache: the forward kernel over cached entries, split-KV and the combine kernel.
         _decode("decode-contiguous-splits", batch=3, seqlen_q=1, new=1, cached=(5, 0, 300), capacity=320, heads=4,
                 kv_heads=1, head_dim=128, rows=True, bias_heads=1, num_splits=3),

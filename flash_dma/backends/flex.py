@@ -318,3 +318,8 @@ def attention(problem) -> tuple[torch.Tensor, torch.Tensor]:
 def attention_with_cache(cached):
     """KV caches are not served by Flex here."""
     raise ValueError("backend: 'flex' does not serve flash_dma_with_kvcache; use backend='triton' or 'reference'")
+
+
+def topk_attention(problem):
+    """``flash_dma_topk_func`` is not served by Flex: a ``ValueError`` saying so."""
+    raise ValueError("backend: 'flex' does not serve flash_dma_topk_func; use backend='triton' or 'reference'")

@@ -20,17 +20,29 @@ from flash_dma.kv_cache import cached_keys
 _CHUNK_SCORES = 1 << 24
 
 
+def in_band(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int, window: tuple[int, int]) -> torch.Tensor:
+    """bool, ``rows`` and ``cols`` broadcast: key ``cols`` is visible to query ``rows`` under the
+    (bottom-right aligned) window, ``-1`` unbounded on its side."""
+    left, right = window
+    offset = cols - (rows + (seqlen_k - seqlen_q))  # key position minus the query's diagonal key
+    visible = torch.ones(torch.broadcast_shapes(rows.shape, cols.shape), dtype=torch.bool, device=rows.device)
+    if left >= 0:
+        visible &= offset >= -left
+    if right >= 0:
+        visible &= offset <= right
+    return visible
+
+
 def visible_positions(rows: torch.Tensor, seqlen_q: int, seqlen_k: int, window: tuple[int, int]) -> torch.Tensor:
     """``[len(rows), Sk]`` bool: key j is visible to query i under the (bottom-right aligned) window."""
-    left, right = window
-    cols = torch.arange(seqlen_k, device=rows.device)
-    diagonal = rows[:, None] + (seqlen_k - seqlen_q)
-    visible = torch.ones(len(rows), seqlen_k, dtype=torch.bool, device=rows.device)
-    if left >= 0:
-        visible &= cols[None, :] >= diagonal - left
-    if right >= 0:
-        visible &= cols[None, :] <= diagonal + right
-    return visible
+    return in_band(rows[:, None], torch.arange(seqlen_k, device=rows.device)[None, :], seqlen_q, seqlen_k, window)
+
+
+def valid_indices(indices: torch.Tensor, row_start: int, seqlen_q: int, seqlen_k: int, window) -> torch.Tensor:
+    """bool like top-k ``indices`` ``[B, c, Hkv, W]`` of query rows ``row_start`` onwards: the entries
+    that count, those in ``[0, Sk)`` and inside their query's causal/window band."""
+    rows = torch.arange(row_start, row_start + indices.shape[1], device=indices.device)[None, :, None, None]
+    return (indices >= 0) & (indices < seqlen_k) & in_band(rows, indices, seqlen_q, seqlen_k, window)
 
 
 def _group_heads(t: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -41,23 +53,17 @@ def _group_heads(t: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return t.reshape(t.shape[0], num_kv_heads, heads // num_kv_heads, *t.shape[2:])
 
 
-def _attend_chunk(q, k, v, mask, bias, *, row_start, seqlen_q, softmax_scale, window, softcap):
-    """Attention of one chunk of queries. q: [B, c, H, D]; k, v: [B, Hkv, 1, Sk, D]."""
-    batch, rows, num_heads, head_dim = q.shape
-    num_kv_heads, seqlen_k = k.shape[1], k.shape[3]
-    q = q.reshape(batch, rows, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(0, 2, 3, 1, 4)
-    scores = (q @ k.transpose(-1, -2)) * softmax_scale  # [B, Hkv, G, c, Sk]
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    if bias is not None:
-        scores = scores + _group_heads(bias.to(scores.dtype), num_kv_heads)
-    positions = torch.arange(row_start, row_start + rows, device=q.device)
-    visible = visible_positions(positions, seqlen_q, seqlen_k, window)
-    if mask is not None:
-        visible = visible & mask
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
+
+
+def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor):
+    """``(probs, denom, lse)`` of ``scores`` ``[..., n]`` over its ``visible`` entries: the output is
+    ``probs @ v / denom``. A row with no visible key (or only ``-inf`` scores) has ``probs = 0``,
+    ``denom = 1`` and ``lse = -inf`` ``[...]``."""
     scores = scores.masked_fill(~visible, float("-inf"))
     # The max shift cancels out of the softmax; detaching it keeps autograd exact and cheap.
-    if seqlen_k == 0:
+    if scores.shape[-1] == 0:
         row_max = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
     else:
         row_max = scores.amax(dim=-1, keepdim=True).detach()
@@ -65,9 +71,26 @@ def _attend_chunk(q, k, v, mask, bias, *, row_start, seqlen_q, softmax_scale, wi
     probs = torch.exp(scores - row_max)
     denom = probs.sum(dim=-1, keepdim=True)
     has_keys = denom > 0
-    out = (probs @ v) / torch.where(has_keys, denom, 1.0)  # rows with no visible key give 0
+    denom = torch.where(has_keys, denom, 1.0)  # rows with no visible key give 0
     # Differentiable (backward() needs d lse / d scores); log of 1, not 0, keeps empty rows' gradients finite.
-    lse = torch.where(has_keys, row_max + torch.log(torch.where(has_keys, denom, 1.0)), float("-inf")).squeeze(-1)
+    lse = torch.where(has_keys, row_max + torch.log(denom), float("-inf")).squeeze(-1)
+    return probs, denom, lse
+
+
+def _attend_chunk(q, k, v, mask, bias, *, row_start, seqlen_q, softmax_scale, window, softcap):
+    """Attention of one chunk of queries. q: [B, c, H, D]; k, v: [B, Hkv, 1, Sk, D]."""
+    batch, rows, num_heads, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[3]
+    q = q.reshape(batch, rows, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(0, 2, 3, 1, 4)
+    scores = _capped((q @ k.transpose(-1, -2)) * softmax_scale, softcap)  # [B, Hkv, G, c, Sk]
+    if bias is not None:
+        scores = scores + _group_heads(bias.to(scores.dtype), num_kv_heads)
+    positions = torch.arange(row_start, row_start + rows, device=q.device)
+    visible = visible_positions(positions, seqlen_q, seqlen_k, window)
+    if mask is not None:
+        visible = visible & mask
+    probs, denom, lse = _masked_softmax(scores, visible)
+    out = (probs @ v) / denom
     out = out.permute(0, 3, 1, 2, 4).reshape(batch, rows, num_heads, head_dim)
     return out, lse.reshape(batch, num_heads, rows)
 
@@ -139,6 +162,110 @@ def reference_attention(
         lses.append(lse)
     out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=2)
     return out.to(query.dtype), lse.to(torch.promote_types(compute_dtype, torch.float32))
+
+
+def _topk_bias(bias: torch.Tensor | None, keys: torch.Tensor, num_heads: int) -> torch.Tensor | None:
+    """The bias of the chosen pairs, ``[1|B, c, Hkv|1, G|1, W]``, from a per-pair bias's chunk of rows
+    ``[1|B, c, 1|Hkv|H, W]`` or a per-key bias ``[1|B, 1|Hkv|H, Sk]`` gathered at ``keys`` ``[B, c, Hkv, W]``."""
+    if bias is None:
+        return None
+    batch, rows, num_kv_heads, width = keys.shape
+    heads = bias.shape[-2] if bias.dim() == 4 else bias.shape[1]
+    per_head = heads == num_heads and num_heads != num_kv_heads
+    group = num_heads // num_kv_heads if per_head else 1
+    if bias.dim() == 4:
+        return bias.reshape(bias.shape[0], rows, heads // group, group, width)
+    table = bias.reshape(bias.shape[0], 1, heads // group, group, bias.shape[2])
+    table = table.expand(batch, rows, num_kv_heads, group, bias.shape[2])
+    return table.gather(-1, keys[:, :, :, None, :].expand(batch, rows, num_kv_heads, group, width))
+
+
+def _attend_topk_chunk(q, key, value, indices, bias, *, row_start, seqlen_q, softmax_scale, window, softcap):
+    """Top-k attention of one chunk of queries. q: [B, c, H, D]; key, value: [B, Sk, Hkv, D];
+    indices: [B, c, Hkv, W]; bias: that of ``_topk_bias``'s arguments."""
+    batch, rows, num_heads, head_dim = q.shape
+    seqlen_k, num_kv_heads = key.shape[1], key.shape[2]
+    valid = valid_indices(indices, row_start, seqlen_q, seqlen_k, window)  # [B, c, Hkv, W]
+    keys = torch.where(valid, indices, 0).long()
+    batch_idx = torch.arange(batch, device=q.device)[:, None, None, None]
+    head_idx = torch.arange(num_kv_heads, device=q.device)[None, None, :, None]
+    k, v = key[batch_idx, keys, head_idx], value[batch_idx, keys, head_idx]  # [B, c, Hkv, W, D]
+    q = q.reshape(batch, rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = _capped(torch.einsum("bchgd,bchwd->bchgw", q, k) * softmax_scale, softcap)  # [B, c, Hkv, G, W]
+    pair_bias = _topk_bias(bias, keys, num_heads)
+    if pair_bias is not None:
+        scores = scores + pair_bias.to(scores.dtype)
+    probs, denom, lse = _masked_softmax(scores, valid[:, :, :, None, :])
+    out = torch.einsum("bchgw,bchwd->bchgd", probs, v) / denom
+    return out.reshape(batch, rows, num_heads, head_dim), lse.reshape(batch, rows, num_heads).transpose(1, 2)
+
+
+def reference_topk_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    indices: torch.Tensor,
+    attn_bias: torch.Tensor | None = None,
+    *,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    compute_dtype: torch.dtype = torch.float32,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k index attention as the contract defines it, by gathering the listed keys; differentiable
+    in every float input.
+
+    Args:
+        query: ``[B, Sq, H, D]``.
+        key, value: ``[B, Sk, Hkv, D]``.
+        indices: ``[B, Sq, Hkv, W]`` integer; an entry counts when it is in ``[0, Sk)`` and inside
+            its query's window; each counting entry is one attended pair (duplicates count twice).
+        attn_bias: per pair ``[1|B, Sq, 1|Hkv|H, W]``, per key ``[1|B, 1|Hkv|H, Sk]``, or None.
+        softmax_scale, window, softcap, compute_dtype: as for :func:`reference_attention`.
+        chunk_size: queries per chunk; by default about 16M gathered elements per chunk.
+
+    Returns:
+        ``out`` ``[B, Sq, H, D]`` in ``query.dtype`` and ``lse`` ``[B, H, Sq]`` in float32 or
+        ``compute_dtype`` if wider; both differentiable.
+    """
+    batch, seqlen_q, num_heads, head_dim = query.shape
+    num_kv_heads, width = key.shape[2], indices.shape[3]
+    if softmax_scale is None:
+        softmax_scale = head_dim**-0.5
+    if chunk_size is None:
+        chunk_size = max(1, _CHUNK_SCORES // max(1, batch * num_kv_heads * width * max(head_dim, num_heads)))
+    attend = functools.partial(
+        _attend_topk_chunk, seqlen_q=seqlen_q, softmax_scale=softmax_scale, window=window, softcap=softcap
+    )
+    key, value = key.to(compute_dtype), value.to(compute_dtype)
+    if key.shape[1] == 0:  # no key to gather: every entry is out of range
+        indices = indices[..., :0]
+        attn_bias = attn_bias[..., :0] if attn_bias is not None and attn_bias.dim() == 4 else attn_bias
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, attn_bias)
+    )
+    outs, lses = [], []
+    for start in range(0, max(seqlen_q, 1), chunk_size):
+        stop = min(seqlen_q, start + chunk_size)
+        bias = attn_bias[:, start:stop] if attn_bias is not None and attn_bias.dim() == 4 else attn_bias
+        args = (query[:, start:stop].to(compute_dtype), key, value, indices[:, start:stop], bias)
+        fn = functools.partial(attend, row_start=start)
+        out, lse = checkpoint(fn, *args, use_reentrant=False) if needs_grad else fn(*args)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+    return out.to(query.dtype), lse.to(torch.promote_types(compute_dtype, torch.float32))
+
+
+def topk_attention(problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backend entry point of ``flash_dma_topk_func``: ``(out, lse)`` for a
+    :class:`~flash_dma.topk.TopkProblem`."""
+    out, lse = reference_topk_attention(
+        problem.query, problem.key, problem.value, problem.indices, problem.attn_bias,
+        softmax_scale=problem.softmax_scale, window=problem.window, softcap=problem.softcap,
+    )
+    return out, lse.detach()
 
 
 def _entry_rows(t: torch.Tensor | None, entry: int, rows: int, keys: int) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from flash_dma.benchmark.llama import LLAMA_CONFIG
 from flash_dma.benchmark.suites import (
     MASK_BLOCK,
+    PER_QUERY_SELECTIONS,
     TOPKQ_LOCAL_BLOCKS,
     TOPKQ_SINK_BLOCKS,
     Case,
@@ -24,7 +25,7 @@ from flash_dma.benchmark.suites import (
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import EMPTY, BlockMask
 from flash_dma.integers import cdiv
-from flash_dma.masks import create_mask, topk_block_mask
+from flash_dma.masks import create_mask, topk_block_mask, topk_indices, topk_mask
 from flash_dma.summaries import block_mask_from_state
 
 DTYPE = torch.bfloat16
@@ -141,7 +142,8 @@ class Inputs:
         key, value: ``[B, Sk, Hkv, D]`` bf16.
         mask: ``[1, Hkv, 1, Sk]`` bool, chosen from the per-key scores: their block top-k
             (``mask="block"``) or token top-k (``"token"``); a ``BitMask`` ``[1, Hkv, Sq, Sk]`` of each
-            query's top-k keys of a per-pair score (``"query-token"``); None otherwise.
+            query's top-k keys of a per-pair score (``"query-token"``, and ``"query-index"`` with
+            ``indices``); None otherwise.
         bias: ``[1, Hkv, 1, Sk]`` bf16 (the per-key scores themselves), ``[1, H, Sq, Sk]`` bf16,
             ``[1, Hkv, Sq, Sk]`` bf16 (``"pair"``: the per-pair scores the mask is chosen from), or None.
         block_mask: the per-query-block top-k of the scores (``mask="query-block"``), or None.
@@ -149,6 +151,8 @@ class Inputs:
             same for queries and keys. Then B is 1, Sq = Sk the total, ``block_mask`` each
             document's own block top-k (:func:`document_topk_block_mask`) and ``mask`` the same
             selection per key, packed ``[1, Hkv, 1, total]``.
+        indices: ``mask="query-index"``: each query's top ``case.window`` keys of a per-pair score
+            ``[B, Sq, Hkv, W]`` int32 (``topk_indices``), the ``indices`` of ``flash_dma_topk_func``.
     """
 
     query: torch.Tensor
@@ -158,6 +162,7 @@ class Inputs:
     bias: torch.Tensor | None
     block_mask: BlockMask | None = None
     cu_seqlens: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
 
     @property
     def leaves(self) -> tuple[torch.Tensor, ...]:
@@ -271,9 +276,15 @@ def make_inputs(case: Case, device: torch.device | str, seed: int = SEED) -> Inp
         mask = create_mask(key_scores, None, batch, case.seqlen_q, case.seqlen_k, window_size=case.window)
     elif case.mask == "query-block":
         block_mask = query_block_topk_mask(key_scores, case)
-    pair_scores = randn(1, kv_heads, case.seqlen_q, case.seqlen_k) if "pair" == case.bias or case.mask == "query-token" else None
+    per_query = case.mask in PER_QUERY_SELECTIONS
+    pair_scores = randn(1, kv_heads, case.seqlen_q, case.seqlen_k) if "pair" == case.bias or per_query else None
+    indices = None
     if case.mask == "query-token":
         mask = query_topk_mask(pair_scores, case)
+    elif case.mask == "query-index":
+        chosen = topk_indices(pair_scores, case.window, is_causal=True)  # [1, Sq, Hkv, W], as the scores
+        mask = topk_mask(chosen, case.seqlen_k)
+        indices = chosen.expand(batch, -1, -1, -1)  # flash_dma_topk_func takes every batch entry's
     query = randn(batch, case.seqlen_q, heads, head_dim)
     key = randn(batch, case.seqlen_k, kv_heads, head_dim)
     value = randn(batch, case.seqlen_k, kv_heads, head_dim)
@@ -286,4 +297,5 @@ def make_inputs(case: Case, device: torch.device | str, seed: int = SEED) -> Inp
     for t in (query, key, value, bias):
         if t is not None:
             t.requires_grad_(case.needs_grad)
-    return Inputs(query=query, key=key, value=value, mask=mask, bias=bias, block_mask=block_mask, cu_seqlens=cu_seqlens)
+    return Inputs(query=query, key=key, value=value, mask=mask, bias=bias, block_mask=block_mask, cu_seqlens=cu_seqlens,
+                  indices=indices)

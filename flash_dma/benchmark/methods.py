@@ -17,7 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flash_dma import BlockMask, build_block_mask, flash_dma_func, flash_dma_varlen_func, flash_dma_with_kvcache
+from flash_dma import (
+    BlockMask,
+    build_block_mask,
+    flash_dma_func,
+    flash_dma_topk_func,
+    flash_dma_varlen_func,
+    flash_dma_with_kvcache,
+)
 from flash_dma.benchmark import llama
 from flash_dma.benchmark.inputs import DTYPE, CacheInputs, Inputs, TokenInputs, pad_documents
 from flash_dma.benchmark.suites import Case
@@ -129,6 +136,23 @@ class FlashDmaNoMask(Method):
     def prepare(self, case: Case, inputs: Inputs) -> Prepared:
         def forward() -> torch.Tensor:
             return flash_dma_func(inputs.query, inputs.key, inputs.value, attn_bias=inputs.bias, is_causal=True)
+
+        return Prepared(forward, inputs.leaves)
+
+
+class FlashDmaTopk(Method):
+    name = "flash-dma-topk"
+    description = (
+        "`flash_dma_topk_func(q, k, v, indices, bias[:, :, 0], is_causal=True)`: each query's kept keys "
+        "as top-k indices `[B, Sq, Hkv, W]`, gathered by the kernels, the per-key bias gathered with them "
+        "(topk suite)"
+    )
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        bias = None if inputs.bias is None else inputs.bias[:, :, 0]  # per key [1, Hkv, Sk]
+
+        def forward() -> torch.Tensor:
+            return flash_dma_topk_func(inputs.query, inputs.key, inputs.value, inputs.indices, bias, is_causal=True)
 
         return Prepared(forward, inputs.leaves)
 
@@ -617,5 +641,6 @@ METHODS: dict[str, Method] = {
         FlashDmaVarlen(),
         FlashDmaPadded(),
         FlashDmaKvcache(),
+        FlashDmaTopk(),  # last: the plots' colours follow this order
     )
 }

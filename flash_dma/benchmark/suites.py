@@ -36,6 +36,9 @@ SUITE_HELP = {
                  "the mask and SDPA with the additive mask",
     "pqtoken": "the llm shape at 16K with each query's top-2048 keys of a per-pair score (a per-query mask "
                "[1,4,S,S], packed) and a per-key bias; vs the same call without the mask, Flex and cuDNN",
+    "topk": "the llm shape at 32K with each query's top-2048 keys of a per-pair score as top-k indices "
+            "(flash_dma_topk_func) and a per-key bias; vs the same selection as a packed per-query mask, "
+            "the call without the mask (dense causal) and Flex",
     "topkq": "the llm shape at 16K with a per-query-block top-k (each 128-query block keeps its own 1/8 of "
              "the key blocks, with block 0 and its diagonal block); vs Flex",
     "token": "the llm shape at 16K with a token-level mask (the 2048 keys of largest bias per head, "
@@ -79,6 +82,10 @@ PQTOKEN_LENGTH = 16384
 PQTOKEN_KEPT_KEYS = 2048  # per query
 # The per-query suites' own rows: the same call with no mask, beside flash-dma's.
 PER_QUERY_METHODS = ("flash-dma", "flash-dma-nomask")
+PER_QUERY_SELECTIONS = ("query-token", "query-index")  # masks of each query's top keys of a per-pair score
+TOPK_LENGTH = 32768
+TOPK_KEPT_KEYS = 2048  # per query and K/V head: DSA's
+TOPK_METHODS = ("flash-dma-topk", *PER_QUERY_METHODS, "flex")
 SEED_PREFILL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 SEED_PREFILL_WINDOW = 2048  # keys kept per query row: the seeds' default window
 SEED_DECODE_LENGTHS = (256, 1024, 4096, 16384, 65536, 131072, 262144, 524288)
@@ -203,7 +210,8 @@ class Case:
     bias: str = "key"  # "key" | "full" [1, H, Sq, Sk] | "pair" [1, Hkv, Sq, Sk] | "none"
     window: int | None = None  # keys per row (seed suite) or per head ("token") that ``keep`` comes from
     # "block": block top-k per key | "query-block": per query block | "token" | "random"
-    # | "query-token": each query's top-k keys of a per-pair score, as a BitMask | "none"
+    # | "query-token": each query's top-k keys of a per-pair score, as a BitMask
+    # | "query-index": the same selection as top-k indices (flash_dma_topk_func), with its BitMask | "none"
     mask: str = "block"
     cache: str | None = None  # "warm" | "cold" compiler caches: the first call in a new process; None: here
     documents: tuple[int, ...] | None = None  # lengths of the packed documents (varlen suite); None: unpacked
@@ -274,8 +282,8 @@ class Case:
         """What the mask keeps, for the tables: ``"4/32"`` blocks, ``"16/128 per q-block"``, ``"2048/16384 keys"``."""
         if self.mask == "none":
             return "all"
-        if self.mask in ("token", "random", "query-token"):
-            return f"{self.kept_keys}/{self.seqlen_k} keys" + (" per query" if self.mask == "query-token" else "")
+        if self.mask in ("token", "random", *PER_QUERY_SELECTIONS):
+            return f"{self.kept_keys}/{self.seqlen_k} keys" + (" per query" if self.mask in PER_QUERY_SELECTIONS else "")
         if self.documents is not None:
             return f"{self.kept_blocks}/{self.key_blocks} per doc"
         per_query_block = " per q-block" if self.mask == "query-block" else ""
@@ -305,8 +313,8 @@ class Case:
             return f"W={self.window}"
         if self.mask == "token":
             return f"top-{self.kept_keys} keys"
-        if self.mask == "query-token":
-            return f"top-{self.kept_keys} keys per query"
+        if self.mask in PER_QUERY_SELECTIONS:
+            return f"top-{self.kept_keys} keys per query" + (" (indices)" if self.mask == "query-index" else "")
         if self.mask == "none":
             return "bias only" if self.bias != "none" else "no mask, no bias"
         if self.mask == "random":
@@ -375,6 +383,16 @@ def pqtoken_cases(quick: bool = False) -> list[Case]:
         Case("pqtoken", "prefill", **LLM_SHAPE, seqlen_q=PQTOKEN_LENGTH, seqlen_k=PQTOKEN_LENGTH,
              keep=PQTOKEN_KEPT_KEYS / PQTOKEN_LENGTH, methods=(*PER_QUERY_METHODS, "flex", CEILING), modes=MODES,
              window=PQTOKEN_KEPT_KEYS, mask="query-token")
+    ]
+
+
+def topk_cases(quick: bool = False) -> list[Case]:
+    """One case: each query's top-2048 keys, as indices and as the packed per-query mask of the same
+    selection (the issue's "32K, llm shape, fwd+bwd vs the packed per-query mask" target)."""
+    return [
+        Case("topk", "prefill", **LLM_SHAPE, seqlen_q=TOPK_LENGTH, seqlen_k=TOPK_LENGTH,
+             keep=TOPK_KEPT_KEYS / TOPK_LENGTH, methods=TOPK_METHODS, modes=MODES, window=TOPK_KEPT_KEYS,
+             mask="query-index")
     ]
 
 
@@ -506,6 +524,7 @@ BUILDERS = {
     "llm": llm_cases,
     "seedtable": seedtable_cases,
     "pqtoken": pqtoken_cases,
+    "topk": topk_cases,
     "topkq": topkq_cases,
     "token": token_cases,
     "seed": seed_cases,

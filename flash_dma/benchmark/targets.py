@@ -262,6 +262,9 @@ TARGETS = (
         for mode in ("fwd", "fwdbwd")
         for baseline, limit in (("flash-dma-nomask", 1.05), ("flex", 0.5))
     ),
+    # Top-k index attention (issue 32): the selection as indices against the same selection as a packed mask.
+    Target("topk S=32K fwd+bwd: flash-dma-topk / flash-dma time", "<=", 0.6,
+           _time_ratio(_pick("flash-dma-topk", "fwdbwd", suite="topk"), _pick("flash-dma", "fwdbwd", suite="topk"))),
     *(
         Target(f"doge S={_k(s)} train step: doge-flash-dma / doge-sdpa {what}", "<=", limit,
                ratio(*(_pick(m, "fwdbwd", suite="doge", seqlen_k=s) for m in ("doge-flash-dma", "doge-sdpa"))))

@@ -13,6 +13,7 @@ from flash_dma.benchmark.suites import (
     kvcache_cases,
     pqtoken_cases,
     seedtable_cases,
+    topk_cases,
     varlen_cases,
 )
 
@@ -98,6 +99,8 @@ def passing_results() -> list[Result]:
     (pqtoken,) = pqtoken_cases()
     for mode, ours, unmasked, flex in (("fwd", 1.0, 1.0, 4.0), ("fwdbwd", 4.0, 4.0, 16.0)):
         rows += [row(pqtoken, method, mode, ms=ms) for method, ms in (("flash-dma", ours), ("flash-dma-nomask", unmasked), ("flex", flex))]
+    (topk,) = topk_cases()
+    rows += [row(topk, "flash-dma-topk", "fwdbwd", ms=2.0), row(topk, "flash-dma", "fwdbwd", ms=5.0)]
     for step in doge_cases():
         rows += [row(step, "doge-flash-dma", "fwdbwd", ms=40.0, tflops=None, peak_gib=2.0),
                  row(step, "doge-sdpa", "fwdbwd", ms=100.0, tflops=None, peak_gib=5.0)]

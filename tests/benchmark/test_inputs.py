@@ -212,3 +212,11 @@ def test_kvcache_mask_keeps_random_keys_per_entry_and_head(keep, kept):
 def test_a_paged_cache_needs_whole_pages():
     with pytest.raises(ValueError, match="whole pages"):
         make_inputs(_cache_case("paged", length=1000), "cpu")
+
+
+def test_query_index_cases_get_topk_indices_and_their_bit_mask():
+    case = _case(mask="query-index", window=20, keep=20 / 256)
+    inputs = make_inputs(case, "cpu")
+    assert inputs.indices.shape == (case.batch, case.seqlen_q, case.kv_heads, 20) and inputs.indices.dtype == torch.int32
+    assert torch.equal(inputs.indices[0], inputs.indices[1])  # the scores, and so the selection, are shared
+    assert torch.equal(inputs.mask.dense().sum(-1).transpose(1, 2), (inputs.indices[:1] >= 0).sum(-1))

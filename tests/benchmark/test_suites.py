@@ -16,6 +16,7 @@ from flash_dma.benchmark.suites import (
     llm_cases,
     seed_cases,
     token_cases,
+    topk_cases,
     topkq_cases,
     varlen_cases,
 )
@@ -79,6 +80,14 @@ def test_topkq_suite_keeps_one_eighth_of_the_blocks_per_query_block():
     assert (c.batch, c.heads, c.kv_heads, c.head_dim) == (1, 16, 4, 128)
     assert c.methods == ("flash-dma", "flash-dma-bits", "flex", "sdpa-cudnn") and c.modes == ("fwd", "fwdbwd")
     assert c.kept_text == "16/128 per q-block" and c.label == "S=16384 keep=1/8 per q-block"
+
+
+def test_topk_suite_compares_indices_with_the_packed_mask_of_the_same_selection():
+    (c,) = topk_cases()
+    assert (c.suite, c.mask, c.bias, c.seqlen_q, c.seqlen_k, c.window) == ("topk", "query-index", "key", 32768, 32768, 2048)
+    assert (c.batch, c.heads, c.kv_heads, c.head_dim) == (1, 16, 4, 128)
+    assert c.methods == ("flash-dma-topk", "flash-dma", "flash-dma-nomask", "flex") and c.modes == ("fwd", "fwdbwd")
+    assert c.kept_text == "2048/32768 keys per query" and c.label == "S=32768 top-2048 keys per query (indices)"
 
 
 def test_token_suite_has_the_mask_and_a_bias_only_reference():

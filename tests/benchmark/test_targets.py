@@ -15,14 +15,15 @@ def _by_name(checks):
 
 def test_every_target_passes_on_good_numbers():
     checks = evaluate(passing_results())
-    assert len(checks) == len(TARGETS) == 66
-    assert len({c.name for c in checks}) == 66
-    assert [c.status for c in checks] == ["PASS"] * 66, [c for c in checks if c.status != "PASS"]
+    assert len(checks) == len(TARGETS) == 67
+    assert len({c.name for c in checks}) == 67
+    assert [c.status for c in checks] == ["PASS"] * 67, [c for c in checks if c.status != "PASS"]
     values = _by_name(checks)
     assert values["llm keep 1/8 S=16K fwd: flash-dma / flex time"].value == 0.5
     assert values["llm keep 1/8 S=128K fwd+bwd: flash-dma / flex time"].value == 0.25
     assert values["llm keep 1 S=16K fwd: flash-dma / sdpa-cudnn TFLOP/s"].value == 500 / 550
     assert values["topkq S=16K fwd+bwd: flash-dma / flex time"].value == 0.25
+    assert values["topk S=32K fwd+bwd: flash-dma-topk / flash-dma time"].value == 2.0 / 5.0
     assert values["token S=16K fwd+bwd: flash-dma top-2048 keys / bias only time"].value == 0.3 / 2.0
     assert values["llama S=16K train step: llama-flash-dma / llama-sdpa time"].value == 50 / 60
     assert values["seed decode Sk=512K keep 1: flash-dma GB/s / 3.0 TB/s"].value == 2000 / 3000

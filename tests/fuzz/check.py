@@ -20,14 +20,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+import flash_dma
 from flash_dma import BitMask, BlockMask, build_block_mask, pack_mask
-from flash_dma.backends.reference import reference_attention, visible_positions
+from flash_dma.backends.reference import reference_attention, reference_topk_attention, valid_indices, visible_positions
 from flash_dma.backends.triton import backward as triton_backward
 from flash_dma.block_mask import effective_mask_rows
 from flash_dma.masks import topk_block_mask
 from flash_dma.memo import forget_memos
-from tests.fuzz.configs import Trial
-from tests.helpers import Case, assert_close, poisoned_empty, reference_outputs, triton_call
+from tests.fuzz.configs import INDICES, Trial
+from tests.helpers import Case, assert_close, poisoned_empty, reference_outputs, topk_reference_outputs, triton_call
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _MASK_DTYPES = {"bool": torch.bool, "uint8": torch.uint8, "int64": torch.int64}
@@ -83,6 +84,25 @@ def _mask(trial: Trial, gen: torch.Generator, device) -> torch.Tensor:
     return _stored(mask.to(_MASK_DTYPES[trial.mask_dtype]), trial.padded, 1)
 
 
+def _indices(trial: Trial, gen: torch.Generator, device) -> torch.Tensor:
+    """``[B, Sq, Hkv, W]`` int32 lists for the indices walk, shaped by the trial's mask pattern: about
+    ``1 - density`` of the entries -1, a few past the keys, repeats; ``rows``: some lists empty;
+    ``keys``: every query lists the same keys (the longest dK/dV sums); ``none``: nothing listed."""
+    shape = (trial.batch, trial.seqlen_q, trial.kv_heads, trial.width)
+    rand = lambda *size: torch.rand(size, generator=gen, device=device)  # noqa: E731
+    keys = torch.randint(0, max(trial.seqlen_k, 1), shape, generator=gen, device=device)
+    if trial.mask_pattern == "keys":
+        keys = keys[:, :1].expand(shape)
+    keys = torch.where(rand(*shape) < 0.1, keys.roll(1, dims=-1), keys)  # repeats
+    keys = torch.where(rand(*shape) < 0.05, trial.seqlen_k + keys % 3, keys)  # past the keys
+    listed = rand(*shape) < trial.mask_density
+    if trial.mask_pattern == "rows":
+        listed &= rand(*shape[:3], 1) >= 0.3
+    elif trial.mask_pattern == "none":
+        listed &= False
+    return _stored(torch.where(listed, keys, -1).to(torch.int32), trial.padded, -7)
+
+
 def make_inputs(trial: Trial, device) -> tuple[dict, BlockMask | None, torch.Tensor]:
     """``(inputs, block_mask, dout)``: inputs in ``flash_dma_func``'s argument names, seeded by the trial."""
     gen = torch.Generator(device=device).manual_seed(trial.data_seed)
@@ -94,6 +114,8 @@ def make_inputs(trial: Trial, device) -> tuple[dict, BlockMask | None, torch.Ten
         for s, h in ((sq, trial.heads), (sk, trial.kv_heads), (sk, trial.kv_heads))
     )
     mask = None if trial.mask is None else _mask(trial, gen, device)
+    if trial.walk == INDICES:
+        mask = _indices(trial, gen, device)
     bias = None
     if trial.bias is not None:
         shape = trial.dims(trial.bias)
@@ -117,6 +139,8 @@ def make_inputs(trial: Trial, device) -> tuple[dict, BlockMask | None, torch.Ten
             sink_blocks=top["sink_blocks"], local_blocks=top["local_blocks"],
         )
     inputs = {"query": q, "key": k, "value": v, "attn_mask": mask, "attn_bias": bias}
+    if trial.walk == INDICES:
+        inputs["indices"] = inputs.pop("attn_mask")
     dout = randn(b, sq, trial.heads, d).to(dtype)
     return inputs, block_mask, dout
 
@@ -214,6 +238,31 @@ def _exact_zeros(name: str, t: torch.Tensor, where: torch.Tensor, problems: list
         problems.append(f"{name}: {wrong} of {int(where.sum())} elements that must be exactly 0 are not")
 
 
+def _check_results(results: list, inputs: dict, grads: dict, out, dtype, problems: list[str]) -> None:
+    """Each ``(name, actual, oracle, baseline, floor)`` by the suite's tolerance rule; the output's dtype
+    and every gradient's dtype and shape."""
+    for name, actual, oracle, baseline, floor in results:
+        try:
+            assert_close(name, actual, oracle, baseline, floor)
+        except AssertionError as error:
+            problems.append(str(error))
+    if out.dtype != dtype:
+        problems.append(f"out: dtype {out.dtype}, expected {dtype}")
+    for name, grad in grads.items():
+        if grad.dtype != inputs[name].dtype or grad.shape != inputs[name].shape:
+            expected = f"{inputs[name].dtype} {tuple(inputs[name].shape)}"
+            problems.append(f"{name} gradient: {grad.dtype} {tuple(grad.shape)}, expected {expected}")
+
+
+def _check_empty_rows(empty, lse, out, grads: dict, problems: list[str]) -> None:
+    """Rows with no visible key (``empty`` ``[B, H, Sq]``): lse = -inf, out = 0 and dQ = 0."""
+    if not bool((lse[empty] == float("-inf")).all()):
+        problems.append("lse: rows with no visible key must be -inf")
+    _exact_zeros("out (rows with no visible key)", out.transpose(1, 2), empty, problems)
+    if "query" in grads:
+        _exact_zeros("query gradient (rows with no visible key)", grads["query"].transpose(1, 2), empty, problems)
+
+
 def _compare(trial: Trial, inputs: dict, block_mask, dout, out, lse, grads: dict, outcome: Outcome) -> None:
     """Every result against the float64 reference (the suite's tolerance rule), then the exact properties."""
     problems = outcome.problems
@@ -231,17 +280,7 @@ def _compare(trial: Trial, inputs: dict, block_mask, dout, out, lse, grads: dict
         if name == "attn_bias" and grad.shape == inputs[name].shape and grad.shape[3] > 1:
             grad = grad.double() - _output_rounding(trial, inputs, block_mask, dout, out, oracle_out)
         results.append((name, grad, oracle_grads[name], baseline_grads[name], grad_floor))
-    for name, actual, oracle, baseline, floor in results:
-        try:
-            assert_close(name, actual, oracle, baseline, floor)
-        except AssertionError as error:
-            problems.append(str(error))
-    if out.dtype != dtype:
-        problems.append(f"out: dtype {out.dtype}, expected {dtype}")
-    for name, grad in grads.items():
-        if grad.dtype != inputs[name].dtype or grad.shape != inputs[name].shape:
-            expected = f"{inputs[name].dtype} {tuple(inputs[name].shape)}"
-            problems.append(f"{name} gradient: {grad.dtype} {tuple(grad.shape)}, expected {expected}")
+    _check_results(results, inputs, grads, out, dtype, problems)
     outcome.empty_rows = bool((oracle_lse == float("-inf")).any())
     shapes = [(out, oracle_out), (lse, oracle_lse), *((g, inputs[n]) for n, g in grads.items())]
     if all(actual.shape == expected.shape for actual, expected in shapes):
@@ -252,11 +291,7 @@ def _check_exact_zeros(trial: Trial, inputs: dict, block_mask, out, lse, oracle_
     """Rows with no visible key: lse = -inf, out = 0 and dQ = 0; unattended bias positions and keys: zero gradients."""
     empty = oracle_lse == float("-inf")  # [B, H, Sq]
     if empty.any():
-        if not bool((lse[empty] == float("-inf")).all()):
-            problems.append("lse: rows with no visible key must be -inf")
-        _exact_zeros("out (rows with no visible key)", out.transpose(1, 2), empty, problems)
-        if "query" in grads:
-            _exact_zeros("query gradient (rows with no visible key)", grads["query"].transpose(1, 2), empty, problems)
+        _check_empty_rows(empty, lse, out, grads, problems)
     attended = _attended(trial, inputs, block_mask)
     if "attn_bias" in grads:
         unseen = ~_reduce(attended, trial, grads["attn_bias"].shape, "any")
@@ -266,6 +301,94 @@ def _check_exact_zeros(trial: Trial, inputs: dict, block_mask, out, lse, oracle_
         unseen = ~_reduce(attended, trial, (trial.batch, trial.kv_heads, 1, trial.seqlen_k), "any")[:, :, 0].transpose(1, 2)
         _exact_zeros("key gradient (unattended keys)", grads["key"], unseen, problems)
         _exact_zeros("value gradient (unattended keys)", grads["value"], unseen, problems)
+
+
+def _window(trial: Trial) -> tuple[int, int]:
+    return (trial.window[0], 0) if trial.causal else trial.window
+
+
+def _to_bias_shape(pairs: torch.Tensor, trial: Trial, indices: torch.Tensor, shape: tuple[int, ...], how: str) -> torch.Tensor:
+    """``[B, Sq, H, W]`` per listed pair -> a top-k bias's shape, by ``how`` ("sum" or "any"): per pair
+    ``[1|B, Sq, 1|Hkv|H, W]`` over its broadcast dimensions, per key ``[1|B, 1|Hkv|H, Sk]`` over the
+    entries that list each key as well."""
+    b, sq, h, w = pairs.shape
+    group = h // trial.kv_heads
+    if len(shape) == 3:  # per key: add each entry into its key's column (column Sk takes the rest)
+        keys = torch.where(valid_indices(indices, 0, sq, trial.seqlen_k, _window(trial)), indices, trial.seqlen_k).long()
+        keys = keys.repeat_interleave(group, dim=2).transpose(1, 2).reshape(b, h, sq * w)
+        columns = torch.zeros(b, h, trial.seqlen_k + 1, dtype=torch.float64, device=pairs.device)
+        pairs = columns.scatter_add_(2, keys, pairs.double().transpose(1, 2).reshape(b, h, sq * w))[..., :-1]
+        pairs = pairs != 0 if how == "any" else pairs
+        head_dim = 1
+    else:
+        head_dim = 2
+    if shape[head_dim] == trial.kv_heads != h:
+        grouped = pairs.unflatten(head_dim, (trial.kv_heads, group))
+        pairs = getattr(grouped, how)(head_dim + 1)
+    for dim, size in enumerate(shape):
+        if size == 1 and pairs.shape[dim] > 1:
+            pairs = getattr(pairs, how)(dim, keepdim=True)
+    return pairs
+
+
+def _pair_bias(trial: Trial, inputs: dict) -> torch.Tensor:
+    """The bias of each listed pair ``[B, Sq, H, W]`` float64 (0 without a bias; any value at entries that do not count)."""
+    indices, bias = inputs["indices"], inputs["attn_bias"]
+    b, sq, h, w = trial.batch, trial.seqlen_q, trial.heads, trial.width
+    if bias is None:
+        return torch.zeros(b, sq, h, w, dtype=torch.float64, device=indices.device)
+    bias = bias.detach().double()
+    if bias.dim() == 4:
+        return bias.repeat_interleave(h // bias.shape[2], dim=2).expand(b, sq, h, w)
+    keys = indices.clamp(0, max(trial.seqlen_k - 1, 0)).long().repeat_interleave(h // trial.kv_heads, dim=2)  # [B, Sq, H, W]
+    table = bias.repeat_interleave(h // bias.shape[1], dim=1).expand(b, h, trial.seqlen_k)  # [B, H, Sk]
+    return table.gather(2, keys.transpose(1, 2).reshape(b, h, sq * w)).reshape(b, h, sq, w).transpose(1, 2)
+
+
+def _topk_output_rounding(trial: Trial, inputs: dict, dout, out, oracle_out) -> torch.Tensor:
+    """``_output_rounding`` of a top-k call: ``-P * rowsum(dO * (O - O_exact))`` per listed pair, with P the
+    float64 gradient of the LSE by a per-pair bias, in the bias's shape."""
+    pair = _pair_bias(trial, inputs).requires_grad_()
+    _, lse = reference_topk_attention(
+        *(inputs[name].detach().double() for name in ("query", "key", "value")), inputs["indices"], pair,
+        softmax_scale=trial.softmax_scale, window=_window(trial), softcap=trial.softcap, compute_dtype=torch.float64,
+    )
+    delta_error = (dout.double() * (out.double() - oracle_out)).sum(-1)  # [B, Sq, H]
+    (probs,) = torch.autograd.grad((lse.transpose(1, 2).nan_to_num(neginf=0.0) * delta_error).sum(), pair)
+    return _to_bias_shape(-probs, trial, inputs["indices"], tuple(inputs["attn_bias"].shape), "sum")
+
+
+def _compare_topk(trial: Trial, inputs: dict, dout, out, lse, grads: dict, outcome: Outcome) -> None:
+    """``_compare`` for the indices walk: the float64 reference, then rows with no counting entry
+    (out 0, lse -inf, dQ 0), keys no pair attends (dK, dV 0) and bias entries of no attended pair (0)."""
+    problems = outcome.problems
+    dtype = TORCH_DTYPES[trial.dtype]
+    kwargs = {"softmax_scale": trial.softmax_scale, "softcap": trial.softcap}
+    oracle_out, oracle_lse, oracle_grads = topk_reference_outputs(inputs, dout, torch.float64, _window(trial), **kwargs)
+    baseline_out, baseline_lse, baseline_grads = topk_reference_outputs(inputs, dout, dtype, _window(trial), **kwargs)
+    grad_floor = max(1e-5, torch.finfo(dtype).eps)
+    results = [("out", out, oracle_out, baseline_out, 1e-5), ("lse", lse, oracle_lse, baseline_lse, 1e-5)]
+    for name, grad in grads.items():
+        if name == "attn_bias" and grad.shape == inputs[name].shape:
+            grad = grad.double() - _topk_output_rounding(trial, inputs, dout, out, oracle_out)
+        results.append((name, grad, oracle_grads[name], baseline_grads[name], grad_floor))
+    _check_results(results, inputs, grads, out, dtype, problems)
+    empty = oracle_lse == float("-inf")  # [B, H, Sq]
+    outcome.empty_rows = bool(empty.any())
+    if problems:
+        return
+    if empty.any():
+        _check_empty_rows(empty, lse, out, grads, problems)
+    group = trial.heads // trial.kv_heads
+    counted = valid_indices(inputs["indices"], 0, trial.seqlen_q, trial.seqlen_k, _window(trial)).repeat_interleave(group, dim=2)
+    attended = counted & (_pair_bias(trial, inputs) != float("-inf"))  # [B, Sq, H, W]
+    if "attn_bias" in grads:
+        unseen = ~_to_bias_shape(attended, trial, inputs["indices"], tuple(grads["attn_bias"].shape), "any")
+        _exact_zeros("attn_bias gradient (unattended)", grads["attn_bias"], unseen, problems)
+    if "key" in grads:
+        unseen = ~_to_bias_shape(attended, trial, inputs["indices"], (trial.batch, trial.kv_heads, trial.seqlen_k), "any")
+        _exact_zeros("key gradient (unattended keys)", grads["key"], unseen.transpose(1, 2), problems)
+        _exact_zeros("value gradient (unattended keys)", grads["value"], unseen.transpose(1, 2), problems)
 
 
 def _snapshot(inputs: dict, block_mask) -> dict:
@@ -288,19 +411,28 @@ def run_trial(trial: Trial, device) -> Outcome:
             leaves = [name for name in _GRADIENTS if inputs[name] is not None and inputs[name].requires_grad]
             tensors = [inputs[name] for name in leaves]
             stage = "forward"
-            out, lse = triton_call(
-                _case(trial), inputs, softmax_scale=trial.softmax_scale, block_mask=block_mask,
-                deterministic=trial.deterministic, return_lse=True,
-            )
+            if trial.walk == INDICES:
+                out, lse = flash_dma.flash_dma_topk_func(
+                    **inputs, softmax_scale=trial.softmax_scale, is_causal=trial.causal, window_size=trial.window,
+                    softcap=trial.softcap, deterministic=trial.deterministic, return_lse=True, backend="triton",
+                )
+            else:
+                out, lse = triton_call(
+                    _case(trial), inputs, softmax_scale=trial.softmax_scale, block_mask=block_mask,
+                    deterministic=trial.deterministic, return_lse=True,
+                )
             stage = "backward"
             grads = dict(zip(leaves, torch.autograd.grad(out, tensors, dout, retain_graph=trial.repeat_backward)))
             again = torch.autograd.grad(out, tensors, dout) if trial.repeat_backward else ()
         stage = "compare"
         for name, grad in zip(leaves, again):
-            # dQ, dK and dV never use atomics; the bias gradient does unless deterministic.
-            if (name != "attn_bias" or trial.deterministic) and not torch.equal(grad, grads[name]):
+            # dQ, dK and dV never use atomics; the bias gradient does unless deterministic (never for top-k).
+            if (name != "attn_bias" or trial.deterministic or trial.walk == INDICES) and not torch.equal(grad, grads[name]):
                 outcome.problems.append(f"{name} gradient: a second backward gave different bits")
-        _compare(trial, inputs, block_mask, dout, out.detach(), lse, grads, outcome)
+        if trial.walk == INDICES:
+            _compare_topk(trial, inputs, dout, out.detach(), lse, grads, outcome)
+        else:
+            _compare(trial, inputs, block_mask, dout, out.detach(), lse, grads, outcome)
         if before is not None:
             after = _snapshot(inputs, block_mask)
             changed = [name for name in before if not torch.equal(before[name], after[name])]

@@ -31,6 +31,11 @@ import random
 from dataclasses import dataclass
 
 WALKS = ("dense", "listed", "summary", "topk")
+# flash_dma_topk_func's families: keys listed per query (drawn after the others' draws, so that a
+# seed's other families stay as they were).
+INDICES = "indices"
+_INDICES_FRACTION = 0.2
+WIDTHS = (1, 5, 16, 64)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 MASK_DTYPES = ("bool", "uint8", "int64")
 # Lengths between consecutive powers of two; longer ranges are cut at the space's maximum.
@@ -107,7 +112,10 @@ class Trial:
     makes the backend walk it as it walks large problems (a key list for per-key masks, else a
     summary it builds); ``summary`` passes ``build_block_mask(mask, block_size)``, or with
     ``packed`` the mask as a ``BitMask`` in blocks of ``block_size``; ``topk`` passes
-    ``topk_block_mask`` (with the mask, if any, as its padding mask).
+    ``topk_block_mask`` (with the mask, if any, as its padding mask); ``indices`` calls
+    ``flash_dma_topk_func`` with ``width`` keys listed per query (no mask; the mask pattern and
+    density shape the lists, ``check.py``), its bias per pair ``"{1|B},Sq,{1|Hkv|H},W"`` or per
+    key ``"{1|B},{1|Hkv|H},Sk"``.
     """
 
     index: int
@@ -144,6 +152,7 @@ class Trial:
     repeat_backward: bool  # run the backward twice and require bitwise-equal gradients
     check_inputs: bool  # require the inputs unchanged afterwards
     packed: bool = False  # summary walk: the mask passed as a BitMask, which carries its own summary
+    width: int = 0  # indices walk: W, the keys listed per query
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -158,7 +167,9 @@ class Trial:
 
     def dims(self, form: str) -> tuple[int, ...]:
         """Shape of a mask or bias written like ``"B,Hkv,1,Sk"``."""
-        sizes = {"1": 1, "B": self.batch, "H": self.heads, "Hkv": self.kv_heads, "Sq": self.seqlen_q, "Sk": self.seqlen_k}
+        sizes = {
+            "1": 1, "B": self.batch, "H": self.heads, "Hkv": self.kv_heads, "Sq": self.seqlen_q, "Sk": self.seqlen_k, "W": self.width,
+        }
         return tuple(sizes[s] for s in form.split(","))
 
     def __str__(self) -> str:
@@ -173,6 +184,8 @@ class Trial:
             parts.append(f"bias[{self.bias}]{'fp32' if self.bias_fp32 else ''}{neg_inf}")
         if self.walk != "dense":
             parts.append(self.walk + (f"{self.block_size[0]}x{self.block_size[1]}" if self.block_size else "") + ("-packed" if self.packed else ""))
+        if self.walk == INDICES:
+            parts.append(f"W{self.width}")
         if self.causal:
             parts.append("causal")
         if self.window != (-1, -1):
@@ -228,7 +241,7 @@ def _sample_family(rng: random.Random, space: Space, head_dim: int) -> Family:
     long_keys = space.max_seqlen_k_long > 512 and seqlen_q[1] <= 64
     # A single key is a degenerate problem: half as likely as the other ranges.
     seqlen_k = _range(rng, _ranges(space.max_seqlen) + (_ranges(space.max_seqlen_k_long, 513) if long_keys else []), 0.5)
-    return Family(
+    family = Family(
         dtype=rng.choice(space.dtypes),
         head_dim=head_dim,
         batch=rng.randint(1, space.max_batch),
@@ -247,6 +260,13 @@ def _sample_family(rng: random.Random, space: Space, head_dim: int) -> Family:
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
     )
+    if rng.random() >= _INDICES_FRACTION:
+        return family
+    bias = None
+    if family.bias is not None:
+        batch, heads = rng.choice(("1", "B")), rng.choice(("1", "Hkv", "H"))
+        bias = f"{batch},Sq,{heads},W" if rng.random() < 0.5 else f"{batch},{heads},Sk"
+    return dataclasses.replace(family, walk=INDICES, mask=None, bias=bias, block_size=None, topk_per_query=False)
 
 
 @functools.lru_cache(maxsize=8)
@@ -333,4 +353,5 @@ def sample_trial(space: Space, seed: int, index: int) -> Trial:
         check_inputs=rng.random() < 0.25,
         # Drawn last, so that a seed's other draws stay as they were.
         packed=family.walk == "summary" and family.mask is not None and family.block_size[1] >= 32 and rng.random() < 0.5,
+        width=rng.choice(WIDTHS) if family.walk == INDICES else 0,
     )

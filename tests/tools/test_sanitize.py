@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from tools.sanitize import EXCLUDE_MANGLED, Run, parse_log, sanitizer_command
-from tools.sanitize_driver import CASES, Attention, Decode, Varlen
+from tools.sanitize_driver import CASES, Attention, Decode, Topk, Varlen
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,6 +107,8 @@ def test_the_cases_cover_odd_shapes():
     assert {(4, 1), (4, 2)} <= {(spec.heads, spec.kv_heads) for spec in attention}
     splits = {bool(spec.page_size) for spec in specs if isinstance(spec, Decode) and spec.num_splits != 1}
     assert splits == {False, True}  # split-KV over contiguous and paged caches
+    topk = [spec for spec in specs if isinstance(spec, Topk)]
+    assert {spec.bias.count(",") for spec in topk} == {2, 3} and any(spec.hot for spec in topk)  # per key and per pair; shared keys
 
 
 def test_list_shows_every_case():

@@ -21,8 +21,16 @@ import torch
 
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.dispatch import hopper_takes_bits
-from flash_dma.backends.triton.layout import Call, input_form
-from flash_dma.backends.triton.ops import attention_op, key_list, kvcache_forward, launch_forward, summary_lists, summary_state
+from flash_dma.backends.triton.layout import Call, TopkCall, input_form
+from flash_dma.backends.triton.ops import (
+    attention_op,
+    key_list,
+    kvcache_forward,
+    launch_forward,
+    summary_lists,
+    summary_state,
+    topk_attention_op,
+)
 from flash_dma.bit_mask import BitMask, block_states, pack_mask_words
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE
 
@@ -129,3 +137,13 @@ def attention_with_cache(cached):
         cached.block_table, cached.page_size, cached.capacity, problem.softmax_scale, left, right, problem.softcap,
         cached.num_splits,
     )
+
+
+def topk_attention(problem):
+    """Backend entry point of ``flash_dma_topk_func``: ``(out, lse)`` for a :class:`~flash_dma.topk.TopkProblem`."""
+    left, right = problem.window
+    call = TopkCall(
+        problem.query, problem.key, problem.value, problem.indices, problem.attn_bias, problem.softmax_scale, left, right,
+        problem.softcap, problem.deterministic,
+    )
+    return topk_attention_op(call)

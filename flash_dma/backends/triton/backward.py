@@ -107,7 +107,7 @@ def _delta_kernel(
 
 
 @triton.jit
-def _softmax_grad(s, lse2, delta, dp, Q_AXIS: tl.constexpr, scale, softcap_log2, SOFTCAP: tl.constexpr, scores):
+def softmax_grad(s, lse2, delta, dp, Q_AXIS: tl.constexpr, scale, softcap_log2, SOFTCAP: tl.constexpr, scores):
     """``(P, dS, dQK)``: probabilities, the score gradient (the bias gradient) and the gradient of ``q.k``.
 
     ``lse2`` and ``delta`` run along axis ``Q_AXIS`` of the tile; ``scores`` are the log2-domain
@@ -172,7 +172,7 @@ def _dkdv_tiles(
             HAS_BIAS, STAGE, MASK_BITS,
         )
         dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-        p, ds, dqk = _softmax_grad(s, lse2, delta, dp, 1, scale, softcap_log2, SOFTCAP, scores)
+        p, ds, dqk = softmax_grad(s, lse2, delta, dp, 1, scale, softcap_log2, SOFTCAP, scores)
         dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_D]
         dk += tl.dot(dqk.to(q.dtype), q, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_D]
         if DBIAS == 1:
@@ -398,7 +398,7 @@ def _dq_tiles(
         )
         v = load_rows(v_source, tile * BLOCK_N, keys, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, TMA, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        p, ds, dqk = _softmax_grad(s, lse2, delta, dp, 0, scale, softcap_log2, SOFTCAP, scores)
+        p, ds, dqk = softmax_grad(s, lse2, delta, dp, 0, scale, softcap_log2, SOFTCAP, scores)
         dq += tl.dot(dqk.to(k.dtype), k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
         tile = next_tile
     return dq

@@ -78,6 +78,12 @@ _BACKWARD = {
         },
     },
 }
+# Top-k index attention (``topk_forward.py``, ``topk_backward.py``), untuned: BLOCK_N gathered keys
+# per tile by head-dim bucket, (BLOCK_N, warps, stages); BLOCK_M is the group's heads padded to 16.
+_TOPK = {64: (64, 4, 3), 128: (64, 4, 2), 256: (32, 4, 2)}
+# Elements (rows of queries x group heads, times BLOCK_D) per chunk of the key-outer dK/dV kernel:
+# its q and dO chunks live in registers (at D = 128, 64 rows spilled on sm90, 32 did not).
+TOPK_DKDV_ELEMENTS = 4096
 # Decode shapes (few query rows, split over keys): BLOCK_M shrinks to the rows.
 _DECODE = [(16, 128, 4, 3), (16, 64, 4, 4), (16, 128, 8, 4), (16, 32, 4, 2)]
 _INTERPRETER_TILE = 32
@@ -151,6 +157,19 @@ def forward_candidates(device: torch.device, block_d: int, decode: bool) -> list
 
 def backward_candidates(device: torch.device, block_d: int, kernel: str) -> list[triton.Config]:
     return _table(_BACKWARD[kernel], device, block_d)
+
+
+def topk_candidates(block_d: int, group: int) -> list[triton.Config]:
+    block_m = max(16, next_power_of_2(group))
+    if triton_interpreting():
+        return [_config(block_m, _INTERPRETER_TILE, 4, 1)]
+    block_n, num_warps, num_stages = _TOPK[min(b for b in _TOPK if b >= block_d)]
+    return [_config(block_m, block_n, num_warps, num_stages)]
+
+
+def topk_dkdv_rows(block_d: int, block_g: int) -> int:
+    """Rows of a chunk of the top-k dK/dV kernel: at least the group's (padded) heads."""
+    return max(block_g, _INTERPRETER_TILE if triton_interpreting() else TOPK_DKDV_ELEMENTS // block_d)
 
 
 def single_program_config() -> list[triton.Config]:

@@ -26,12 +26,13 @@ from flash_dma.backends.triton.layout import (
     WALK_DENSE,
     Call,
     Sequences,
+    TopkCall,
     input_form,
     tma_aligned,
     walk_kind,
 )
 
-HOPPER, TRITON = "hopper", "triton"
+HOPPER, TRITON, TOPK = "hopper", "triton", "topk"
 PASSES = ("forward", "dq", "dkdv")
 _WALKS = {WALK_DENSE: "dense", WALK_BLOCKS: "blocks"}
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -45,7 +46,7 @@ class Form(NamedTuple):
     head_dim: int
     mask: str  # "none" | "keys" [., ., 1, Sk|1] | "rows" [., ., Sq, 1] | "pairs" (bool per pair) | "bits" (a BitMask's words)
     bias: str  # "none" | "keys" [., ., 1, Sk|1] | "rows" [., ., Sq, 1] | "pairs" [., ., Sq, Sk]
-    walk: str  # "dense" | "blocks" (a block summary's lists) | "keys" (a key list)
+    walk: str  # "dense" | "blocks" (a block summary's lists) | "keys" (a key list) | "indices" (top-k indices per query)
     sequences: str  # "fixed" | "packed" (varlen) | "cache" (a KV cache)
     split: bool  # split-KV or GQA heads packed into rows (decode-sized calls)
     deterministic: bool
@@ -83,6 +84,8 @@ _HOPPER_FORMS = dict(
     sequences=("fixed",), split=(False,), softcap=(False,), aligned=(True,),
 )
 ROUTES = (
+    # flash_dma_topk_func: keys listed per query, gathered (``topk_forward.py``, ``topk_backward.py``).
+    Route(TOPK, PASSES, walk=("indices",)),
     Route(HOPPER, ("forward", "dq"), **_HOPPER_FORMS),
     # Query chunks add up by fp32 atomics in no fixed order; a key list's columns are the Triton kernel's.
     Route(HOPPER, ("dkdv",), **_HOPPER_FORMS, walk=("dense", "blocks"), deterministic=(False,)),
@@ -132,6 +135,24 @@ def form_of(
         deterministic=call.deterministic,
         softcap=call.softcap > 0,
         aligned=aligned,
+    )
+
+
+def topk_form(call: TopkCall) -> Form:
+    """The form of a top-k call (``flash_dma_topk_func``); its passes share it."""
+    bias = call.bias
+    return Form(
+        device=device_kind(call.q.device),
+        dtype=_DTYPES[call.q.dtype],
+        head_dim=call.q.shape[3],
+        mask="none",
+        bias="none" if bias is None else ("keys" if bias.dim() == 3 else "pairs"),
+        walk="indices",
+        sequences="fixed",
+        split=False,
+        deterministic=call.deterministic,
+        softcap=call.softcap > 0,
+        aligned=tma_aligned(call.q, call.k, call.v),
     )
 
 

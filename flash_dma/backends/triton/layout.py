@@ -170,6 +170,29 @@ CALL_TENSORS = Call._fields.index("list_block_q")
 BIAS_FIELD = Call._fields.index("bias")
 
 
+class TopkCall(NamedTuple):
+    """One top-k index attention call (``flash_dma_topk_func``): inputs and settings, tensors first.
+
+    ``indices`` ``[B, Sq, Hkv, W]`` int32; ``bias`` per pair ``[1|B, Sq, 1|Hkv|H, W]``, per key
+    ``[1|B, 1|Hkv|H, Sk]`` (told apart by their number of dimensions), or None.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    indices: torch.Tensor
+    bias: torch.Tensor | None
+    softmax_scale: float
+    window_left: int
+    window_right: int
+    softcap: float
+    deterministic: bool
+
+
+TOPK_TENSORS = TopkCall._fields.index("softmax_scale")
+TOPK_BIAS_FIELD = TopkCall._fields.index("bias")
+
+
 class Sequences(NamedTuple):
     """Where the batch entries lie in the token tensors, when not one per batch row (``tiles.sequence_span``).
 
@@ -211,18 +234,19 @@ def common_tensors(call: Call, walked, sequences: Sequences | None = None) -> li
     ]
 
 
-def call_signature(call: Call) -> tuple:
+def call_signature(call: Call, tensors: int = CALL_TENSORS) -> tuple:
     """Everything the kernels' choice, configuration and arguments read of ``call`` besides its
     tensors' addresses: each tensor's shape, strides, dtype and whether its address is 16-byte
     aligned (TMA and Triton's pointer specialisation read that), the device and the settings.
 
+    ``tensors``: how many of the record's fields are tensors (a :class:`TopkCall` has fewer).
     Computed once per pass, it keys the memoised decisions of the passes (``forward.py``,
     ``backward.py``) and their launches, so that a call of a layout seen before repeats none of them.
     """
     return (
-        tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in call[:CALL_TENSORS]]),
+        tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in call[:tensors]]),
         call.q.device,
-        call[CALL_TENSORS:],
+        call[tensors:],
     )
 
 

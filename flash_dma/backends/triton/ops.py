@@ -18,7 +18,18 @@ from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.block_summary import block_lists, block_state
 from flash_dma.backends.triton.forward import CachePages, attention_forward
 from flash_dma.backends.triton.key_list import build_key_list
-from flash_dma.backends.triton.layout import BIAS_FIELD, CALL_TENSORS, SEQ_CACHE, Call, Sequences
+from flash_dma.backends.triton.layout import (
+    BIAS_FIELD,
+    CALL_TENSORS,
+    SEQ_CACHE,
+    TOPK_BIAS_FIELD,
+    TOPK_TENSORS,
+    Call,
+    Sequences,
+    TopkCall,
+)
+from flash_dma.backends.triton.topk_backward import topk_backward
+from flash_dma.backends.triton.topk_forward import topk_forward
 
 
 @torch.library.custom_op("flash_dma::key_list", mutates_args=())
@@ -73,8 +84,14 @@ def summary_lists(state: torch.Tensor, transpose: bool) -> torch.Tensor:
 
 
 _SCHEMA_TYPES = {torch.Tensor: "Tensor", torch.Tensor | None: "Tensor?", int: "SymInt", float: "float", bool: "bool"}
-# The custom ops take a Call's fields flat, typed from the record (torch.library wants positional tensors).
-_CALL_SCHEMA = ", ".join(f"{_SCHEMA_TYPES[kind]} {name}" for name, kind in typing.get_type_hints(Call).items())
+
+
+def _schema(record) -> str:
+    """The custom ops take a record's fields flat, typed from it (torch.library wants positional tensors)."""
+    return ", ".join(f"{_SCHEMA_TYPES[kind]} {name}" for name, kind in typing.get_type_hints(record).items())
+
+
+_CALL_SCHEMA = _schema(Call)
 
 
 def launch_forward(*fields) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,24 +129,25 @@ backward_op = torch.library.custom_op(
 
 
 @backward_op.register_fake
-def _backward_fake(dout, q, k, v, mask, bias, *args):
+def _backward_fake(dout, q, k, v, _mask_or_indices, bias, *args):  # also the top-k op's (indices fourth)
     bias_requires_grad = args[-1]
     # Contiguous, like the real gradients (not empty_like, which copies an input's strides).
     dbias = bias.new_empty(bias.shape) if bias is not None and bias_requires_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output, tensors: int = CALL_TENSORS):
     out, lse = output
-    ctx.save_for_backward(*inputs[:CALL_TENSORS], out, lse)
-    ctx.settings = inputs[CALL_TENSORS:]
+    ctx.save_for_backward(*inputs[:tensors], out, lse)
+    ctx.settings = inputs[tensors:]
     ctx.mark_non_differentiable(lse)
 
 
-def _gradients(ctx, dout, backward, bias_input: int = BIAS_FIELD):
-    """``(dq, dk, dv, dbias or None)``; ``bias_input`` is the bias's place among the op's inputs."""
+def _gradients(ctx, dout, backward, bias_input: int = BIAS_FIELD, bias_field: int = BIAS_FIELD):
+    """``(dq, dk, dv, dbias or None)``; ``bias_input`` is the bias's place among the op's inputs,
+    ``bias_field`` among the record's fields."""
     *tensors, out, lse = ctx.saved_tensors
-    bias_requires_grad = tensors[BIAS_FIELD] is not None and ctx.needs_input_grad[bias_input]
+    bias_requires_grad = tensors[bias_field] is not None and ctx.needs_input_grad[bias_input]
     dq, dk, dv, dbias = backward(dout, *tensors, *ctx.settings, out, lse, bias_requires_grad)
     return dq, dk, dv, dbias if bias_requires_grad else None
 
@@ -186,6 +204,69 @@ def _kvcache_forward_fake(q, *_):
 def kvcache_forward(*inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``_kvcache_forward``, through the custom op when compiling."""
     return (kvcache_forward_op if torch.compiler.is_compiling() else _kvcache_forward)(*inputs)
+
+
+def _launch_topk_forward(*fields) -> tuple[torch.Tensor, torch.Tensor]:
+    return topk_forward(TopkCall(*fields))
+
+
+_TOPK_SCHEMA = _schema(TopkCall)
+topk_forward_op = torch.library.custom_op(
+    "flash_dma::topk_forward", _launch_topk_forward, mutates_args=(), schema=f"({_TOPK_SCHEMA}) -> (Tensor, Tensor)"
+)
+
+topk_forward_op.register_fake(_forward_fake)  # the same outputs: out like q, lse [B, H, Sq]
+
+
+def _topk_backward(dout, *fields_out_lse_and_flag):
+    *fields, out, lse, bias_requires_grad = fields_out_lse_and_flag
+    return topk_backward(dout, TopkCall(*fields), out, lse, bias_requires_grad)
+
+
+def _topk_backward_tensors(dout, *fields_out_lse_and_flag):
+    dq, dk, dv, dbias = _topk_backward(dout, *fields_out_lse_and_flag)
+    return dq, dk, dv, dq.new_empty(0) if dbias is None else dbias
+
+
+topk_backward_op = torch.library.custom_op(
+    "flash_dma::topk_backward", _topk_backward_tensors, mutates_args=(),
+    schema=f"(Tensor dout, {_TOPK_SCHEMA}, Tensor out, Tensor lse, bool bias_requires_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+topk_backward_op.register_fake(_backward_fake)
+
+
+def _topk_setup_context(ctx, inputs, output):
+    _setup_context(ctx, inputs, output, TOPK_TENSORS)
+
+
+def _topk_field_gradients(ctx, dout, _dlse):
+    dq, dk, dv, dbias = _gradients(ctx, dout, topk_backward_op, TOPK_BIAS_FIELD, TOPK_BIAS_FIELD)
+    grads = [dq, dk, dv, *[None] * (len(TopkCall._fields) - 3)]
+    grads[TOPK_BIAS_FIELD] = dbias
+    return tuple(grads)
+
+
+torch.library.register_autograd("flash_dma::topk_forward", _topk_field_gradients, setup_context=_topk_setup_context)
+
+
+class _EagerTopk(torch.autograd.Function):
+    # As _EagerAttention: the differentiable tensors are inputs, the call travels whole.
+    @staticmethod
+    def forward(ctx, q, k, v, bias, call):
+        output = topk_forward(call)
+        _setup_context(ctx, call, output, TOPK_TENSORS)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        return (*_gradients(ctx, dout, _topk_backward, 3, TOPK_BIAS_FIELD), None)
+
+
+def topk_attention_op(call: TopkCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a top-k ``call``, differentiable: through the custom op when compiling."""
+    if torch.compiler.is_compiling():
+        return topk_forward_op(*call)
+    return _EagerTopk.apply(call.q, call.k, call.v, call.bias, call)
 
 
 class _EagerAttention(torch.autograd.Function):

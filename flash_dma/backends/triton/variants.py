@@ -23,6 +23,9 @@ from flash_dma.backends.triton.hopper import dq as hopper_dq
 from flash_dma.backends.triton.hopper import forward as hopper_forward
 from flash_dma.backends.triton.hopper.common import BIAS_KEYS, BIAS_PAIRS, BIAS_ROWS, MASK_BITS, MASK_KEYS, MASK_NONE, MASK_ROWS
 from flash_dma.backends.triton.key_list import count_launcher, gather_launcher, key_list_launcher
+from flash_dma.backends.triton.topk_backward import DKDV_LAUNCHERS, DQ_LAUNCHERS
+from flash_dma.backends.triton.topk_forward import FORWARD_LAUNCHERS
+from flash_dma.backends.triton.dispatch import TOPK
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
     DBIAS_FULL,
@@ -41,6 +44,7 @@ _POINTER_TYPES = {
     "Mask": "*u8", "Walk": "*i32", "Lse": "*fp32", "Delta": "*fp32", "DBias": "*fp32",
     "ScratchK": "*fp32", "ScratchV": "*fp32", "Turns": "*i32", "State": "*i8", "KeyList": "*i32", "Lists": "*i32",
     "SeqQ": "*i32", "SeqK": "*i32", "Queue": "*i32", "CacheRows": "*i32", "BlockTable": "*i32", "Counts": "*i32",
+    "Indices": "*i32", "Order": "*i64", "Starts": "*i64",
 }
 _FLOAT_SCALARS = ("scale", "scale_log2", "softcap_log2", "scale_over_cap")
 
@@ -108,6 +112,11 @@ _HOPPER_DKDV_PAIRS = dict(
 
 
 _WORDS = {"Mask": "*i32"}
+# Top-k index attention (topk_forward.py, topk_backward.py): a GQA group of 4 heads padded to 16 rows.
+_TOPK_PAIRS = dict(HAS_BIAS=True, BIAS_PER_KEY=False, SOFTCAP=False, DOT_PRECISION="tf32", BLOCK_D=128)
+_TOPK_KEYS = dict(_TOPK_PAIRS, BIAS_PER_KEY=True, SOFTCAP=True)
+_TOPK_TILE = dict(BLOCK_M=16, BLOCK_N=64)
+_TOPK_DKDV_TILE = dict(BLOCK_E=8, BLOCK_G=4)
 
 
 def _gluon_variants(prefix: str, launcher, tile, *named_flags: tuple[str, dict]) -> list[Variant]:
@@ -178,6 +187,12 @@ VARIANTS = [
     Variant("dq-varlen", dq_launcher, 8, 2, {**_KEYS, **_DQ, "SEQ": SEQ_PACKED}),
     Variant("dq-full-mask", dq_launcher, 8, 2, {**_FULL_MASK, **_DQ}),
     Variant("dq-dense-mask", dq_launcher, 4, 3, {**_FULL_MASK, **_DQ, "WALK": WALK_DENSE, "BLOCK_M": 64, "BLOCK_N": 64}),
+    Variant("topk-forward-pairs", FORWARD_LAUNCHERS[TOPK], 4, 2, {**_TOPK_PAIRS, **_TOPK_TILE}),
+    Variant("topk-forward-keys-softcap", FORWARD_LAUNCHERS[TOPK], 4, 2, {**_TOPK_KEYS, **_TOPK_TILE}),
+    Variant("topk-dq-pairs-dbias", DQ_LAUNCHERS[TOPK], 4, 2, {**_TOPK_PAIRS, **_TOPK_TILE, "DBIAS_PAIRS": True, "DBIAS_PER_HEAD": True}),
+    Variant("topk-dq-keys-softcap", DQ_LAUNCHERS[TOPK], 4, 2, {**_TOPK_KEYS, **_TOPK_TILE, "DBIAS_PAIRS": False, "DBIAS_PER_HEAD": False}),
+    Variant("topk-dkdv-keys-dbias", DKDV_LAUNCHERS[TOPK], 4, 1, {**_TOPK_KEYS, **_TOPK_DKDV_TILE, "DBIAS_KEYS": True, "DBIAS_PER_HEAD": True}),
+    Variant("topk-dkdv-pairs", DKDV_LAUNCHERS[TOPK], 4, 1, {**_TOPK_PAIRS, **_TOPK_DKDV_TILE, "DBIAS_KEYS": False, "DBIAS_PER_HEAD": False}),
     Variant("kept-count", count_launcher, 4, 1, dict(CHUNK=1024)),
     Variant("key-list", key_list_launcher, 4, 1, dict(CHUNK=1024, CHUNKS=1024)),
     Variant("gather-kept-keys", gather_launcher, 4, 1, dict(BLOCK=128, BLOCK_D=128)),

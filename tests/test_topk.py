@@ -1,0 +1,94 @@
+"""flash_dma_topk_func's argument checks (``flash_dma/topk.py``) and its semantics on the reference backend."""
+
+import pytest
+import torch
+
+from flash_dma import flash_dma_func, flash_dma_topk_func, topk_mask
+from flash_dma.backends import flex
+from tests.helpers import DEVICE
+
+B, SQ, SK, H, HKV, D, W = 2, 8, 12, 4, 2, 16, 3
+
+
+def _inputs(**overrides):
+    gen = torch.Generator().manual_seed(0)
+    inputs = {
+        "query": torch.randn(B, SQ, H, D, generator=gen),
+        "key": torch.randn(B, SK, HKV, D, generator=gen),
+        "value": torch.randn(B, SK, HKV, D, generator=gen),
+        "indices": torch.randint(0, SK, (B, SQ, HKV, W), generator=gen, dtype=torch.int32),
+        "attn_bias": None,
+    }
+    inputs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    inputs.update(overrides)
+    return inputs
+
+
+BAD_INPUTS = [
+    ("indices-list", dict(indices=[[0]]), TypeError, r"indices: expected a torch.Tensor, got list"),
+    ("indices-int64", dict(indices=torch.zeros(B, SQ, HKV, W, dtype=torch.int64)), TypeError,
+     r"indices: expected dtype torch.int32, got torch.int64"),
+    ("indices-heads", dict(indices=torch.zeros(B, SQ, H, W, dtype=torch.int32)), ValueError,
+     r"indices: expected shape \[B, Sq, Hkv, W\] = \[2, 8, 2, W\], got \(2, 8, 4, 3\)"),
+    ("indices-3d", dict(indices=torch.zeros(B, SQ, W, dtype=torch.int32)), ValueError, r"indices: expected shape \[B, Sq, Hkv, W\]"),
+    ("bias-pairs-width", dict(attn_bias=torch.zeros(B, SQ, H, W + 1)), ValueError,
+     r"attn_bias: expected per pair \[1\|B, Sq, 1\|Hkv\|H, W\] = \[1\|2, 8, 1\|2\|4, 3\] or per key "
+     r"\[1\|B, 1\|Hkv\|H, Sk\] = \[1\|2, 1\|2\|4, 12\], got shape \(2, 8, 4, 4\)"),
+    ("bias-keys-heads", dict(attn_bias=torch.zeros(B, 3, SK)), ValueError, r"attn_bias: expected per pair .* got shape \(2, 3, 12\)"),
+    ("bias-dense", dict(attn_bias=torch.zeros(B, H, SQ, SK)), ValueError, r"attn_bias: expected per pair"),
+    ("bias-dtype", dict(attn_bias=torch.zeros(B, H, SK, dtype=torch.float64)), TypeError,
+     r"attn_bias: expected dtype float32, got torch.float64"),
+    ("bias-type", dict(attn_bias=1.0), TypeError, r"attn_bias: expected a torch.Tensor or None, got float"),
+    ("key-heads", dict(key=torch.zeros(B, SK, 3, D), value=torch.zeros(B, SK, 3, D)), ValueError,
+     r"key: the number of query heads \(4\) must be a multiple"),
+    ("window-negative", dict(window_size=(-2, 0)), ValueError, r"window_size: left size must be -1"),
+    ("softcap-negative", dict(softcap=-1.0), ValueError, r"softcap: expected a finite float >= 0"),
+    ("deterministic-int", dict(deterministic=1), TypeError, r"deterministic: expected a bool, got int 1"),
+    ("backend-unknown", dict(backend="cuda"), ValueError, r"backend: expected one of"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "error", "message"), [p[1:] for p in BAD_INPUTS], ids=[p[0] for p in BAD_INPUTS])
+def test_bad_input_raises_a_clear_error(overrides, error, message):
+    overrides = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in overrides.items()}
+    with pytest.raises(error, match=message):
+        flash_dma_topk_func(**_inputs(**overrides))
+
+
+def test_flex_does_not_serve_topk():
+    # On the CPU flex is unavailable altogether; where it runs, it refuses top-k calls by name.
+    with pytest.raises(ValueError, match=r"backend: 'flex' does not serve flash_dma_topk_func"):
+        flex.topk_attention(None)
+
+
+def test_a_listed_key_counts_once_per_entry():
+    # Listing key 3 twice weighs it as two keys: the same as attending a copy of it.
+    inputs = _inputs(indices=torch.tensor([3, 3, 5], dtype=torch.int32).expand(B, SQ, HKV, 3).contiguous().to(DEVICE))
+    out = flash_dma_topk_func(**inputs, backend="reference")
+    key = torch.cat([inputs["key"], inputs["key"][:, 3:4]], dim=1)
+    value = torch.cat([inputs["value"], inputs["value"][:, 3:4]], dim=1)
+    copy = torch.tensor([3, SK, 5], dtype=torch.int32, device=DEVICE).expand(B, SQ, HKV, 3).contiguous()
+    expected = flash_dma_topk_func(inputs["query"], key, value, copy, backend="reference")
+    torch.testing.assert_close(out, expected)
+
+
+def test_out_of_range_entries_count_as_none():
+    indices = torch.tensor([2, -1, SK, SK + 7, -5], dtype=torch.int32, device=DEVICE).expand(B, SQ, HKV, 5).contiguous()
+    out = flash_dma_topk_func(**_inputs(indices=indices), backend="reference")
+    only = flash_dma_topk_func(**_inputs(indices=indices[..., :1].contiguous()), backend="reference")
+    torch.testing.assert_close(out, only)
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, (-1, -1)), (False, (3, 1)), (True, (2, 0))], ids=["causal", "win3,1", "causal-win2"])
+def test_reference_equals_flash_dma_func_on_the_mask_of_distinct_indices(causal, window):
+    gen = torch.Generator().manual_seed(1)
+    indices = torch.rand(B, SQ, HKV, SK, generator=gen).argsort(-1)[..., :5].to(DEVICE, torch.int32)
+    bias = torch.randn(B, H, SK, generator=gen).to(DEVICE)
+    inputs = _inputs(indices=indices, attn_bias=bias)
+    top, top_lse = flash_dma_topk_func(**inputs, is_causal=causal, window_size=window, return_lse=True, backend="reference")
+    dense, dense_lse = flash_dma_func(
+        inputs["query"], inputs["key"], inputs["value"], topk_mask(indices, SK), bias[:, :, None, :],
+        is_causal=causal, window_size=window, return_lse=True, backend="reference",
+    )
+    torch.testing.assert_close(top, dense)
+    torch.testing.assert_close(top_lse, dense_lse)
