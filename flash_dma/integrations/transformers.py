@@ -128,6 +128,13 @@ def _paged_attention(module, query, key, value, cache, kwargs: dict, **settings)
     return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, q.shape[0] - out.shape[0]))[None]
 
 
+@functools.cache
+def _updates_through_kwargs(cache_type: type) -> bool:
+    """Whether this paged cache's ``update`` takes ``kwargs`` (transformers 5.23) rather than read
+    and write indices; asked once per cache class, not on every layer of every step."""
+    return "kwargs" in inspect.signature(cache_type.update).parameters
+
+
 def _cached_keys(module, key, value, cache, kwargs: dict):
     """Write the new keys and values into the paged cache and read each request's back:
     ``(k, v, cu_seq_lens_k, max_k, max_q)``, ``k`` and ``v`` ``[total_k, Hkv, D]``, for this layer.
@@ -137,7 +144,7 @@ def _cached_keys(module, key, value, cache, kwargs: dict):
     and ``write_index``, return ``[total_k, Hkv, D]``, and name the lengths ``max_seqlen_*``, per
     layer type where a model mixes full and sliding-window layers.
     """
-    if "kwargs" in inspect.signature(cache.update).parameters:
+    if _updates_through_kwargs(type(cache)):
         key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
         k, v = (t[0].transpose(0, 1) for t in (key, value))
         return k, v, kwargs["cu_seq_lens_k"], kwargs["max_length_k"], kwargs["max_length_q"]
