@@ -25,6 +25,7 @@ from flash_dma.benchmark.methods import (
     padded_document_inputs,
 )
 from flash_dma.benchmark.suites import Case
+from tests.helpers import DEVICE
 
 CASES = {
     "gqa-prefill": dict(heads=4, kv_heads=2, seqlen_q=300, seqlen_k=300, keep=1 / 2),
@@ -257,7 +258,8 @@ def test_batching_methods_serve_every_request_the_same_tokens(tiny_llama, monkey
     monkeypatch.setattr(llama, "BATCH_NEW_TOKENS", 4)
     serve = Case("batching", "serve", 3, 4, 2, 16, 17, 17, 1.0, ("batch-flash-dma", "batch-sdpa"), ("fwd",),
                  bias="none", mask="none")
-    ids = TokenInputs(torch.randint(1, 97, (3, 17), generator=torch.Generator().manual_seed(0)))
+    # On the test device: where CUDA is present, continuous batching serves only a model on it.
+    ids = TokenInputs(torch.randint(1, 97, (3, 17), generator=torch.Generator().manual_seed(0)).to(DEVICE))
     served = []
     for name in ("batch-flash-dma", "batch-sdpa"):
         prepared = METHODS[name].prepare(serve, ids)

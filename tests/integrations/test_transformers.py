@@ -18,6 +18,7 @@ from flash_dma.integrations.transformers import (
     flash_dma_mask,
     register,
 )
+from tests.helpers import DEVICE
 
 
 def twin_models(config):
@@ -42,6 +43,13 @@ TINY = dict(
 @pytest.fixture(scope="module")
 def llama_pair():
     return twin_models(LlamaConfig(**TINY, max_position_embeddings=128))
+
+
+@pytest.fixture(scope="module")
+def served_pair():
+    """``llama_pair`` on the test device: where CUDA is present, continuous batching serves only a
+    model on it (transformers 5.17 opens its CUDA streams on the model's device)."""
+    return tuple(model.to(DEVICE) for model in twin_models(LlamaConfig(**TINY, max_position_embeddings=128)))
 
 
 def token_batch(seqlen: int = 21, pads: tuple[int, ...] = (0, 6, 3)):
@@ -125,21 +133,21 @@ def batch_tokens(model, prompts, **batching):
     [dict(page=256, num_blocks=8), dict(page=16, num_blocks=32, max_batch_tokens=24)],
     ids=["one-page-each", "small-pages-chunked-prefill"],
 )
-def test_continuous_batching_matches_sdpa(llama_pair, batching):
+def test_continuous_batching_matches_sdpa(served_pair, batching):
     # Small pages and batches: requests span pages, and long prompts are prefilled in chunks after
     # their first part is cached (queries then see more keys than themselves: bottom-right causal).
-    reference, ours = llama_pair
+    reference, ours = served_pair
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 97, (n,), generator=gen).tolist() for n in (5, 2, 23, 17)]
     expected = batch_tokens(reference, prompts, **batching)
     assert batch_tokens(ours, prompts, **batching) == expected
-    assert expected[0] == reference.generate(torch.tensor([prompts[0]]), max_new_tokens=5, do_sample=False,
+    assert expected[0] == reference.generate(torch.tensor([prompts[0]], device=DEVICE), max_new_tokens=5, do_sample=False,
                                              pad_token_id=0)[0, 5:].tolist()
 
 
-def test_a_continuous_batching_manager_serves_requests_as_they_come(llama_pair):
+def test_a_continuous_batching_manager_serves_requests_as_they_come(served_pair):
     # The serving API under generate_batch: requests added to a running manager, results collected.
-    reference, ours = llama_pair
+    reference, ours = served_pair
     prompts = [[5, 7, 9, 11], [3, 4, 60, 61, 62, 63]]
     generation = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
     manager = ours.init_continuous_batching(
@@ -156,7 +164,7 @@ def test_a_continuous_batching_manager_serves_requests_as_they_come(llama_pair):
     finally:
         manager.stop(block=True)
     for request_id, prompt in zip(ids, prompts):
-        expected = reference.generate(torch.tensor([prompt]), generation_config=generation)[0, len(prompt):]
+        expected = reference.generate(torch.tensor([prompt], device=DEVICE), generation_config=generation)[0, len(prompt):]
         assert results[request_id].error is None and results[request_id].generated_tokens == expected.tolist()
 
 

@@ -137,7 +137,9 @@ def test_equals_flash_dma_func_with_the_bit_mask_of_distinct_indices():
         inputs["query"], inputs["key"], inputs["value"], topk_mask(inputs["indices"], 70, block_size=(16, 32)),
         is_causal=True, backend="triton",
     )
-    torch.testing.assert_close(top, dense, atol=2e-3, rtol=2e-3)
+    # Two kernels, each rounding its output to the dtype: they may differ by an ulp (bf16: eps = 2**-7).
+    tolerance = max(2e-3, 2 * torch.finfo(KERNEL_DTYPES[0]).eps)
+    torch.testing.assert_close(top, dense, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.slow
