@@ -25,7 +25,7 @@ from flash_dma import (
     flash_dma_varlen_func,
     flash_dma_with_kvcache,
 )
-from flash_dma.benchmark import llama
+from flash_dma.benchmark import layers, llama
 from flash_dma.benchmark.inputs import DTYPE, CacheInputs, Inputs, TokenInputs, pad_documents
 from flash_dma.benchmark.suites import Case
 from flash_dma.bit_mask import WORD_BITS, BitMask, pack_words
@@ -619,6 +619,32 @@ class LlamaBatch(Method):
         return Prepared(lambda: llama.generate_batch(model, inputs.input_ids), ())
 
 
+class Layers(Method):
+    """The layer suite: the :mod:`~flash_dma.benchmark.layers` stack's train step (sparse or dense),
+    or one layer's key selection alone (``select``)."""
+
+    applies_mask = False
+    skips_masked_keys = False
+    VARIANTS = {
+        "flash-dma": "a train step (forward + backward) of the stack, each layer selecting its keys",
+        "dense-bias": "a train step of the same stack with `window_size=None`: every key, the bias only",
+        "select": "one layer's key selection (its bias from the value states, the block top-k and its summary)",
+    }
+
+    def __init__(self, variant: str):
+        self.variant = variant
+        self.name = f"layer-{variant}"
+        self.description = (
+            f"the {layers.describe_layers()}, bf16, eager: {self.VARIANTS[variant]}; built outside the timed region"
+        )
+
+    def prepare(self, case: Case, inputs: TokenInputs) -> Prepared:
+        stack = layers.build_layers(self.variant == "dense-bias", inputs.input_ids.device)
+        if self.variant == "select":
+            return Prepared(layers.selection_step(stack, inputs.input_ids), ())
+        return Prepared(lambda: stack(inputs.input_ids), tuple(stack.parameters()))
+
+
 METHODS: dict[str, Method] = {
     method.name: method
     for method in (
@@ -638,6 +664,7 @@ METHODS: dict[str, Method] = {
         Llama("sdpa", "doge"),
         LlamaBatch("flash_dma"),
         LlamaBatch("sdpa"),
+        *(Layers(variant) for variant in Layers.VARIANTS),
         FlashDmaVarlen(),
         FlashDmaPadded(),
         FlashDmaKvcache(),

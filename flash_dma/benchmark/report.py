@@ -12,7 +12,7 @@ from flash_dma.benchmark.suites import CEILING, KINDS, MASK_BLOCK, MODES, SUITES
 from flash_dma.benchmark.targets import TARGETS, Check, format_amount
 
 MODE_TITLES = {"fwd": "forward", "fwdbwd": "forward + backward"}
-KIND_TITLES = {"host": "host time per call", "train": "train step"}
+KIND_TITLES = {"host": "host time per call", "train": "train step", "select": "key selection"}
 ENVIRONMENT_FIELDS = (("gpu", "GPU"), ("torch", "torch"), ("triton", "triton"), ("cuda", "CUDA"),
                       ("date", "date"), ("command", "command"))
 COUNTING = (

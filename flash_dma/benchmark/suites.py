@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
+from flash_dma.benchmark.layers import LAYER_CONFIG, LAYER_COUNT, describe_layers
 from flash_dma.benchmark.llama import (
     BATCH_NEW_TOKENS,
     BATCH_PROMPT_LENGTHS,
@@ -52,6 +53,10 @@ SUITE_HELP = {
     "batching": f"transformers' continuous batching: the 4-layer Llama serving {len(BATCH_PROMPT_LENGTHS)} requests of "
                 f"{min(BATCH_PROMPT_LENGTHS)} to {max(BATCH_PROMPT_LENGTHS)} prompt tokens, {BATCH_NEW_TOKENS} new tokens "
                 "each, with generate_batch over its paged cache; attention by flash-dma or SDPA, in generated tokens/s",
+    "layer": f"a stack of {LAYER_COUNT} DynamicMaskAttention layers (hidden {LAYER_CONFIG['hidden_size']}, "
+             f"{LAYER_CONFIG['num_heads']}/{LAYER_CONFIG['num_kv_heads']} heads, window {LAYER_CONFIG['window_size']} "
+             f"in blocks of {LAYER_CONFIG['block_size']}, {LAYER_CONFIG['sink_blocks']} sink block) at 16K: its eager "
+             "train step against the same stack dense with the bias only, and one layer's key selection alone",
     "firstcall": "the first call in a new process, with warm and with cold compiler caches, and a new "
                  "process's first Llama generate and train step",
     "varlen": "the llm shape over 8 documents of 512 to 8K tokens packed into 32K (flash_dma_varlen_func), "
@@ -63,7 +68,7 @@ SUITES = tuple(SUITE_HELP)
 MODES = ("fwd", "fwdbwd")
 # Attention calls timed on the GPU; then host time per call; then a model's train step and generate.
 ATTENTION_KINDS = ("prefill", "decode", "window")
-MODEL_KINDS = ("train", "generate", "serve")
+MODEL_KINDS = ("train", "generate", "serve", "select")
 KINDS = (*ATTENTION_KINDS, "host", *MODEL_KINDS)
 
 MASKED_METHODS = ("flash-dma", "flex", "sdpa-additive")
@@ -118,6 +123,8 @@ DOGE_LENGTHS = (4096, 8192, 16384)
 DOGE_METHODS = ("doge-flash-dma", "doge-sdpa")
 LLAMA_METHODS = ("llama-flash-dma", "llama-sdpa")
 BATCHING_METHODS = ("batch-flash-dma", "batch-sdpa")
+LAYER_LENGTH = 16384
+LAYER_METHODS = ("layer-flash-dma", "layer-dense-bias")
 LLAMA_PROMPT_LENGTH = 128
 
 FIRST_CALL_LENGTH = 4096
@@ -229,7 +236,8 @@ class Case:
 
     @property
     def is_model(self) -> bool:
-        """Model rows run a transformers Llama on token ids rather than one attention call."""
+        """Model rows run a model (a transformers Llama or Doge, the layer stack) on token ids rather
+        than one attention call."""
         return self.kind in MODEL_KINDS
 
     @property
@@ -298,6 +306,8 @@ class Case:
             text = f"prompt={self.seqlen_k} generate {GENERATE_NEW_TOKENS}"
         elif self.kind == "serve":
             text = f"{self.batch} requests, prompts up to {self.seqlen_k}, {BATCH_NEW_TOKENS} new tokens each"
+        elif self.kind == "select":
+            text = f"S={self.seqlen_k} one layer's key selection"
         else:
             length = f"Sk={self.seqlen_k}" if self.seqlen_q != self.seqlen_k else f"S={self.seqlen_k}"
             bias = {"full": f" bias[1,{self.heads},Sq,Sk]", "pair": f" bias[1,{self.kv_heads},Sq,Sk]"}.get(self.bias, "")
@@ -324,7 +334,8 @@ class Case:
 
     def shape_text(self) -> str:
         if self.is_model:
-            return f"{describe_doge() if self.suite == 'doge' else describe_llama()}, B={self.batch}"
+            describe = {"doge": describe_doge, "layer": describe_layers}.get(self.suite, describe_llama)
+            return f"{describe()}, B={self.batch}"
         heads = f"H={self.heads} Hkv={self.kv_heads} D={self.head_dim}"
         if self.documents is not None:
             return f"{len(self.documents)} documents packed (lengths {', '.join(map(str, self.documents))}), {heads}"
@@ -475,6 +486,17 @@ def batching_cases(quick: bool = False) -> list[Case]:
                  modes=("fwd",), mask="none", bias="none")]
 
 
+def layer_cases(quick: bool = False) -> list[Case]:
+    """The layer stack's train step, sparse and dense, and one layer's selection alone (forward)."""
+    shape = dict(batch=1, heads=LAYER_CONFIG["num_heads"], kv_heads=LAYER_CONFIG["num_kv_heads"],
+                 head_dim=LAYER_CONFIG["hidden_size"] // LAYER_CONFIG["num_heads"], seqlen_q=LAYER_LENGTH,
+                 seqlen_k=LAYER_LENGTH, keep=LAYER_CONFIG["window_size"] / LAYER_LENGTH, mask="none", bias="none")
+    return [
+        Case("layer", "train", **shape, methods=LAYER_METHODS, modes=("fwdbwd",)),
+        Case("layer", "select", **shape, methods=("layer-select",), modes=("fwd",)),
+    ]
+
+
 def first_call_cases(quick: bool = False) -> list[Case]:
     """A first-time user's call (no block mask built beforehand), then the Llama's first generate and step."""
     attention = dict(**LLM_SHAPE, seqlen_q=FIRST_CALL_LENGTH, seqlen_k=FIRST_CALL_LENGTH, keep=FIRST_CALL_KEEP,
@@ -532,6 +554,7 @@ BUILDERS = {
     "llama": llama_cases,
     "doge": doge_cases,
     "batching": batching_cases,
+    "layer": layer_cases,
     "firstcall": first_call_cases,
     "varlen": varlen_cases,
     "kvcache": kvcache_cases,

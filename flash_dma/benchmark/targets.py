@@ -23,6 +23,7 @@ from flash_dma.benchmark.suites import (
     KVCACHE_LONG_KEEP,
     KVCACHE_LONG_LENGTH,
     DOGE_LENGTHS,
+    LAYER_LENGTH,
     LLAMA_LENGTHS,
     LLM_LENGTHS,
     LLM_LONG_LENGTH,
@@ -305,6 +306,11 @@ TARGETS = (
                _time_ratio(*(_pick(m, "fwdbwd", suite="llama", seqlen_k=s) for m in ("llama-flash-dma", "llama-sdpa"))))
         for s in LLAMA_LENGTHS
     ),
+    # The latency issue's layer: selection (bias, top-k, summary) cheap beside the attention it saves.
+    Target(f"layer S={_k(LAYER_LENGTH)} train step: layer-flash-dma / layer-dense-bias time", "<=", 0.47,
+           _time_ratio(*(_pick(m, "fwdbwd", suite="layer") for m in ("layer-flash-dma", "layer-dense-bias")))),
+    Target(f"layer S={_k(LAYER_LENGTH)}: one layer's key selection time", "<=", 0.3,
+           _ms(_pick("layer-select", "fwd", suite="layer")), unit="ms"),
     Target("seed decode Sk=512K keep 1: flash-dma GB/s / 3.0 TB/s", ">=", 0.6, _decode_bandwidth),
     Target("seed decode Sk=512K: flash-dma time keep 1/8 / keep 1", "<=", 0.3, _decode_sparse_speedup),
     *(_seed_prefill(mode, baseline) for mode in ("fwd", "fwdbwd") for baseline in ("sdpa-additive", "flex")),

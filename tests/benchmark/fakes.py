@@ -11,6 +11,7 @@ from flash_dma.benchmark.suites import (
     Case,
     doge_cases,
     kvcache_cases,
+    layer_cases,
     pqtoken_cases,
     seedtable_cases,
     topk_cases,
@@ -104,6 +105,10 @@ def passing_results() -> list[Result]:
     for step in doge_cases():
         rows += [row(step, "doge-flash-dma", "fwdbwd", ms=40.0, tflops=None, peak_gib=2.0),
                  row(step, "doge-sdpa", "fwdbwd", ms=100.0, tflops=None, peak_gib=5.0)]
+    train, select = layer_cases()
+    rows += [row(train, "layer-flash-dma", "fwdbwd", ms=20.0, tflops=None),
+             row(train, "layer-dense-bias", "fwdbwd", ms=50.0, tflops=None),
+             row(select, "layer-select", "fwd", ms=0.2, tflops=None)]
     (varlen,) = varlen_cases()
     for mode, ours, flex, padded in (("fwd", 0.5, 0.8, 0.7), ("fwdbwd", 1.5, 4.0, 2.5)):
         rows += [row(varlen, "flash-dma-varlen", mode, ms=ours), row(varlen, "flex", mode, ms=flex),

@@ -12,7 +12,7 @@ import torch
 
 from flash_dma import flash_dma_func
 from flash_dma.benchmark.inputs import Inputs, TokenInputs, make_inputs, pad_documents, unpad_documents
-from flash_dma.benchmark import llama
+from flash_dma.benchmark import layers, llama
 from flash_dma.benchmark.methods import (
     METHODS,
     MethodOptions,
@@ -369,3 +369,19 @@ def test_kvcache_matches_attention_over_the_same_keys(layout, keep):
     )
     assert out.shape == (2, 1, 4, 16)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_layer_methods_run_the_stack_and_its_selection(monkeypatch):
+    # The layer suite's methods at CPU size: a train step's leaves are the stack's parameters; the selection has none.
+    monkeypatch.setattr(layers, "LAYER_CONFIG", dict(hidden_size=64, num_heads=4, num_kv_heads=2, window_size=32,
+                                                     block_size=16, sink_blocks=1))
+    monkeypatch.setattr(layers, "MODEL_DTYPE", torch.float32)
+    case = Case("layer", "train", 1, 4, 2, 16, 128, 128, 1 / 4, ("layer-flash-dma", "layer-dense-bias"), ("fwdbwd",),
+                bias="none", mask="none")
+    ids = TokenInputs(torch.randint(1, 97, (1, 128), generator=torch.Generator().manual_seed(0)).to(DEVICE))
+    for name in case.methods:
+        prepared = METHODS[name].prepare(case, ids)
+        prepared.forward().backward()
+        assert prepared.leaves and all(p.grad is not None for p in prepared.leaves)
+    selection = METHODS["layer-select"].prepare(replace(case, kind="select", modes=("fwd",)), ids)
+    assert selection.leaves == () and selection.forward().shape == (1, 2, 1, 128 // 16)

@@ -75,6 +75,8 @@ def test_markdown_has_header_targets_and_grouped_tables(tmp_path):
         "## host · host time per call · forward + backward",
         "## llama · train step · forward + backward",
         "## doge · train step · forward + backward",
+        "## layer · train step · forward + backward",
+        "## layer · key selection · forward",
         "## firstcall · prefill · forward + backward",
         "## firstcall · generate · forward",
         "## varlen · prefill · forward",
