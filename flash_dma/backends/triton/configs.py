@@ -22,7 +22,10 @@ candidate's time):
 - dK/dV, D = 64: 32 x 64 with 4 warps (one warpgroup, no duplicated tiles) was fastest at S = 128.
 - dQ, D = 128: 128 x 128, 8 warps, 2 stages: 0.518 ms at 16K keep 1/8 against 0.594 (128 x 64);
   at 4K they tie (0.080 against 0.078 ms).
-- Decode (few query rows): 16-row tiles and long key tiles, with split-KV supplying the parallelism.
+- Decode (few query rows): 16-row tiles, split-KV supplying the parallelism, 64 keys, 4 stages.
+  Over 512K keys at B=1, H=2, D=64 (block mask passed, CUDA graphs) it took 68.9 us at keep 1 and
+  28.3 us at keep 1/8 against 75.1 and 33.4 (128 keys, 3 stages); over 32K keys at B=8, H=32,
+  D=128, 379 and 76.5 us against 388 and 93.3 (the decode bisect in ``docs/design-notes.md``).
 
 Each list ends with a small tile that fits any head dim's shared memory on any generation.
 On sm90 the calls that ``dispatch.py`` routes to ``hopper/`` run its Gluon
@@ -85,7 +88,7 @@ _TOPK = {64: (64, 4, 3), 128: (64, 4, 2), 256: (32, 4, 2)}
 # its q and dO chunks live in registers (at D = 128, 64 rows spilled on sm90, 32 did not).
 TOPK_DKDV_ELEMENTS = 4096
 # Decode shapes (few query rows, split over keys): BLOCK_M shrinks to the rows.
-_DECODE = [(16, 128, 4, 3), (16, 64, 4, 4), (16, 128, 8, 4), (16, 32, 4, 2)]
+_DECODE = [(16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 8, 4), (16, 32, 4, 2)]
 _INTERPRETER_TILE = 32
 
 
