@@ -15,9 +15,9 @@ def _by_name(checks):
 
 def test_every_target_passes_on_good_numbers():
     checks = evaluate(passing_results())
-    assert len(checks) == len(TARGETS) == 71
-    assert len({c.name for c in checks}) == 71
-    assert [c.status for c in checks] == ["PASS"] * 71, [c for c in checks if c.status != "PASS"]
+    assert len(checks) == len(TARGETS) == 73
+    assert len({c.name for c in checks}) == 73
+    assert [c.status for c in checks] == ["PASS"] * 73, [c for c in checks if c.status != "PASS"]
     values = _by_name(checks)
     assert values["llm keep 1/8 S=16K fwd: flash-dma / flex time"].value == 0.5
     assert values["llm keep 1/8 S=128K fwd+bwd: flash-dma / flex time"].value == 0.25
@@ -98,7 +98,7 @@ def test_targets_whose_rows_were_not_run_are_left_out():
     seed_only = [r for r in passing_results() if r.case.suite == "seed"]
     checks = evaluate(seed_only)
     assert [c.name for c in checks] == [t.name for t in TARGETS if t.name.startswith("seed ")]
-    assert len(checks) == 7 and {c.status for c in checks} == {"PASS"}
+    assert len(checks) == 9 and {c.status for c in checks} == {"PASS"}
     # A worst-over-S target needs every S: a run that left one out does not report it.
     no_prefill = [r for r in passing_results() if not (r.case.kind == "prefill" and r.case.seqlen_k == 8192)]
     assert SEED_NAME not in _by_name(evaluate(no_prefill))
