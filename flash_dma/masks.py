@@ -430,9 +430,9 @@ def topk_block_mask(
         window_size: keys to keep per query by bias, rounded up to whole blocks; at least 1, or 0
             to keep only the sink and local blocks (with ``sink_blocks`` or ``local_blocks`` > 0).
         attention_mask: None, a 2-D padding mask ``[B, Sk]`` or a 4-D ``[1|B, 1|H, 1, Sk]`` mask,
-            bool (True = real key) or 0/1 integer. A kept block that holds masked keys is PARTIAL:
-            then ``result.needs_mask`` is True and the mask, as 4-D, must go to ``flash_dma_func``
-            as ``attn_mask``. Blocks of only masked keys are never kept.
+            bool (True = real key) or 0/1 integer. A kept block that holds masked keys is PARTIAL,
+            so with a mask ``result.needs_mask`` is True and the mask, as 4-D, must go to
+            ``flash_dma_func`` as ``attn_mask``. Blocks of only masked keys are never kept.
         block_size: ``(block_q, block_k)``, powers of two from 16 to 256.
         reduce: ``"max"`` or ``"mean"`` of the bias over each block's allowed keys.
         query_len: None for the per-key layout, or Sq for the per-query-block layout.
@@ -518,7 +518,8 @@ def topk_block_mask(
         forced = forced & eligible
         selected = forced | _keep_largest(score, eligible & ~forced, cdiv(window_size, block_k))
         state = torch.where(selected, torch.where(fully_allowed, FULL, PARTIAL), EMPTY).to(torch.int8)
-    return block_mask_from_state(state, mask_shape, block_size)
+    # Only a padding mask makes blocks PARTIAL; deciding whether a kept one is would wait on the GPU.
+    return block_mask_from_state(state, mask_shape, block_size, needs_mask=attention_mask is not None)
 
 
 def attended_fraction(

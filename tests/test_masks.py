@@ -213,7 +213,22 @@ class TestTopkBlockMask:
         partial[0, :, :, : -(-40 // block_k)] = True
         expected_state = torch.where(expected, torch.where(partial, PARTIAL, FULL), EMPTY).to(torch.int8)
         assert torch.equal(summary.state.cpu(), expected_state)
-        assert summary.needs_mask == bool((expected_state == PARTIAL).any())
+        assert summary.needs_mask  # a padding mask may make kept blocks PARTIAL
+
+    def test_without_a_padding_mask_no_block_is_partial(self):
+        summary = topk_block_mask(random_bias(2, 3, 1, 150), 50, block_size=(64, 16), sink_blocks=1)
+        assert not summary.needs_mask and not (summary.state == PARTIAL).any()
+
+    @pytest.mark.skipif(DEVICE.type != "cuda", reason="host-device synchronisation needs a GPU")
+    def test_selection_never_waits_for_the_gpu(self):
+        # A model selects keys in every layer: a wait for the GPU there would stall its launches.
+        bias = random_bias(1, 4, 1, 4096)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            topk_block_mask(bias, 512, block_size=(128, 128), sink_blocks=1)
+            topk_block_mask(bias, 512, block_size=(128, 128), query_len=4096, is_causal=True, local_blocks=1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
     def test_max_and_mean_choose_differently(self):
         # Block 0 has one large key among small ones; block 1 is uniformly medium.
