@@ -103,7 +103,9 @@ def flash_dma_topk_func(
     The query heads of a key/value head's group share that head's list. An entry counts when it is
     in ``[0, Sk)`` and inside the causal/window band of its query (``-1`` pads a list); each entry
     that counts is one attended pair, so a key listed twice counts twice. Scores, softmax, LSE,
-    empty rows and gradients follow :func:`flash_dma_func`.
+    empty rows and gradients follow :func:`flash_dma_func`. On the Triton backend a call whose
+    lists hold a quarter of the keys or more runs as the same attention over the packed per-query
+    mask, where the dense kernels are faster (``docs/api.md``); the results are the same.
 
     Args:
         query: ``[B, Sq, H, D]``, float16, bfloat16 or float32; D from 1 to 256.
