@@ -151,9 +151,14 @@ def attention_with_cache(cached):
     )
 
 
+def topk_runs_packed(seqlen_k: int, width: int) -> bool:
+    """Whether a top-k call over ``seqlen_k`` keys listing ``width`` per query runs as the packed mask."""
+    return seqlen_k <= TOPK_PACKED_KEYS_PER_ENTRY * width
+
+
 def topk_attention(problem):
     """Backend entry point of ``flash_dma_topk_func``: ``(out, lse)`` for a :class:`~flash_dma.topk.TopkProblem`."""
-    if problem.key.shape[1] <= TOPK_PACKED_KEYS_PER_ENTRY * problem.indices.shape[3]:
+    if topk_runs_packed(problem.key.shape[1], problem.indices.shape[3]):
         return attention(as_mask_problem(problem))
     left, right = problem.window
     call = TopkCall(
