@@ -301,12 +301,12 @@ class DynamicMaskAttention(nn.Module):
             elif position_ids is None:
                 position_ids = torch.arange(past, past + seqlen, device=hidden_states.device)[None, :]
             query, key = self.rotary(query, position_ids), self.rotary(key, position_ids)
+        bias = None if self.indexer is not None else self.key_importance(value)
         if self.indexer is not None:
-            out, selection = self._attend_per_query(hidden_states, query, key, value, attention_mask, position_ids)
-            out = self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
-            return (out, selection) if return_selection else out
-        bias = self.key_importance(value)
-        if context_parallel is not None:
+            out, selection = self._attend_per_query(
+                hidden_states, query, key, value, attention_mask, position_ids, return_selection
+            )
+        elif context_parallel is not None:
             selection = {"attn_mask": self._select_sharded(bias, attention_mask, context_parallel), "block_mask": None}
             out = context_parallel_attention(
                 query, key, value, selection["attn_mask"], bias, is_causal=self.is_causal, backend=self.backend,
@@ -325,14 +325,16 @@ class DynamicMaskAttention(nn.Module):
         out = self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
         return (out, selection) if return_selection else out
 
-    def _attend_per_query(self, hidden_states, query, key, value, attention_mask, position_ids):
-        """Per-query selection: ``(out [B, S, H, D], selection)``, the selection the indices as a
-        ``BitMask`` ``[B, Hkv, S, S]`` (None for S = 0)."""
+    def _attend_per_query(self, hidden_states, query, key, value, attention_mask, position_ids, return_selection: bool):
+        """Per-query selection: ``(out [B, S, H, D], selection or None)``, the selection the indices
+        as a ``BitMask`` ``[B, Hkv, S, S]`` (None for S = 0)."""
         states = self.indexer(hidden_states, position_ids)
         padding = None if attention_mask is None else attention_mask.bool()
         indices = self.indexer.select(states, self.window_size, is_causal=self.is_causal, padding=padding)
         bias = self.indexer.pair_scores(states, indices)  # [B, S, Hkv, W]
         out = flash_dma_topk_func(query, key, value, indices, bias, is_causal=self.is_causal, backend=self.backend)
+        if not return_selection:
+            return out, None
         seqlen = query.shape[1]
         return out, {"attn_mask": topk_mask(indices, seqlen) if seqlen else None, "block_mask": None}
 
