@@ -120,7 +120,7 @@ def flash_dma_topk_func(
         window_size: ``(left, right)``, -1 unbounded, as for :func:`flash_dma_func`.
         softcap: when > 0, scores are ``softcap * tanh(x / softcap)`` before the bias is added.
         deterministic: accepted for :func:`flash_dma_func`'s signature; the top-k gradients are
-            always bitwise reproducible (no atomics).
+            always bitwise reproducible.
         return_lse: also return the log-sum-exp of the scores.
         backend: ``"triton"``, ``"reference"`` or None (Triton on CUDA, reference elsewhere).
 
