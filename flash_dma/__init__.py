@@ -11,7 +11,7 @@ Public API (see ``docs/api.md``):
 - :func:`pack_mask` / :class:`BitMask`: a per-query mask stored one bit per pair, with its summary.
 - :mod:`flash_dma.masks`: dynamic masks from a learned bias (:func:`create_mask`, :func:`topk_block_mask`)
   or from chosen keys (:func:`indices_to_mask`); top-k ``indices`` from an indexer's scores
-  (:func:`topk_indices`) and their ``BitMask`` (:func:`topk_mask`).
+  (:func:`topk_indices`, :func:`chunked_topk_indices`) and their ``BitMask`` (:func:`topk_mask`).
 - :class:`DynamicMaskAttention`: the trainable dynamic-mask attention layer.
 - :func:`get_available_backends`, :func:`flash_dma_func_auto`: backend selection.
 - :func:`flash_dmattn_func`, :func:`flash_sparse_attn_func`: v1-compatible entry points.
@@ -33,7 +33,15 @@ from flash_dma.interface import (
     flash_dmattn_func,
     flash_sparse_attn_func,
 )
-from flash_dma.masks import attended_fraction, create_mask, indices_to_mask, topk_block_mask, topk_indices, topk_mask
+from flash_dma.masks import (
+    attended_fraction,
+    chunked_topk_indices,
+    create_mask,
+    indices_to_mask,
+    topk_block_mask,
+    topk_indices,
+    topk_mask,
+)
 from flash_dma.modules import DynamicMaskAttention
 from flash_dma.summaries import block_mask_from_state, build_block_mask, pack_mask
 
@@ -61,6 +69,7 @@ __all__ = [
     "attended_fraction",
     "block_mask_from_state",
     "build_block_mask",
+    "chunked_topk_indices",
     "create_mask",
     "flash_dma_func",
     "flash_dma_func_auto",

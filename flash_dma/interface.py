@@ -103,7 +103,9 @@ def flash_dma_topk_func(
     The query heads of a key/value head's group share that head's list. An entry counts when it is
     in ``[0, Sk)`` and inside the causal/window band of its query (``-1`` pads a list); each entry
     that counts is one attended pair, so a key listed twice counts twice. Scores, softmax, LSE,
-    empty rows and gradients follow :func:`flash_dma_func`.
+    empty rows and gradients follow :func:`flash_dma_func`. On the Triton backend a call whose
+    lists hold a quarter of the keys or more runs as the same attention over the packed per-query
+    mask, where the dense kernels are faster (``docs/api.md``); the results are the same.
 
     Args:
         query: ``[B, Sq, H, D]``, float16, bfloat16 or float32; D from 1 to 256.
@@ -118,7 +120,7 @@ def flash_dma_topk_func(
         window_size: ``(left, right)``, -1 unbounded, as for :func:`flash_dma_func`.
         softcap: when > 0, scores are ``softcap * tanh(x / softcap)`` before the bias is added.
         deterministic: accepted for :func:`flash_dma_func`'s signature; the top-k gradients are
-            always bitwise reproducible (no atomics).
+            always bitwise reproducible.
         return_lse: also return the log-sum-exp of the scores.
         backend: ``"triton"``, ``"reference"`` or None (Triton on CUDA, reference elsewhere).
 

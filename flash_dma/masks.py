@@ -11,7 +11,8 @@ its gradient comes from.
   ``flash_dma_func(block_mask=...)`` takes; no element-wise mask exists at any point. This is the
   form in which the kernels skip the unselected blocks entirely.
 - :func:`topk_indices`: each query's top keys from an indexer's scores, as the ``indices`` of
-  ``flash_dma_topk_func``; :func:`topk_mask` packs them into the equivalent ``BitMask``.
+  ``flash_dma_topk_func`` (:func:`chunked_topk_indices` from scores made a chunk of rows at a
+  time); :func:`topk_mask` packs them into the equivalent ``BitMask``.
 - :func:`attended_fraction`: the fraction of (query, key) pairs that a mask lets through.
 
 Every selection is deterministic: among equal scores the key with the lower index wins.
@@ -291,6 +292,12 @@ def indices_to_mask(
     check_bit_block_size(block_size)
     if values_checkable(indices) and indices.numel() and int(indices.max()) >= key_len:
         raise ValueError(f"indices: every entry must be < key_len = {key_len}, got {int(indices.max())}")
+    return listed_bit_mask(indices, key_len, block_size)
+
+
+def listed_bit_mask(indices: torch.Tensor, key_len: int, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BitMask:
+    """:func:`indices_to_mask` without its checks, so without a host synchronisation: ``indices``
+    ``[B, H, Sq, W]`` integer must hold only entries < ``key_len`` (those < 0 mean none)."""
     batch, heads, rows, _ = indices.shape
 
     def select(start: int, stop: int) -> torch.Tensor:
@@ -323,27 +330,67 @@ def topk_indices(
     Returns:
         ``[B, Sq, Hkv, W]`` int32: the chosen keys in ascending order, then ``-1`` where a query sees
         fewer than W keys. Ties go to the lower key index. Rows are selected a chunk at a time, so
-        that no tensor of ``[Sq, Sk]`` per head exists beyond ``scores`` itself.
+        that no tensor of ``[Sq, Sk]`` per head exists beyond ``scores`` itself
+        (:func:`chunked_topk_indices` makes none at all).
     """
     if not isinstance(scores, torch.Tensor) or not scores.dtype.is_floating_point:
         raise TypeError(f"scores: expected a floating-point torch.Tensor, got {getattr(scores, 'dtype', type(scores).__name__)}")
     if scores.dim() != 4:
         raise ValueError(f"scores: expected a 4-D tensor [B, Hkv, Sq, Sk], got shape {tuple(scores.shape)}")
+    return chunked_topk_indices(
+        lambda start, stop: scores[:, :, start:stop], tuple(scores.shape), width, is_causal=is_causal,
+        window_size=window_size, device=scores.device,
+    )
+
+
+def chunked_topk_indices(
+    score_rows,
+    shape: tuple[int, int, int, int],
+    width: int,
+    *,
+    is_causal: bool = False,
+    window_size: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
+    device: torch.device | str,
+) -> torch.Tensor:
+    """:func:`topk_indices` of scores made a chunk of query rows at a time, so that no ``[Sq, Sk]``
+    tensor exists at all: for an indexer that scores its queries chunk by chunk.
+
+    Args:
+        score_rows: ``score_rows(start, stop)`` -> float ``[B, Hkv, stop - start, Sk]``, the scores
+            of query rows ``[start, stop)``; called under ``torch.no_grad``, once per chunk of
+            about ``2**24 / (B * Hkv * Sk)`` rows. NaN scores are never chosen.
+        shape: ``(B, Hkv, Sq, Sk)`` of the whole score matrix.
+        width, is_causal, window_size: as for :func:`topk_indices`.
+        device: the device of the scores, where the indices are made.
+
+    Returns:
+        ``[B, Sq, Hkv, W]`` int32, as :func:`topk_indices`.
+    """
     check_int("width", width, 1)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__} {is_causal!r}")
+    if not (isinstance(shape, (tuple, list)) and len(shape) == 4):
+        raise ValueError(f"shape: expected (B, Hkv, Sq, Sk), got {shape!r}")
+    for name, size in zip(("B", "Hkv", "Sq", "Sk"), shape):
+        check_int(f"shape {name}", size, 0)
     window = _normalize_window(window_size, is_causal)
-    batch, heads, query_len, key_len = scores.shape
-    indices = torch.full((batch, query_len, heads, width), -1, dtype=torch.int32, device=scores.device)
+    batch, heads, query_len, key_len = shape
+    indices = torch.full((batch, query_len, heads, width), -1, dtype=torch.int32, device=device)
     rows_per_chunk = max(1, _COUNT_CHUNK_ELEMENTS // max(1, batch * heads * key_len))
     with torch.no_grad():
         for start in range(0, query_len, rows_per_chunk):
             stop = min(query_len, start + rows_per_chunk)
-            visible = visible_positions(torch.arange(start, stop, device=scores.device), query_len, key_len, window)
-            keep = _keep_largest(scores[:, :, start:stop], visible, width)  # [B, Hkv, c, Sk]
+            scores = score_rows(start, stop)
+            if tuple(scores.shape) != (batch, heads, stop - start, key_len):
+                raise ValueError(
+                    f"score_rows: expected rows {start}:{stop} of shape {(batch, heads, stop - start, key_len)}, "
+                    f"got {tuple(scores.shape)}"
+                )
+            visible = visible_positions(torch.arange(start, stop, device=indices.device), query_len, key_len, window)
+            keep = _keep_largest(scores, visible, width)  # [B, Hkv, c, Sk]
             # Kept keys first, in ascending order (a stable sort of the kept flags), then the rest.
             chosen = torch.sort(keep.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
-            taken = keep.sum(dim=-1, keepdim=True) > torch.arange(chosen.shape[-1], device=scores.device)
+            taken = keep.sum(dim=-1, keepdim=True) > torch.arange(chosen.shape[-1], device=indices.device)
             indices[:, start:stop, :, : chosen.shape[-1]] = torch.where(taken, chosen, -1).to(torch.int32).transpose(1, 2)
     return indices
 

@@ -4,6 +4,8 @@
 query heads attends; the rules of ``docs/api.md`` ("flash_dma_topk_func") decide which entries
 count. :func:`normalize_topk_inputs` turns the arguments into a :class:`TopkProblem` that every
 backend can trust, or raises a ``TypeError``/``ValueError`` naming the argument.
+:func:`as_mask_problem` states the same call as a ``flash_dma_func`` problem over the packed
+per-query mask, for the short calls where the dense kernels are faster (``docs/api.md``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
-from flash_dma.inputs import _check_qkv, _last_dim_contiguous, check_bias_tensor, normalize_settings
+from flash_dma.backends.reference import valid_indices
+from flash_dma.inputs import AttentionProblem, _check_qkv, _last_dim_contiguous, check_bias_tensor, normalize_settings
+from flash_dma.masks import listed_bit_mask
+
+# A key listed several times weighs as the sum of its entries' exp(bias - max), each in (0, 1]:
+# summed as integers in units of 2**-40, which add exactly in any order (CUDA's scatter_add fixes
+# none), so the sum is bitwise reproducible. The unit is far below float32's resolution of the log
+# taken after, and int64 holds 2**23 entries of one key.
+_ENTRY_SUM_UNIT = 2.0**-40
+# Elements of the [B, Hd, rows, Sk] plane made at a time: bounds the temporaries (a max and a sum each).
+_PLANE_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -79,4 +91,77 @@ def normalize_topk_inputs(
         indices=indices,
         attn_bias=attn_bias,
         **normalize_settings(query, softmax_scale, is_causal, window_size, softcap, deterministic),
+    )
+
+
+class _ListedBias(torch.autograd.Function):
+    """The per-pair bias plane of a top-k call: ``bias`` ``[B, Hd, Sq, W]`` float32 of the entries
+    listing ``keys`` ``[B, Hd, Sq, W]`` int64 (``Sk`` for an entry that does not count) ->
+    ``[B, Hd, Sq, Sk]`` float32, at each listed key the log-sum-exp of its entries' biases
+    (``log(count)`` for zero biases), ``-inf`` where no entry counts.
+
+    Attention over the plane weighs key j by ``exp(s_j) * sum_w exp(bias_w)``: exactly what its
+    entries weigh as separate pairs. The gradient of entry w is the plane's gradient at its key
+    times ``exp(bias_w - plane)``, its share of the sum.
+    """
+
+    @staticmethod
+    def forward(ctx, bias, keys, seqlen_k: int):
+        batch, heads, rows, _ = keys.shape
+        plane = bias.new_empty(batch, heads, rows, seqlen_k)
+        step = max(1, _PLANE_CHUNK_ELEMENTS // max(1, batch * heads * (seqlen_k + 1)))
+        for start in range(0, rows, step):
+            chunk_keys, chunk_bias = keys[:, :, start : start + step], bias[:, :, start : start + step]
+            spare = (*chunk_keys.shape[:3], seqlen_k + 1)  # column Sk takes the entries that do not count
+            top = bias.new_full(spare, float("-inf")).scatter_reduce_(-1, chunk_keys, chunk_bias, "amax")
+            top_of_entry = top.gather(-1, chunk_keys)
+            # A key whose entries are all -inf stays at a sum of 0: a plane of -inf, which masks it.
+            share = torch.exp(torch.where(top_of_entry == float("-inf"), float("-inf"), chunk_bias - top_of_entry))
+            units = torch.zeros(spare, dtype=torch.int64, device=keys.device)
+            units.scatter_add_(-1, chunk_keys, torch.round(share / _ENTRY_SUM_UNIT).long())
+            plane[:, :, start : start + step] = (top + torch.log(units.double() * _ENTRY_SUM_UNIT).float())[..., :seqlen_k]
+        ctx.save_for_backward(bias, keys, plane)
+        return plane
+
+    @staticmethod
+    def backward(ctx, grad_plane):
+        bias, keys, plane = ctx.saved_tensors
+        seqlen_k = plane.shape[-1]
+        at = keys.clamp(max=seqlen_k - 1)
+        total = plane.gather(-1, at)
+        counts = (keys < seqlen_k) & (total > float("-inf"))  # a masked key's plane gradient is 0, its weight undefined
+        share = torch.exp(torch.where(counts, bias - total, float("-inf")))
+        return grad_plane.gather(-1, at) * share, None, None
+
+
+def as_mask_problem(problem: TopkProblem) -> AttentionProblem:
+    """``problem`` as a ``flash_dma_func`` problem with the same outputs and gradients.
+
+    The mask is the ``BitMask`` ``[B, Hkv, Sq, Sk]`` of the entries that count (no host
+    synchronisation); the bias is a float32 plane ``[B, Hd, Sq, Sk]`` (``Hd`` is H for a bias per
+    query head with GQA, else Hkv) that carries what a bit cannot: a key listed several times (each
+    entry is one pair) and a per-pair bias (:class:`_ListedBias`), plus a per-key bias added to its
+    columns. Its gradient flows back to the caller's bias in that bias's shape. ``deterministic``
+    is set, so that the gradients stay bitwise reproducible as the index kernels' always are.
+    """
+    query, key = problem.query, problem.key
+    batch, seqlen_q, num_heads, _ = query.shape
+    seqlen_k, num_kv_heads = key.shape[1], key.shape[2]
+    bias = problem.attn_bias
+    counting = valid_indices(problem.indices, 0, seqlen_q, seqlen_k, problem.window)  # [B, Sq, Hkv, W]
+    mask = listed_bit_mask(torch.where(counting, problem.indices, -1).transpose(1, 2), seqlen_k)
+    keys = torch.where(counting, problem.indices.long(), seqlen_k).transpose(1, 2)  # [B, Hkv, Sq, W]
+    bias_heads = 1 if bias is None else bias.shape[2 if bias.dim() == 4 else 1]
+    if bias_heads == num_heads != num_kv_heads:
+        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [B, H, Sq, W]
+    if bias is not None and bias.dim() == 4:  # per pair [1|B, Sq, 1|Hd, W]
+        entry_bias = bias.float().transpose(1, 2).expand(keys.shape)
+    else:
+        entry_bias = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
+    plane = _ListedBias.apply(entry_bias, keys, seqlen_k)
+    if bias is not None and bias.dim() == 3:  # per key [1|B, 1|Hd, Sk]
+        plane = plane + bias.float()[:, :, None, :]
+    return AttentionProblem(
+        query=query, key=key, value=problem.value, attn_mask=mask, attn_bias=plane, block_mask=None,
+        softmax_scale=problem.softmax_scale, window=problem.window, softcap=problem.softcap, deterministic=True,
     )

@@ -39,3 +39,17 @@ def poison_outputs(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", poisoned_empty(torch.empty))
     monkeypatch.setattr(torch, "empty_like", poisoned_empty(torch.empty_like))
+
+
+# flash_dma_topk_func on the Triton backend runs either way, by the share of the keys its lists hold:
+# the values of TOPK_PACKED_KEYS_PER_ENTRY that force its indices to be walked, or the packed mask.
+TOPK_WALKS = {"indices": 0, "packed": 1 << 30}
+
+
+@pytest.fixture(params=TOPK_WALKS)
+def topk_walk(request, monkeypatch):
+    """Each way a top-k call runs on the Triton backend, in turn."""
+    from flash_dma.backends import triton as triton_backend
+
+    monkeypatch.setattr(triton_backend, "TOPK_PACKED_KEYS_PER_ENTRY", TOPK_WALKS[request.param])
+    return request.param

@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from flash_dma import flash_dma_func, flash_dma_topk_func, masks
 from flash_dma.backends.reference import visible_positions
 from flash_dma.block_mask import EMPTY, FULL, PARTIAL
-from flash_dma.masks import attended_fraction, create_mask, topk_block_mask, topk_indices, topk_mask
+from flash_dma.masks import attended_fraction, chunked_topk_indices, create_mask, topk_block_mask, topk_indices, topk_mask
 from tests.helpers import DEVICE
 
 
@@ -396,6 +396,19 @@ class TestTopkIndices:
             chosen = torch.nonzero(keep[b, h, i]).flatten().tolist()
             assert indices[b, i, h].tolist() == chosen + [-1] * (width - len(chosen))
 
+    def test_scores_made_chunk_by_chunk_select_as_the_whole_matrix(self, monkeypatch):
+        monkeypatch.setattr(masks, "_COUNT_CHUNK_ELEMENTS", 2 * 3 * 37 * 4)  # chunks of 4 query rows
+        scores = random_bias(2, 3, 17, 37, levels=3)
+        asked = []
+
+        def score_rows(start, stop):
+            asked.append((start, stop))
+            return scores[:, :, start:stop]
+
+        chunked = chunked_topk_indices(score_rows, (2, 3, 17, 37), 6, is_causal=True, window_size=(9, -1), device=DEVICE)
+        assert asked == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 17)]
+        assert torch.equal(chunked, topk_indices(scores, 6, is_causal=True, window_size=(9, -1)))
+
     def test_mask_of_the_indices_attends_as_flash_dma_topk_func(self):
         scores = random_bias(1, 2, 40, 40)
         indices = topk_indices(scores, 8, is_causal=True)
@@ -417,8 +430,12 @@ class TestTopkIndices:
             (lambda: topk_indices(torch.zeros(1, 1, 2, 2), 1, is_causal=1), TypeError, r"is_causal: expected a bool"),
             (lambda: topk_mask(torch.zeros(1, 2, 3, dtype=torch.int32), 4), ValueError, r"indices: expected a 4-D tensor \[B, Sq, Hkv, W\]"),
             (lambda: topk_mask(torch.full((1, 1, 1, 1), 9, dtype=torch.int32), 4), ValueError, r"indices: every entry must be < key_len"),
+            (lambda: chunked_topk_indices(lambda a, b: torch.zeros(1, 1, b - a, 3), (1, 1, 2), 1, device="cpu"),
+             ValueError, r"shape: expected \(B, Hkv, Sq, Sk\), got \(1, 1, 2\)"),
+            (lambda: chunked_topk_indices(lambda a, b: torch.zeros(1, 1, b - a, 3), (1, 1, 2, 4), 1, device="cpu"),
+             ValueError, r"score_rows: expected rows 0:2 of shape \(1, 1, 2, 4\), got \(1, 1, 2, 3\)"),
         ],
-        ids=["scores-3d", "scores-int", "width-0", "causal-int", "mask-3d", "mask-out-of-range"],
+        ids=["scores-3d", "scores-int", "width-0", "causal-int", "mask-3d", "mask-out-of-range", "rows-shape", "rows-wrong"],
     )
     def test_bad_arguments_are_named(self, call, error, message):
         with pytest.raises(error, match=message):

@@ -1,10 +1,12 @@
-"""flash_dma_topk_func's argument checks (``flash_dma/topk.py``) and its semantics on the reference backend."""
+"""flash_dma_topk_func's argument checks (``flash_dma/topk.py``), its semantics on the reference
+backend, and the packed per-query mask problem that states the same call for the dense kernels."""
 
 import pytest
 import torch
 
 from flash_dma import flash_dma_func, flash_dma_topk_func, topk_mask
-from flash_dma.backends import flex
+from flash_dma.backends import flex, reference
+from flash_dma.topk import as_mask_problem, normalize_topk_inputs
 from tests.helpers import DEVICE
 
 B, SQ, SK, H, HKV, D, W = 2, 8, 12, 4, 2, 16, 3
@@ -92,3 +94,33 @@ def test_reference_equals_flash_dma_func_on_the_mask_of_distinct_indices(causal,
     )
     torch.testing.assert_close(top, dense)
     torch.testing.assert_close(top_lse, dense_lse)
+
+
+@pytest.mark.parametrize("bias", [None, (B, SQ, HKV, W), (1, SQ, H, W), (1, SQ, 1, W), (B, H, SK), (1, 1, SK)],
+                         ids=["none", "pairs-B,Hkv", "pairs-1,H", "pairs-1,1", "keys-B,H", "keys-1,1"])
+def test_the_packed_mask_problem_attends_as_the_indices(bias):
+    """Entries listed twice or three times, -1, past Sk and past the diagonal, and -inf biases (on
+    one entry of a repeated key, and on every entry of another): the same output, LSE and gradients."""
+    gen = torch.Generator().manual_seed(3)
+    indices = torch.randint(-1, SK + 2, (B, SQ, HKV, W), generator=gen, dtype=torch.int32)
+    indices[..., 1] = indices[..., 0]
+    indices[:, ::2, :, 2] = indices[:, ::2, :, 0]
+    inputs = _inputs(indices=indices.to(DEVICE))
+    if bias is not None:
+        values = torch.randn(bias, generator=gen)
+        values[torch.rand(bias, generator=gen) < 0.2] = float("-inf")
+        inputs["attn_bias"] = values.to(DEVICE)
+    leaves = [t.requires_grad_() for t in (inputs["query"], inputs["key"], inputs["value"], inputs["attn_bias"]) if t is not None]
+    problem = normalize_topk_inputs(**inputs, softmax_scale=None, is_causal=True, window_size=(6, -1), softcap=3.0,
+                                    deterministic=False)
+    packed = as_mask_problem(problem)
+    assert packed.attn_mask.shape == (B, HKV, SQ, SK) and packed.deterministic
+    results = []
+    for out, lse in (reference.topk_attention(problem), reference.attention(packed)):
+        results.append((out, lse, torch.autograd.grad(out.square().sum(), leaves)))
+    (out, lse, grads), (packed_out, packed_lse, packed_grads) = results
+    torch.testing.assert_close(packed_out, out)
+    torch.testing.assert_close(packed_lse, lse)
+    for grad, packed_grad in zip(grads, packed_grads):
+        assert not packed_grad.isnan().any()
+        torch.testing.assert_close(packed_grad, grad, atol=1e-4, rtol=1e-4)  # sums over queries in another order

@@ -205,7 +205,9 @@ class Attention:
 class Topk:
     """``flash_dma_topk_func`` forward and backward: ``width`` keys listed per query and key/value
     head, drawn among the first ``hot`` keys (0: all), with -1 entries, entries past the keys and
-    repeats. ``bias``: per pair ``"B,Sq,H,W"``-like, per key ``"B,Hkv,Sk"``-like, or None."""
+    repeats. ``bias``: per pair ``"B,Sq,H,W"``-like, per key ``"B,Hkv,Sk"``-like, or None.
+    ``walk``: "indices" (the index kernels) or "packed" (the packed per-query mask), whatever the
+    share of the keys the lists hold."""
 
     batch: int
     seqlen_q: int
@@ -220,6 +222,7 @@ class Topk:
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0
     hot: int = 0
+    walk: str = "indices"
 
     def run(self, target: Target, gen: torch.Generator) -> Results:
         sizes = {"B": self.batch, "H": self.heads, "Hkv": self.kv_heads, "Sq": self.seqlen_q, "Sk": self.seqlen_k, "W": self.width}
@@ -231,11 +234,13 @@ class Topk:
             (self.batch, self.seqlen_k, self.kv_heads, self.head_dim),
             tuple(sizes.get(s, 1) for s in self.bias.split(",")) if self.bias else None,
         )
-        out, lse = flash_dma_topk_func(
-            **leaves, indices=target.ints(indices.to(torch.int32)), is_causal=self.causal, window_size=self.window,
-            softcap=self.softcap, return_lse=True, backend=target.backend,
-        )
-        return {"out": out, "lse": lse, **_gradients(out, leaves, target, gen)}
+        packed_keys_per_entry = {"indices": 0, "packed": self.seqlen_k}[self.walk]
+        with mock.patch.object(triton_backend, "TOPK_PACKED_KEYS_PER_ENTRY", packed_keys_per_entry):
+            out, lse = flash_dma_topk_func(
+                **leaves, indices=target.ints(indices.to(torch.int32)), is_causal=self.causal, window_size=self.window,
+                softcap=self.softcap, return_lse=True, backend=target.backend,
+            )
+            return {"out": out, "lse": lse, **_gradients(out, leaves, target, gen)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -525,6 +530,9 @@ CASES = {
               width=33, bias="1,1,Sk", window=(32, 8), softcap=5.0, hot=8),
         _topk("topk-len1-d72", batch=3, seqlen_q=1, seqlen_k=1, heads=2, kv_heads=2, head_dim=72, width=5,
               bias="B,Sq,1,W"),
+        # ... and a short call as it runs: the packed per-query mask of its entries, with its bias plane.
+        _topk("topk-packed-gqa-pairs-causal", batch=2, seqlen_q=129, seqlen_k=200, heads=8, kv_heads=2, head_dim=64,
+              width=64, bias="1,Sq,Hkv,W", causal=True, hot=40, walk="packed"),
         # flash_dma_with_kvcache: the forward kernel over cached entries, split-KV and the combine kernel.
         _decode("decode-contiguous-splits", batch=3, seqlen_q=1, new=1, cached=(5, 0, 300), capacity=320, heads=4,
                 kv_heads=1, head_dim=128, rows=True, bias_heads=1, num_splits=3),

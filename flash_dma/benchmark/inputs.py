@@ -3,7 +3,8 @@
 Masks are chosen from the per-key bias itself, as a dynamic-mask model chooses them: a block
 top-k per key (:func:`block_topk_mask`; per packed document, :func:`document_topk_block_mask`),
 a block top-k per query block (``flash_dma.topk_block_mask``) or a token top-k
-(``flash_dma.create_mask``). KV-cache cases (:class:`CacheInputs`) keep random keys instead.
+(``flash_dma.create_mask``). Per-query selections keep each query's top keys of a random per-pair
+score; KV-cache cases (:class:`CacheInputs`) keep random keys.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch.nn.functional as F
 from flash_dma.benchmark.llama import LLAMA_CONFIG
 from flash_dma.benchmark.suites import (
     MASK_BLOCK,
-    PER_QUERY_SELECTIONS,
     TOPKQ_LOCAL_BLOCKS,
     TOPKQ_SINK_BLOCKS,
     Case,
@@ -25,7 +25,7 @@ from flash_dma.benchmark.suites import (
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import EMPTY, BlockMask
 from flash_dma.integers import cdiv
-from flash_dma.masks import create_mask, topk_block_mask, topk_indices, topk_mask
+from flash_dma.masks import chunked_topk_indices, create_mask, topk_block_mask, topk_mask
 from flash_dma.summaries import block_mask_from_state
 
 DTYPE = torch.bfloat16
@@ -79,6 +79,19 @@ def query_topk_mask(scores: torch.Tensor, case: Case) -> BitMask:
         allowed = torch.ones(case.seqlen_q, case.seqlen_k, dtype=torch.bool, device=scores.device).tril(case.seqlen_k - case.seqlen_q)
         allowed = allowed[None, None]
     return create_mask(scores, allowed, case.batch, case.seqlen_q, case.seqlen_k, case.window, packed=True)
+
+
+def query_topk_indices(case: Case, gen: torch.Generator) -> torch.Tensor:
+    """Each query's top ``case.window`` visible keys (causal) of a random per-pair score, as top-k
+    indices ``[1, Sq, Hkv, W]`` int32: the score drawn a chunk of query rows at a time, so that no
+    ``[Hkv, Sq, Sk]`` tensor is made (32 GiB of bf16 at 128K)."""
+    shape = (1, case.kv_heads, case.seqlen_q, case.seqlen_k)
+
+    def score_rows(start: int, stop: int) -> torch.Tensor:
+        rows = (1, case.kv_heads, stop - start, case.seqlen_k)
+        return torch.randn(rows, generator=gen, device=gen.device, dtype=DTYPE)
+
+    return chunked_topk_indices(score_rows, shape, case.window, is_causal=True, device=gen.device)
 
 
 def cumulative_lengths(documents: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
@@ -151,8 +164,9 @@ class Inputs:
             same for queries and keys. Then B is 1, Sq = Sk the total, ``block_mask`` each
             document's own block top-k (:func:`document_topk_block_mask`) and ``mask`` the same
             selection per key, packed ``[1, Hkv, 1, total]``.
-        indices: ``mask="query-index"``: each query's top ``case.window`` keys of a per-pair score
-            ``[B, Sq, Hkv, W]`` int32 (``topk_indices``), the ``indices`` of ``flash_dma_topk_func``.
+        indices: ``mask="query-index"``: each query's top ``case.window`` keys of a random per-pair
+            score (:func:`query_topk_indices`) ``[B, Sq, Hkv, W]`` int32, the ``indices`` of
+            ``flash_dma_topk_func``; ``mask`` is their ``BitMask``.
     """
 
     query: torch.Tensor
@@ -276,13 +290,13 @@ def make_inputs(case: Case, device: torch.device | str, seed: int = SEED) -> Inp
         mask = create_mask(key_scores, None, batch, case.seqlen_q, case.seqlen_k, window_size=case.window)
     elif case.mask == "query-block":
         block_mask = query_block_topk_mask(key_scores, case)
-    per_query = case.mask in PER_QUERY_SELECTIONS
-    pair_scores = randn(1, kv_heads, case.seqlen_q, case.seqlen_k) if "pair" == case.bias or per_query else None
+    per_pair = case.bias == "pair" or case.mask == "query-token"
+    pair_scores = randn(1, kv_heads, case.seqlen_q, case.seqlen_k) if per_pair else None
     indices = None
     if case.mask == "query-token":
         mask = query_topk_mask(pair_scores, case)
     elif case.mask == "query-index":
-        chosen = topk_indices(pair_scores, case.window, is_causal=True)  # [1, Sq, Hkv, W], as the scores
+        chosen = query_topk_indices(case, gen)  # [1, Sq, Hkv, W]
         mask = topk_mask(chosen, case.seqlen_k)
         indices = chosen.expand(batch, -1, -1, -1)  # flash_dma_topk_func takes every batch entry's
     query = randn(batch, case.seqlen_q, heads, head_dim)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from flash_dma.backends.reference import valid_indices
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import BlockMask
 from flash_dma.masks import attended_fraction
@@ -17,6 +18,8 @@ from flash_dma.masks import attended_fraction
 FORWARD_FLOPS_PER_PAIR_PER_DIM = 4  # two matrix products (q k^T and p v), a multiply-add each
 FWDBWD_FLOPS_RATIO = 3.5  # the backward's five matrix products cost 2.5x the forward's two
 HBM_COPY_GBPS = 3000.0  # device-to-device copy ceiling measured on the H100 (GUIDE.md)
+CAUSAL = (-1, 0)  # the window of the causal rule
+_COUNT_CHUNK_ENTRIES = 1 << 26  # index entries checked at a time: bounds the temporaries
 
 
 def active_pairs(seqlen_q: int, seqlen_k: int, batch: int, num_heads: int, mask: torch.Tensor | None = None) -> int:
@@ -76,6 +79,20 @@ def bit_mask_active_pairs(mask: BitMask, seqlen_q: int, seqlen_k: int, batch: in
     mask's heads), times the causal pairs of every (batch, query head)."""
     fraction = attended_fraction(seqlen_q, seqlen_k, mask, is_causal=True)
     return round(fraction * active_pairs(seqlen_q, seqlen_k, batch, num_heads))
+
+
+def index_active_pairs(indices: torch.Tensor, seqlen_q: int, seqlen_k: int, num_heads: int) -> int:
+    """Visible (query, key) pairs listed by top-k ``indices`` ``[B, Sq, Hkv, W]``, summed over the
+    batch and the query heads: the entries that count under the bottom-right causal rule, each
+    attended by the ``H / Hkv`` query heads of its group. Counted from the indices (4 bytes an
+    entry), not from their ``BitMask`` (``Sk / 8`` bytes a query), a chunk of query rows at a time."""
+    batch, _, kv_heads, width = indices.shape
+    rows_per_chunk = max(1, _COUNT_CHUNK_ENTRIES // max(1, batch * kv_heads * width))
+    counted = 0
+    for start in range(0, seqlen_q, rows_per_chunk):
+        chunk = indices[:, start : start + rows_per_chunk]
+        counted += int(valid_indices(chunk, start, seqlen_q, seqlen_k, CAUSAL).sum())
+    return counted * (num_heads // kv_heads)
 
 
 def kv_bytes(

@@ -26,6 +26,7 @@ from flash_dma.benchmark.metrics import (
     attention_flops,
     block_active_pairs,
     document_active_pairs,
+    index_active_pairs,
     gbps,
     kv_bytes,
     kvcache_bytes,
@@ -99,6 +100,8 @@ def count_work(
                                     bias.element_size())
     if method.applies_mask and inputs.block_mask is not None:
         pairs = block_active_pairs(inputs.block_mask, case.seqlen_q, case.seqlen_k, case.batch, case.heads)
+    elif method.applies_mask and inputs.indices is not None:  # every method attends what the indices list
+        pairs = index_active_pairs(inputs.indices, case.seqlen_q, case.seqlen_k, case.heads)
     elif method.applies_mask and isinstance(inputs.mask, BitMask):
         pairs = bit_mask_active_pairs(inputs.mask, case.seqlen_q, case.seqlen_k, case.batch, case.heads)
     else:

@@ -37,9 +37,9 @@ SUITE_HELP = {
                  "the mask and SDPA with the additive mask",
     "pqtoken": "the llm shape at 16K with each query's top-2048 keys of a per-pair score (a per-query mask "
                "[1,4,S,S], packed) and a per-key bias; vs the same call without the mask, Flex and cuDNN",
-    "topk": "the llm shape at 32K with each query's top-2048 keys of a per-pair score as top-k indices "
-            "(flash_dma_topk_func) and a per-key bias; vs the same selection as a packed per-query mask, "
-            "the call without the mask (dense causal) and Flex",
+    "topk": "each query's top-2048 keys as top-k indices (flash_dma_topk_func) and a per-key bias: the llm "
+            "shape at 32K vs the same selection as a packed per-query mask, the call without the mask (dense "
+            "causal) and Flex; at 128K vs dense causal and Flex; a wide group (H=64, Hkv=4) at 128K",
     "topkq": "the llm shape at 16K with a per-query-block top-k (each 128-query block keeps its own 1/8 of "
              "the key blocks, with block 0 and its diagonal block); vs Flex",
     "token": "the llm shape at 16K with a token-level mask (the 2048 keys of largest bias per head, "
@@ -89,8 +89,11 @@ PQTOKEN_KEPT_KEYS = 2048  # per query
 PER_QUERY_METHODS = ("flash-dma", "flash-dma-nomask")
 PER_QUERY_SELECTIONS = ("query-token", "query-index")  # masks of each query's top keys of a per-pair score
 TOPK_LENGTH = 32768
+TOPK_LONG_LENGTH = 131072
 TOPK_KEPT_KEYS = 2048  # per query and K/V head: DSA's
 TOPK_METHODS = ("flash-dma-topk", *PER_QUERY_METHODS, "flex")
+# At 128K the packed mask (8 GiB of bits, its time about 16x the 32K row's) is left to the 32K row.
+TOPK_LONG_METHODS = ("flash-dma-topk", "flash-dma-nomask", "flex")
 SEED_PREFILL_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 SEED_PREFILL_WINDOW = 2048  # keys kept per query row: the seeds' default window
 SEED_DECODE_LENGTHS = (256, 1024, 4096, 16384, 65536, 131072, 262144, 524288)
@@ -105,6 +108,8 @@ LLM_FULL_BIAS_LENGTH = 4096
 LLM_FULL_BIAS_KEEP = 1 / 8
 LLM_LONG_LENGTH = 131072
 LLM_LONG_KEEP = 1 / 8
+# MLA-like: many query heads share each gather of the listed keys (the topk suite's TFLOP/s targets).
+TOPK_WIDE_SHAPE = {**LLM_SHAPE, "heads": 64}
 
 TOPKQ_LENGTH = 16384
 TOPKQ_KEEP = 1 / 8  # of the key blocks, per query block, the sink and local blocks included
@@ -398,13 +403,21 @@ def pqtoken_cases(quick: bool = False) -> list[Case]:
 
 
 def topk_cases(quick: bool = False) -> list[Case]:
-    """One case: each query's top-2048 keys, as indices and as the packed per-query mask of the same
-    selection (the issue's "32K, llm shape, fwd+bwd vs the packed per-query mask" target)."""
-    return [
+    """Each query's top-2048 keys as indices: at 32K against the packed per-query mask of the same
+    selection, and at 128K (not with ``quick``) against dense causal attention, in the llm shape and
+    with a wide group; the issue's targets."""
+    selection = dict(modes=MODES, window=TOPK_KEPT_KEYS, mask="query-index")
+    cases = [
         Case("topk", "prefill", **LLM_SHAPE, seqlen_q=TOPK_LENGTH, seqlen_k=TOPK_LENGTH,
-             keep=TOPK_KEPT_KEYS / TOPK_LENGTH, methods=TOPK_METHODS, modes=MODES, window=TOPK_KEPT_KEYS,
-             mask="query-index")
+             keep=TOPK_KEPT_KEYS / TOPK_LENGTH, methods=TOPK_METHODS, **selection)
     ]
+    if not quick:
+        long = dict(seqlen_q=TOPK_LONG_LENGTH, seqlen_k=TOPK_LONG_LENGTH, keep=TOPK_KEPT_KEYS / TOPK_LONG_LENGTH)
+        cases += [
+            Case("topk", "prefill", **LLM_SHAPE, **long, methods=TOPK_LONG_METHODS, **selection),
+            Case("topk", "prefill", **TOPK_WIDE_SHAPE, **long, methods=("flash-dma-topk",), **selection),
+        ]
+    return cases
 
 
 def llm_cases(quick: bool = False) -> list[Case]:

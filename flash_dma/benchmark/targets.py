@@ -29,8 +29,13 @@ from flash_dma.benchmark.suites import (
     SEED_PREFILL_LENGTHS,
     SEEDTABLE_WINDOWS,
     TOKEN_KEPT_KEYS,
+    TOPK_LENGTH,
+    TOPK_LONG_LENGTH,
+    TOPK_WIDE_SHAPE,
+    MODES,
     format_fraction,
 )
+from flash_dma.benchmark.metrics import attention_flops, tflops
 
 DECODE_LENGTH = 524288
 PREFILL_CHECK_LENGTHS = tuple(s for s in SEED_PREFILL_LENGTHS if 1024 <= s <= 16384)
@@ -171,6 +176,32 @@ def _paged_vs_contiguous(keep: float) -> Measure:
     return measure
 
 
+def _topk(method: str, mode: str, seqlen: int, heads: int = 16) -> Pick:
+    """A topk-suite row (the llm shape, or the wide group with ``heads=64``)."""
+    return _pick(method, mode, suite="topk", seqlen_k=seqlen, heads=heads)
+
+
+def _forward_tflops(pick: Pick) -> Measure:
+    def measure(results):
+        row = pick(results)
+        return row.tflops, f"{row.ms:.4g} ms over {row.active_pairs:.3g} kept pairs"
+
+    return measure
+
+
+def _backward_tflops(forward: Pick, forward_backward: Pick) -> Measure:
+    """TFLOP/s of the backward alone: the forward + backward row's time and FLOPs less the forward's."""
+
+    def measure(results):
+        fwd, both = forward(results), forward_backward(results)
+        head_dim = both.case.head_dim
+        flops = attention_flops(both.active_pairs, head_dim, "fwdbwd") - attention_flops(fwd.active_pairs, head_dim, "fwd")
+        ms = both.ms - fwd.ms
+        return tflops(flops, ms), f"{ms:.4g} ms ({both.ms:.4g} fwd+bwd less {fwd.ms:.4g} fwd)"
+
+    return measure
+
+
 def _device_us(pick: Pick) -> Measure:
     def measure(results):
         row = pick(results)
@@ -261,9 +292,19 @@ TARGETS = (
         for mode in ("fwd", "fwdbwd")
         for baseline, limit in (("flash-dma-nomask", 1.05), ("flex", 0.5))
     ),
-    # Top-k index attention (issue 32): the selection as indices against the same selection as a packed mask.
-    Target("topk S=32K fwd+bwd: flash-dma-topk / flash-dma time", "<=", 0.6,
-           _time_ratio(_pick("flash-dma-topk", "fwdbwd", suite="topk"), _pick("flash-dma", "fwdbwd", suite="topk"))),
+    # Top-k index attention (issue 32): the selection as indices against the same selection as a
+    # packed mask, against dense causal attention, and in TFLOP/s over the kept pairs.
+    Target(f"topk S={_k(TOPK_LENGTH)} fwd+bwd: flash-dma-topk / flash-dma time", "<=", 0.6,
+           _time_ratio(_topk("flash-dma-topk", "fwdbwd", TOPK_LENGTH), _topk("flash-dma", "fwdbwd", TOPK_LENGTH))),
+    Target(f"topk S={_k(TOPK_LONG_LENGTH)} fwd+bwd: flash-dma-topk / flash-dma-nomask (dense causal) time", "<=", 0.15,
+           _time_ratio(_topk("flash-dma-topk", "fwdbwd", TOPK_LONG_LENGTH),
+                       _topk("flash-dma-nomask", "fwdbwd", TOPK_LONG_LENGTH))),
+    Target(f"topk H={TOPK_WIDE_SHAPE['heads']} S={_k(TOPK_LONG_LENGTH)} fwd: flash-dma-topk TFLOP/s on kept pairs",
+           ">=", 400.0, _forward_tflops(_topk("flash-dma-topk", "fwd", TOPK_LONG_LENGTH, TOPK_WIDE_SHAPE["heads"])),
+           unit="TFLOP/s"),
+    Target(f"topk H={TOPK_WIDE_SHAPE['heads']} S={_k(TOPK_LONG_LENGTH)} bwd: flash-dma-topk TFLOP/s on kept pairs",
+           ">=", 150.0, _backward_tflops(*(_topk("flash-dma-topk", mode, TOPK_LONG_LENGTH, TOPK_WIDE_SHAPE["heads"])
+                                          for mode in MODES)), unit="TFLOP/s"),
     *(
         Target(f"doge S={_k(s)} train step: doge-flash-dma / doge-sdpa {what}", "<=", limit,
                ratio(*(_pick(m, "fwdbwd", suite="doge", seqlen_k=s) for m in ("doge-flash-dma", "doge-sdpa"))))

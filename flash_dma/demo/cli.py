@@ -2,8 +2,10 @@
 
 The CPU configuration (the default) is sized to finish within three minutes on two cores using
 the reference backend; ``--device cuda`` runs a 1K-token configuration on the Triton kernels, with
-whole key blocks selected so that the kernels skip the rest. Its optional dependencies are the
-``[demo]`` extra, which :mod:`flash_dma.cli` checks before importing this module.
+whole key blocks selected so that the kernels skip the rest. ``--selection query`` has the sparse
+model choose each query's own keys with a lightning indexer instead (top-k index attention), at
+1/8 of the causal pairs. Its optional dependencies are the ``[demo]`` extra, which
+:mod:`flash_dma.cli` checks before importing this module.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class DemoConfig:
         selection: the sparse model's selection arguments; the dense model has ``window_size=None``.
         train: the optimisation.
         time_limit: seconds the whole demo should take, checked and reported; None for no target.
+        attended_limit: the largest fraction of the causal pairs the sparse model may attend (its target).
     """
 
     task: RecallTask
@@ -42,6 +45,7 @@ class DemoConfig:
     selection: dict
     train: TrainConfig
     time_limit: float | None
+    attended_limit: float = 0.25
 
 
 # Eight heads of width 8 give eight independent selections per layer: together they cover the
@@ -79,17 +83,36 @@ SMOKE_CONFIG = DemoConfig(
 )
 
 
+# Per-query selection (`--selection query`): each query keeps its own W keys, chosen by a lightning
+# indexer per head. W = S / 16 keeps 2 W / S - (W / S)^2 = 0.121 of the causal pairs, under the
+# 1/8 of the issue's target. Four indexer heads of 8 reached recall 0.997 on the CPU task (seed 0,
+# 700 steps), two of 16 only 0.59.
+QUERY_SELECTION = dict(indexer_heads=4, indexer_dim=8)
+# By --selection, then by device ("smoke" for --smoke).
+CONFIGS = {
+    "key": {"cpu": CPU_CONFIG, "cuda": CUDA_CONFIG, "smoke": SMOKE_CONFIG},
+    "query": {
+        "cpu": replace(CPU_CONFIG, selection=dict(window_size=8, **QUERY_SELECTION), attended_limit=1 / 8),
+        "cuda": replace(CUDA_CONFIG, selection=dict(window_size=64, **QUERY_SELECTION), attended_limit=1 / 8),
+        "smoke": replace(SMOKE_CONFIG, selection=dict(window_size=3, **QUERY_SELECTION), attended_limit=1 / 8),
+    },
+}
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--steps", type=int, default=None, help="training steps per model (default: per device)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: 0)")
     parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder for the plot and summary")
     parser.add_argument("--smoke", action="store_true", help="a tiny configuration that only checks the pipeline")
+    parser.add_argument("--selection", choices=tuple(CONFIGS), default="key",
+                        help="how the sparse model selects keys: by a per-key bias (key, default) or per query "
+                             "by a lightning indexer (query)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def choose_config(device: torch.device, steps: int | None, smoke: bool) -> DemoConfig:
-    config = SMOKE_CONFIG if smoke else CUDA_CONFIG if device.type == "cuda" else CPU_CONFIG
+def choose_config(device: torch.device, steps: int | None, smoke: bool, selection: str) -> DemoConfig:
+    config = CONFIGS[selection]["smoke" if smoke else device.type]
     if steps is not None:
         config = replace(config, train=replace(config.train, steps=steps))
     return config
@@ -104,7 +127,7 @@ def main(args) -> int:
     if args.steps is not None and args.steps < 1:
         print(f"flash-dma demo: --steps must be >= 1, got {args.steps}", file=sys.stderr)
         return 2
-    config = choose_config(device, args.steps, args.smoke)
+    config = choose_config(device, args.steps, args.smoke, args.selection)
     task = config.task
     backend = resolve_backend(None, device).__name__.rsplit(".", 1)[-1]
     print(
@@ -120,7 +143,7 @@ def main(args) -> int:
         ).to(device)
         results.append(train(name, model, task, config.train, args.seed, device, show_progress=not args.quiet))
     seconds = time.perf_counter() - started
-    checks = target_checks(results[0], seconds, config.time_limit)
+    checks = target_checks(results[0], seconds, config.time_limit, config.attended_limit)
 
     args.out.mkdir(parents=True, exist_ok=True)
     plot_path, summary_path = args.out / "demo.png", args.out / "demo.json"

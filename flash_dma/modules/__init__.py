@@ -2,6 +2,7 @@
 
 from flash_dma.modules.attention import DynamicMaskAttention
 from flash_dma.modules.cache import KVCache, PagedKVCache
+from flash_dma.modules.indexer import LightningIndexer
 from flash_dma.modules.rotary import RotaryEmbedding
 
-__all__ = ["DynamicMaskAttention", "KVCache", "PagedKVCache", "RotaryEmbedding"]
+__all__ = ["DynamicMaskAttention", "KVCache", "LightningIndexer", "PagedKVCache", "RotaryEmbedding"]

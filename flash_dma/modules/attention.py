@@ -9,10 +9,11 @@ from torch import nn
 from flash_dma.block_mask import check_block_size, effective_mask_rows
 from flash_dma.distributed import ContextParallel, context_parallel_attention, shard_positions, shard_sequence, unshard_sequence
 from flash_dma.distributed.layout import gather_lengths
-from flash_dma.interface import flash_dma_func, flash_dma_with_kvcache
+from flash_dma.interface import flash_dma_func, flash_dma_topk_func, flash_dma_with_kvcache
 from flash_dma.inputs import check_choice, check_int
-from flash_dma.masks import create_mask, topk_block_mask
+from flash_dma.masks import create_mask, topk_block_mask, topk_mask
 from flash_dma.modules.cache import KVCache
+from flash_dma.modules.indexer import LightningIndexer
 from flash_dma.modules.rotary import RotaryEmbedding
 
 IMPORTANCE_FORMS = ("softplus", "exp")
@@ -22,13 +23,22 @@ CACHED_MASK_ELEMENTS = 1 << 24
 
 
 class DynamicMaskAttention(nn.Module):
-    """Multi-head attention over the keys that a learned per-key importance selects.
+    """Multi-head attention over the keys that a learned importance selects.
 
     From the value states, every key gets a bias per key/value head,
     ``bias = A * softplus(dt_proj(V))`` (or ``exp(A * softplus(dt_proj(V)))``), shape ``[B, Hkv, 1, Sk]``.
     The ``window_size`` keys with the largest bias are selected (token by token, or by whole blocks),
     under ``torch.no_grad``; the bias is also added to the attention scores of the selected keys,
     so its gradient teaches ``A`` and ``dt_proj`` which keys matter, and the selection follows.
+
+    Per-query selection (``indexer_heads > 0``, DeepSeek's DSA design): a
+    :class:`~flash_dma.modules.LightningIndexer` scores every (query, key) pair per key/value head,
+    each query keeps its own ``window_size`` best-scoring visible keys (shared by the query heads of
+    its group; ties to the lower key, so the choice is deterministic), and the scores of the kept
+    pairs are the bias of :func:`~flash_dma.flash_dma_topk_func`, whose gradient trains the
+    indexer. No ``[S, S]`` tensor is made: the indexer scores a chunk of query rows at a time.
+    This mode has no ``dt_proj`` and ``A``, and neither decodes with a cache nor runs with
+    ``context_parallel`` (a ``ValueError`` says so).
 
     Args:
         hidden_size: E, the size of the input and output features.
@@ -49,7 +59,12 @@ class DynamicMaskAttention(nn.Module):
             block holding its diagonal and the ``local_blocks - 1`` before it, and chooses its
             own window among the blocks it can see (the per-query-block layout of
             :func:`~flash_dma.masks.topk_block_mask`); when 0, one selection serves all queries.
-        importance: ``"softplus"`` for ``A * softplus(dt)``, ``"exp"`` for ``exp(A * softplus(dt))``.
+        importance: ``"softplus"`` for ``A * softplus(dt)``, ``"exp"`` for ``exp(A * softplus(dt))``
+            (the per-key bias).
+        indexer_heads: 0 selects keys by the per-key bias; > 0 selects each query's own
+            ``window_size`` keys by a lightning indexer of this many heads per key/value head
+            (``block_size`` None).
+        indexer_dim: the size of an indexer head (per-query selection).
         qk_norm: apply an RMSNorm over the head dimension to queries and keys.
         rope_base: base of the rotary position embedding applied to queries and keys; None for none.
         is_causal: query i attends to keys up to position i.
@@ -61,6 +76,8 @@ class DynamicMaskAttention(nn.Module):
     ``dt_proj`` ``[Hkv, Hkv*D]`` and ``A`` ``[Hkv]``. ``A`` starts at 0, as in Doge: the bias starts
     neutral (every key tied, so the first selection keeps the earliest keys) and grows only as far
     as it helps; ``dt_proj`` receives its gradient through ``A``, so from the first update of ``A`` on.
+    With per-query selection, ``indexer`` (a :class:`~flash_dma.modules.LightningIndexer`) instead
+    of ``dt_proj`` and ``A``; its weights start at 0 in the same way.
 
     Generation: ``forward(..., cache=...)`` with a :class:`~flash_dma.modules.KVCache` or
     :class:`~flash_dma.modules.PagedKVCache` appends the new tokens' keys, values and bias to the
@@ -95,6 +112,8 @@ class DynamicMaskAttention(nn.Module):
         sink_blocks: int = 0,
         local_blocks: int = 0,
         importance: str = "softplus",
+        indexer_heads: int = 0,
+        indexer_dim: int = 32,
         qk_norm: bool = False,
         rope_base: float | None = 10000.0,
         is_causal: bool = True,
@@ -124,6 +143,12 @@ class DynamicMaskAttention(nn.Module):
             check_block_size((block_size, block_size))
         check_int("sink_blocks", sink_blocks, 0)
         check_int("local_blocks", local_blocks, 0)
+        check_int("indexer_heads", indexer_heads, 0)
+        if indexer_heads and (window_size is None or block_size is not None):
+            raise ValueError(
+                "indexer_heads: per-query selection keeps window_size single keys per query: it needs an int "
+                f"window_size and block_size None, got window_size={window_size!r}, block_size={block_size!r}"
+            )
         if window_size is not None:  # 0 keeps only the sink and local blocks, where there are some
             check_int("window_size", window_size, 0 if sink_blocks or local_blocks else 1)
         check_choice("importance", importance, IMPORTANCE_FORMS)
@@ -137,8 +162,14 @@ class DynamicMaskAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=proj_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=proj_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=proj_bias)
-        self.dt_proj = nn.Linear(num_kv_heads * head_dim, num_kv_heads, bias=proj_bias)
-        self.A = nn.Parameter(torch.zeros(num_kv_heads))
+        if indexer_heads:
+            self.indexer = LightningIndexer(
+                hidden_size, num_kv_heads, indexer_heads, indexer_dim, rope_base=rope_base, proj_bias=proj_bias
+            )
+        else:
+            self.indexer = None
+            self.dt_proj = nn.Linear(num_kv_heads * head_dim, num_kv_heads, bias=proj_bias)
+            self.A = nn.Parameter(torch.zeros(num_kv_heads))
         self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.rotary = None if rope_base is None else RotaryEmbedding(head_dim, rope_base)
@@ -204,7 +235,8 @@ class DynamicMaskAttention(nn.Module):
                 Must be None with a cache: cached sequences hold no padding.
             position_ids: ``[1|B, S]`` int positions for the rotary embedding; defaults to
                 ``L..L+S-1``, L being the tokens already in ``cache`` (0 without one).
-            return_selection: also return what :meth:`select` chose.
+            return_selection: also return what :meth:`select` chose (with per-query selection, the
+                keys each query attends as a ``BitMask`` ``[B, Hkv, S, S]``: ``topk_mask`` of its indices).
             cache: a :class:`~flash_dma.modules.KVCache` or :class:`~flash_dma.modules.PagedKVCache`
                 holding the L tokens before these (L may be 0), for B sequences, with this layer's
                 Hkv, D and dtype; or None. The new tokens' keys, values and bias are appended to it.
@@ -241,6 +273,9 @@ class DynamicMaskAttention(nn.Module):
         batch, seqlen, _ = hidden_states.shape
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, seqlen):
             raise ValueError(f"attention_mask: expected shape {(batch, seqlen)} [B, S], got {tuple(attention_mask.shape)}")
+        if self.indexer is not None and (cache is not None or context_parallel is not None):
+            argument = "cache" if cache is not None else "context_parallel"
+            raise ValueError(f"{argument}: per-query selection (indexer_heads > 0) runs without one; pass {argument}=None")
         past = 0
         if cache is not None:
             if context_parallel is not None:
@@ -266,8 +301,12 @@ class DynamicMaskAttention(nn.Module):
             elif position_ids is None:
                 position_ids = torch.arange(past, past + seqlen, device=hidden_states.device)[None, :]
             query, key = self.rotary(query, position_ids), self.rotary(key, position_ids)
-        bias = self.key_importance(value)
-        if context_parallel is not None:
+        bias = None if self.indexer is not None else self.key_importance(value)
+        if self.indexer is not None:
+            out, selection = self._attend_per_query(
+                hidden_states, query, key, value, attention_mask, position_ids, return_selection
+            )
+        elif context_parallel is not None:
             selection = {"attn_mask": self._select_sharded(bias, attention_mask, context_parallel), "block_mask": None}
             out = context_parallel_attention(
                 query, key, value, selection["attn_mask"], bias, is_causal=self.is_causal, backend=self.backend,
@@ -285,6 +324,19 @@ class DynamicMaskAttention(nn.Module):
             out, selection = self._attend_cached(query, key, value, bias, cache, return_selection)
         out = self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.head_dim))
         return (out, selection) if return_selection else out
+
+    def _attend_per_query(self, hidden_states, query, key, value, attention_mask, position_ids, return_selection: bool):
+        """Per-query selection: ``(out [B, S, H, D], selection or None)``, the selection the indices
+        as a ``BitMask`` ``[B, Hkv, S, S]`` (None for S = 0)."""
+        states = self.indexer(hidden_states, position_ids)
+        padding = None if attention_mask is None else attention_mask.bool()
+        indices = self.indexer.select(states, self.window_size, is_causal=self.is_causal, padding=padding)
+        bias = self.indexer.pair_scores(states, indices)  # [B, S, Hkv, W]
+        out = flash_dma_topk_func(query, key, value, indices, bias, is_causal=self.is_causal, backend=self.backend)
+        if not return_selection:
+            return out, None
+        seqlen = query.shape[1]
+        return out, {"attn_mask": topk_mask(indices, seqlen) if seqlen else None, "block_mask": None}
 
     @torch.no_grad()
     def _select_sharded(self, bias: torch.Tensor, attention_mask, context_parallel) -> torch.Tensor | None:

@@ -63,6 +63,7 @@ def test_markdown_has_header_targets_and_grouped_tables(tmp_path):
         "## seedtable · window · forward + backward",
         "## pqtoken · prefill · forward",
         "## pqtoken · prefill · forward + backward",
+        "## topk · prefill · forward",
         "## topk · prefill · forward + backward",
         "## topkq · prefill · forward",
         "## topkq · prefill · forward + backward",

@@ -1,11 +1,13 @@
 """The runner's bookkeeping on the CPU, with fake methods and a fake measurement."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from flash_dma.benchmark import runner
 from flash_dma.benchmark.inputs import make_inputs
-from flash_dma.benchmark.measure import Measurement, TimingOptions
+from flash_dma.benchmark.measure import Measurement, TimingOptions, make_step
 from flash_dma.benchmark.methods import Method, Prepared
 from flash_dma.benchmark.metrics import (
     active_pairs,
@@ -13,11 +15,13 @@ from flash_dma.benchmark.metrics import (
     block_active_pairs,
     document_active_pairs,
     gbps,
+    index_active_pairs,
     kv_bytes,
     kvcache_bytes,
     tflops,
 )
-from flash_dma.benchmark.suites import Case
+from flash_dma.benchmark.suites import Case, topk_cases
+from flash_dma.benchmark.targets import evaluate
 
 
 class FakeMethod(Method):
@@ -222,3 +226,39 @@ def test_kvcache_rows_use_cuda_graphs_and_count_the_bytes_read(fake_measure):
     assert good.gbps == gbps(kvcache_bytes(mask, 2, 16, 2, 2, 2), 2.0)
     assert good.active_pairs == 2 * 4 * 128
     assert fake_measure.calls == [("fwd", True)]
+
+
+def test_topk_suite_runs_on_the_cpu_in_tiny_form_and_its_targets_read_its_rows(monkeypatch):
+    """The topk suite's cases, shrunk, through the real methods (the reference backend; Flex compiles
+    for CUDA only), each pass run once for real; then the full-size targets over the same rows."""
+    ran = []
+
+    def run_once(prepared, mode, cuda_graph, options):
+        out = make_step(prepared, mode)()
+        ran.append((mode, out is None or bool(torch.isfinite(out).all())))
+        return Measurement(ms={"fwd": 1.0, "fwdbwd": 3.0}[mode], peak_gib=None, setup_s=0.0)
+
+    monkeypatch.setattr(runner, "measure", run_once)
+    full = topk_cases()
+    tiny = [
+        replace(c, heads=c.heads // 4, kv_heads=2, head_dim=16, seqlen_q=c.seqlen_q // 512, seqlen_k=c.seqlen_k // 512,
+                window=8, methods=tuple(m for m in c.methods if m != "flex"))
+        for c in full
+    ]
+    results = runner.run_cases(tiny, device="cpu")
+    assert all(r.ok for r in results), [r.note for r in results if not r.ok]
+    assert len(ran) == sum(len(c.methods) * len(c.modes) for c in tiny) and all(finite for _, finite in ran)
+    for c in tiny:
+        indices = make_inputs(c, "cpu").indices
+        pairs = index_active_pairs(indices, c.seqlen_q, c.seqlen_k, c.heads)
+        assert pairs == (indices >= 0).sum() * (c.heads // 2) > 0  # every listed key is visible: all count
+        assert {r.active_pairs for r in results if r.case == c and r.method != "flash-dma-nomask"} == {pairs}
+
+    sizes = dict(zip(tiny, full))
+    checks = evaluate([replace(r, case=sizes[r.case], tflops=500.0) for r in results])
+    assert {c.name: c.status for c in checks if c.name.startswith("topk")} == {
+        "topk S=32K fwd+bwd: flash-dma-topk / flash-dma time": "MISS",
+        "topk S=128K fwd+bwd: flash-dma-topk / flash-dma-nomask (dense causal) time": "MISS",
+        "topk H=64 S=128K fwd: flash-dma-topk TFLOP/s on kept pairs": "PASS",
+        "topk H=64 S=128K bwd: flash-dma-topk TFLOP/s on kept pairs": "MISS",
+    }

@@ -82,12 +82,19 @@ def test_topkq_suite_keeps_one_eighth_of_the_blocks_per_query_block():
     assert c.kept_text == "16/128 per q-block" and c.label == "S=16384 keep=1/8 per q-block"
 
 
-def test_topk_suite_compares_indices_with_the_packed_mask_of_the_same_selection():
-    (c,) = topk_cases()
-    assert (c.suite, c.mask, c.bias, c.seqlen_q, c.seqlen_k, c.window) == ("topk", "query-index", "key", 32768, 32768, 2048)
-    assert (c.batch, c.heads, c.kv_heads, c.head_dim) == (1, 16, 4, 128)
-    assert c.methods == ("flash-dma-topk", "flash-dma", "flash-dma-nomask", "flex") and c.modes == ("fwd", "fwdbwd")
+def test_topk_suite_compares_indices_with_the_packed_mask_dense_causal_and_flex():
+    c, long, wide = topk_cases()
+    for case in (c, long, wide):
+        assert (case.suite, case.mask, case.bias, case.window, case.modes) == ("topk", "query-index", "key", 2048, ("fwd", "fwdbwd"))
+        assert (case.batch, case.kv_heads, case.head_dim) == (1, 4, 128)
+    assert (c.seqlen_q, c.seqlen_k, c.heads) == (32768, 32768, 16)
+    assert c.methods == ("flash-dma-topk", "flash-dma", "flash-dma-nomask", "flex")
     assert c.kept_text == "2048/32768 keys per query" and c.label == "S=32768 top-2048 keys per query (indices)"
+    assert (long.seqlen_q, long.seqlen_k, long.heads) == (131072, 131072, 16)
+    assert long.methods == ("flash-dma-topk", "flash-dma-nomask", "flex")
+    assert (wide.seqlen_k, wide.heads, wide.methods) == (131072, 64, ("flash-dma-topk",))
+    assert wide.shape_text() == "B=1 H=64 Hkv=4 D=128"
+    assert topk_cases(quick=True) == [c]
 
 
 def test_token_suite_has_the_mask_and_a_bias_only_reference():

@@ -15,15 +15,16 @@ def _by_name(checks):
 
 def test_every_target_passes_on_good_numbers():
     checks = evaluate(passing_results())
-    assert len(checks) == len(TARGETS) == 73
-    assert len({c.name for c in checks}) == 73
-    assert [c.status for c in checks] == ["PASS"] * 73, [c for c in checks if c.status != "PASS"]
+    assert len(checks) == len(TARGETS) == 76
+    assert len({c.name for c in checks}) == 76
+    assert [c.status for c in checks] == ["PASS"] * 76, [c for c in checks if c.status != "PASS"]
     values = _by_name(checks)
     assert values["llm keep 1/8 S=16K fwd: flash-dma / flex time"].value == 0.5
     assert values["llm keep 1/8 S=128K fwd+bwd: flash-dma / flex time"].value == 0.25
     assert values["llm keep 1 S=16K fwd: flash-dma / sdpa-cudnn TFLOP/s"].value == 500 / 550
     assert values["topkq S=16K fwd+bwd: flash-dma / flex time"].value == 0.25
     assert values["topk S=32K fwd+bwd: flash-dma-topk / flash-dma time"].value == 2.0 / 5.0
+    assert values["topk S=128K fwd+bwd: flash-dma-topk / flash-dma-nomask (dense causal) time"].value == 0.1
     assert values["token S=16K fwd+bwd: flash-dma top-2048 keys / bias only time"].value == 0.3 / 2.0
     assert values["llama S=16K train step: llama-flash-dma / llama-sdpa time"].value == 50 / 60
     assert values["seed decode Sk=512K keep 1: flash-dma TB/s over bytes read"].value == 2.8
@@ -47,6 +48,17 @@ def test_absolute_targets_keep_their_unit():
 
     slow = with_ms(passing_results(), "flash-dma", "fwd", 0.041, suite="host")
     assert _by_name(evaluate(slow))[HOST_NAME].status == "MISS"
+
+
+def test_topk_targets_read_tflops_on_the_kept_pairs_and_the_backward_alone():
+    checks = _by_name(evaluate(passing_results()))
+    forward = checks["topk H=64 S=128K fwd: flash-dma-topk TFLOP/s on kept pairs"]
+    backward = checks["topk H=64 S=128K bwd: flash-dma-topk TFLOP/s on kept pairs"]
+    assert (forward.target, forward.value, forward.status) == (">= 400 TFLOP/s", 512.0, "PASS")
+    assert (backward.target, backward.status) == (">= 150 TFLOP/s", "PASS")
+    assert backward.value == pytest.approx(1000.0) and backward.detail == "1280 ms (2280 fwd+bwd less 1000 fwd)"
+    slow = with_ms(passing_results(), "flash-dma-topk", "fwdbwd", 10000.0, suite="topk", heads=64)
+    assert _by_name(evaluate(slow))["topk H=64 S=128K bwd: flash-dma-topk TFLOP/s on kept pairs"].status == "MISS"
 
 
 def test_a_target_in_any_unit():

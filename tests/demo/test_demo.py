@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flash_dma import cli
+from flash_dma.demo import cli as demo_cli
 from flash_dma.demo.model import RecallTransformer
 from flash_dma.demo.report import Check
 from flash_dma.demo.task import IGNORE_INDEX, RecallTask
@@ -81,6 +82,22 @@ def test_smoke_run_writes_plot_and_summary(tmp_path, capsys):
         "fraction of causal (q, k) pairs it attends",
     ]
     assert (tmp_path / "demo.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_per_query_smoke_run_selects_keys_per_query_at_an_eighth_of_the_pairs(tmp_path, capsys):
+    assert cli.main(["demo", "--smoke", "--quiet", "--selection", "query", "--out", str(tmp_path)]) == 0
+    assert "'indexer_heads': 4" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "demo.json").read_text())
+    assert summary["configuration"]["selection"] == {"window_size": 3, "indexer_heads": 4, "indexer_dim": 8}
+    attended = summary["checks"][1]
+    assert (attended["comparison"], attended["threshold"], attended["passed"]) == ("<=", 1 / 8, True)
+
+
+def test_per_query_configurations_keep_an_eighth_of_the_causal_pairs():
+    for config in demo_cli.CONFIGS["query"].values():
+        seqlen, width = config.task.seqlen, config.selection["window_size"]
+        kept = sum(min(width, i + 1) for i in range(seqlen)) / (seqlen * (seqlen + 1) / 2)
+        assert kept <= config.attended_limit == 1 / 8
 
 
 def test_missing_cuda_is_reported_not_raised(capsys):

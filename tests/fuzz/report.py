@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 import triton
 
+from flash_dma.backends.triton import topk_runs_packed
 from tests.fuzz.check import Outcome
-from tests.fuzz.configs import Trial
+from tests.fuzz.configs import INDICES, Trial
 
 MARKDOWN_FAILURES = 50  # failures listed in the Markdown report (the JSON has them all)
 _RESULT_COLUMNS = ("trials", "ok", "mismatches", "crashes", "stopped", "seconds", "trials_per_second")
@@ -28,6 +29,8 @@ def features(trial: Trial, outcome: Outcome) -> list[str]:
     """The properties of a trial that the coverage table counts."""
     tags = [trial.dtype, f"D={trial.head_dim}", f"H/Hkv={trial.heads // trial.kv_heads}", f"walk={trial.walk}"]
     tags.append(f"mask[{trial.mask}] {trial.mask_dtype}" if trial.mask else "no mask")
+    if trial.walk == INDICES:
+        tags.append("top-k run as the packed mask" if topk_runs_packed(trial.seqlen_k, trial.width) else "top-k index kernels")
     tags.append(f"bias[{trial.bias}]" + (" fp32" if trial.bias_fp32 else "") if trial.bias else "no bias")
     if trial.mask:
         tags.append(f"mask pattern {trial.mask_pattern}")

@@ -1,4 +1,5 @@
-"""DynamicMaskAttention: its selection, its output against an SDPA oracle, gradients, padding, options."""
+"""DynamicMaskAttention: its selection (per key, per block, per query by its indexer), its output
+against an SDPA oracle, gradients, padding, options."""
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ HIDDEN, HEADS, KV_HEADS = 32, 4, 2
 def make_layer(seed: int = 0, **kwargs) -> DynamicMaskAttention:
     torch.manual_seed(seed)
     layer = DynamicMaskAttention(HIDDEN, HEADS, KV_HEADS, **kwargs).to(DEVICE)
-    with torch.no_grad():
-        layer.A.copy_(torch.linspace(0.5, 1.5, KV_HEADS))  # a trained-looking A: keys are no longer tied
+    if layer.indexer is None:
+        with torch.no_grad():
+            layer.A.copy_(torch.linspace(0.5, 1.5, KV_HEADS))  # a trained-looking A: keys are no longer tied
     return layer
 
 
@@ -28,9 +30,10 @@ def make_inputs(batch: int = 2, seqlen: int = 40, seed: int = 1, padded: int = 0
     return x, (padding if padded else None)
 
 
-def sdpa_oracle(layer: DynamicMaskAttention, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """The layer's output computed with PyTorch SDPA: the bias as an additive float mask over the kept
-    keys [B, Hkv, 1|S, S], causal; a query that sees no key outputs 0 (the flash_dma contract)."""
+def sdpa_oracle(layer: DynamicMaskAttention, x: torch.Tensor, keep: torch.Tensor, bias=None, causal=True) -> torch.Tensor:
+    """The layer's output computed with PyTorch SDPA: the bias (by default the layer's per key) as an
+    additive float mask over the kept keys [B, Hkv, 1|S, S], causal; a query that sees no key
+    outputs 0 (the flash_dma contract)."""
     batch, seqlen, _ = x.shape
     group = HEADS // KV_HEADS
     q = layer.q_proj(x).view(batch, seqlen, HEADS, -1)
@@ -38,8 +41,8 @@ def sdpa_oracle(layer: DynamicMaskAttention, x: torch.Tensor, keep: torch.Tensor
     v = layer.v_proj(x).view(batch, seqlen, KV_HEADS, -1)
     positions = torch.arange(seqlen, device=x.device)[None]
     q, k = layer.rotary(q, positions), layer.rotary(k, positions)
-    bias = layer.key_importance(v)
-    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).tril()
+    bias = layer.key_importance(v) if bias is None else bias
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).tril(0 if causal else seqlen)
     visible = (keep & causal).repeat_interleave(group, dim=1)
     additive = bias.repeat_interleave(group, dim=1).expand(-1, -1, seqlen, -1).masked_fill(~visible, float("-inf"))
     out = F.scaled_dot_product_attention(
@@ -50,6 +53,73 @@ def sdpa_oracle(layer: DynamicMaskAttention, x: torch.Tensor, keep: torch.Tensor
     )
     out = torch.where(visible.any(-1, keepdim=True), out, 0.0)
     return layer.o_proj(out.transpose(1, 2).reshape(batch, seqlen, -1))
+
+
+def indexer_scores(layer: DynamicMaskAttention, x: torch.Tensor) -> torch.Tensor:
+    """The layer's indexer scores of every pair, [B, Hkv, S, S], computed densely."""
+    query, key, weight = layer.indexer(x, torch.arange(x.shape[1], device=x.device)[None])
+    dots = torch.einsum("bihed,bjhd->bheij", query, key)
+    return torch.einsum("bihe,bheij->bhij", weight, dots.relu())
+
+
+def make_per_query_layer(seed: int = 0, **kwargs) -> DynamicMaskAttention:
+    torch.manual_seed(seed)
+    layer = DynamicMaskAttention(HIDDEN, HEADS, KV_HEADS, indexer_heads=2, indexer_dim=8, **kwargs).to(DEVICE)
+    with torch.no_grad():
+        layer.indexer.w_proj.weight.normal_()  # a trained-looking indexer: its scores are no longer all 0
+    return layer
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_per_query_selection_keeps_each_querys_top_keys_and_matches_sdpa(causal):
+    layer = make_per_query_layer(window_size=7, is_causal=causal)
+    x, padding = make_inputs(seqlen=30, padded=6)
+    out, selection = layer(x, padding, return_selection=True)
+    scores = indexer_scores(layer, x)
+    visible = padding[:, None, None, :] & (torch.ones(30, 30, dtype=torch.bool, device=DEVICE).tril(0 if causal else 30))
+    expected_keep = brute_force_topk(scores.detach(), visible, 7)
+    assert selection["block_mask"] is None
+    assert torch.equal(selection["attn_mask"].dense().cpu(), expected_keep)
+    kept = expected_keep.sum(-1)
+    if causal:  # the causal rule: query i chooses among keys 0..i, so it keeps min(7, real keys up to i)
+        assert torch.equal(kept[0, 0], torch.arange(1, 31).clamp(max=7))
+    else:
+        assert (kept == 7).all()
+    expected = sdpa_oracle(layer, x, expected_keep.to(DEVICE), bias=scores, causal=causal)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_per_query_gradients_reach_the_indexer():
+    torch.manual_seed(0)
+    layer = DynamicMaskAttention(HIDDEN, HEADS, KV_HEADS, window_size=6, indexer_heads=2, indexer_dim=8).to(DEVICE)
+    assert not hasattr(layer, "dt_proj") and not hasattr(layer, "A")
+    x, padding = make_inputs(padded=3)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    # At initialisation the indexer's weights are 0: they get a gradient, its projections exactly 0.
+    layer(x, padding).square().mean().backward()
+    assert layer.indexer.w_proj.weight.grad.abs().sum() > 0
+    assert not layer.indexer.q_proj.weight.grad.any() and not layer.indexer.k_proj.weight.grad.any()
+    optimizer.step()
+    optimizer.zero_grad()
+    layer(x, padding).square().mean().backward()
+    for name, parameter in layer.indexer.named_parameters():
+        assert torch.isfinite(parameter.grad).all() and parameter.grad.abs().sum() > 0, f"no gradient reached {name}"
+
+
+def test_per_query_triton_backend_matches_reference_and_repeats_bitwise(topk_walk):
+    x, padding = make_inputs(seqlen=33, padded=4)
+    outputs, grads = [], []
+    for backend in ("reference", "triton", "triton"):
+        layer = make_per_query_layer(window_size=10, backend=backend, qk_norm=True)
+        out = layer(x, padding)
+        out.square().sum().backward()
+        outputs.append(out.detach())
+        grads.append([p.grad for p in layer.indexer.parameters()])
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(outputs[2], outputs[1])
+    for reference_grad, triton_grad, again in zip(*grads):
+        torch.testing.assert_close(triton_grad, reference_grad, atol=1e-3, rtol=1e-3)
+        assert torch.equal(again, triton_grad)
 
 
 def test_token_selection_keeps_the_top_keys_and_matches_sdpa():
@@ -179,8 +249,14 @@ def test_rotary_depends_only_on_relative_position():
         (dict(window_size=0), ValueError, r"window_size: expected an int >= 1, got 0"),
         (dict(window_size=0, block_size=16), ValueError, r"window_size: expected an int >= 1, got 0"),
         (dict(head_dim=7), ValueError, r"head_dim: rotary embedding needs an even head dimension, got 7"),
+        (dict(indexer_heads=-1), ValueError, r"indexer_heads: expected an int >= 0, got -1"),
+        (dict(indexer_heads=2, window_size=None), ValueError,
+         r"indexer_heads: per-query selection keeps window_size single keys per query: .* got window_size=None"),
+        (dict(indexer_heads=2, block_size=16), ValueError, r"indexer_heads: per-query selection .* block_size=16"),
+        (dict(indexer_heads=2, indexer_dim=5), ValueError, r"indexer_dim: the rotary embedding needs an even"),
     ],
-    ids=["kv-heads", "hidden", "block", "local", "importance", "window", "window-0", "window-0-blocks", "rotary"],
+    ids=["kv-heads", "hidden", "block", "local", "importance", "window", "window-0", "window-0-blocks", "rotary",
+         "indexer-heads", "indexer-dense", "indexer-blocks", "indexer-rotary"],
 )
 def test_bad_arguments_are_named(kwargs, error, message):
     arguments = dict(hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=KV_HEADS)
@@ -200,6 +276,17 @@ def test_bad_inputs_are_named():
         layer(torch.zeros(2, 5, HIDDEN, dtype=torch.float16, device=DEVICE))
 
 
+def test_per_query_selection_refuses_a_cache_and_context_parallel():
+    layer = make_per_query_layer(window_size=4)
+    x, _ = make_inputs(seqlen=6)
+    cache = KVCache(2, 8, KV_HEADS, HIDDEN // HEADS, device=DEVICE)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"cache: per-query selection \(indexer_heads > 0\) runs without one"):
+        layer(x, cache=cache)
+    with pytest.raises(ValueError, match=r"context_parallel: per-query selection \(indexer_heads > 0\) runs without one"):
+        layer(x, context_parallel=object())
+    assert cache.length == 0
+
+
 def test_autocast_takes_inputs_of_its_own_dtype():
     layer = make_layer(window_size=8)
     x, _ = make_inputs()
@@ -215,7 +302,10 @@ EMPTY_SEQUENCE_SELECTIONS = {
 }
 
 
-@pytest.mark.parametrize("kwargs", EMPTY_SEQUENCE_SELECTIONS.values(), ids=EMPTY_SEQUENCE_SELECTIONS.keys())
+@pytest.mark.parametrize(
+    "kwargs", [*EMPTY_SEQUENCE_SELECTIONS.values(), dict(window_size=8, indexer_heads=2)],
+    ids=[*EMPTY_SEQUENCE_SELECTIONS.keys(), "per-query"],
+)
 def test_empty_sequence_gives_an_empty_output_with_gradients(kwargs):
     layer = make_layer(qk_norm=True, **kwargs)
     x = torch.zeros(2, 0, HIDDEN, device=DEVICE, requires_grad=True)

@@ -109,6 +109,7 @@ def test_the_cases_cover_odd_shapes():
     assert splits == {False, True}  # split-KV over contiguous and paged caches
     topk = [spec for spec in specs if isinstance(spec, Topk)]
     assert {spec.bias.count(",") for spec in topk} == {2, 3} and any(spec.hot for spec in topk)  # per key and per pair; shared keys
+    assert {spec.walk for spec in topk} == {"indices", "packed"}
 
 
 def test_list_shows_every_case():

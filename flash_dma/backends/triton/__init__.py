@@ -13,6 +13,10 @@ How the kernels walk a mask's sparsity is chosen here, from shapes alone (no hos
   a ``BitMask`` passed in is walked by its own summary;
 - any other mask alone: the lists of a summary built here;
 - no mask: every tile inside the causal/window band.
+
+A top-k call (``flash_dma_topk_func``) walks its indices, unless its lists cover a large share of
+the keys (:data:`TOPK_PACKED_KEYS_PER_ENTRY`): it then runs as the same attention over the packed
+per-query mask (``flash_dma.topk.as_mask_problem``), which the dense kernels walk as above.
 """
 
 from __future__ import annotations
@@ -33,12 +37,20 @@ from flash_dma.backends.triton.ops import (
 )
 from flash_dma.bit_mask import BitMask, block_states, pack_mask_words
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE
+from flash_dma.topk import as_mask_problem
 
 SMALL_PROBLEM = 1 << 24  # B x H x Sq x Sk
 # A decode reads every key's K and V to serve a few query rows, so below SMALL_PROBLEM scores it
 # may still read far more than a key list costs (two launches, about 10 us on an H100): past this
 # many bytes of K and V, a per-key mask over a cache is gathered through a key list.
 KEY_LIST_CACHE_BYTES = 8 << 20
+# A top-k call over at most this many keys per list entry (Sk <= 4 W) runs as the packed per-query
+# mask. The index kernels cost about W per query, on tiles of the group's G heads padded to 16
+# rows; the dense ones about the band (up to Sk per query) on full tiles, so where the lists hold a
+# quarter of the keys or more the band is cheaper (an estimate: measure with `bench --suite topk`).
+# It also bounds what the conversion allocates: a float32 plane of 4 Sk bytes per query and head,
+# at most 16 bytes per list entry, as much as the index backward's sorted map.
+TOPK_PACKED_KEYS_PER_ENTRY = 4
 
 
 def _per_key(mask, num_heads: int, num_kv_heads: int) -> bool:
@@ -139,8 +151,15 @@ def attention_with_cache(cached):
     )
 
 
+def topk_runs_packed(seqlen_k: int, width: int) -> bool:
+    """Whether a top-k call over ``seqlen_k`` keys listing ``width`` per query runs as the packed mask."""
+    return seqlen_k <= TOPK_PACKED_KEYS_PER_ENTRY * width
+
+
 def topk_attention(problem):
     """Backend entry point of ``flash_dma_topk_func``: ``(out, lse)`` for a :class:`~flash_dma.topk.TopkProblem`."""
+    if topk_runs_packed(problem.key.shape[1], problem.indices.shape[3]):
+        return attention(as_mask_problem(problem))
     left, right = problem.window
     call = TopkCall(
         problem.query, problem.key, problem.value, problem.indices, problem.attn_bias, problem.softmax_scale, left, right,

@@ -102,7 +102,7 @@ def test_reduce_overhead_mode_replays_like_eager():
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
-def test_topk_fullgraph_forward_and_backward_match_eager():
+def test_topk_fullgraph_forward_and_backward_match_eager(topk_walk):
     from flash_dma import flash_dma_topk_func
     from tests.backends.triton.test_topk import TopkCase, make_topk_inputs
 

@@ -1,10 +1,11 @@
 """CUDA graphs: a training step and a decode step that call flash-dma, with the mask's key list or
-block summary built inside the call, capture once and replay like eager on new input values."""
+block summary built inside the call, and a top-k training step (each way it runs), capture once
+and replay like eager on new input values."""
 
 import pytest
 import torch
 
-from flash_dma import flash_dma_func
+from flash_dma import flash_dma_func, flash_dma_topk_func
 from tests.helpers import DEVICE
 
 pytestmark = pytest.mark.gpu_only
@@ -82,3 +83,32 @@ def test_decode_step_replays_like_eager():
         _fill((q, k, v, bias), gen)
         graph.replay()
         assert torch.equal(captured[0], step()[0])
+
+
+def test_topk_training_step_replays_like_eager(topk_walk):
+    gen = torch.Generator().manual_seed(2)
+    batch, seqlen, heads, kv_heads, head_dim, width = 1, 300, 4, 2, 64, 32
+    dtype = torch.bfloat16
+    q = torch.empty(batch, seqlen, heads, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    k, v = (torch.empty(batch, seqlen, kv_heads, head_dim, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
+    bias = torch.empty(batch, seqlen, kv_heads, width, device=DEVICE, dtype=dtype, requires_grad=True)
+    dout = torch.empty(batch, seqlen, heads, head_dim, device=DEVICE, dtype=dtype)
+    indices = torch.empty(batch, seqlen, kv_heads, width, device=DEVICE, dtype=torch.int32)
+
+    def step():
+        out = flash_dma_topk_func(q, k, v, indices, bias, is_causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v, bias), dout))
+
+    def fill():
+        with torch.no_grad():
+            _fill((q, k, v, bias, dout), gen)
+            indices.copy_(torch.randint(-1, seqlen, indices.shape, generator=gen))  # -1, repeats, past the diagonal
+
+    fill()
+    graph, captured = _capture(step)
+    for _ in range(2):
+        fill()
+        graph.replay()
+        expected = step()
+        for name, got, want in zip(("out", "dq", "dk", "dv", "dbias"), captured, expected):
+            assert torch.equal(got, want), name

@@ -1,6 +1,7 @@
 """flash_dma_topk_func on the Triton kernels against the float64 gather-based reference: output,
 LSE and every gradient, with -1 entries, duplicates, out-of-range entries, rows with no counting
-entry, causal and window rules on the indices, both bias forms, GQA and MQA."""
+entry, causal and window rules on the indices, both bias forms, GQA and MQA; each through the
+index kernels and through the packed per-query mask that short calls run as."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from flash_dma import flash_dma_func, flash_dma_topk_func, topk_mask
+from flash_dma.backends import triton as triton_backend
 from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, Case, assert_close, call_kwargs, guarded, topk_reference_outputs
 
 
@@ -96,11 +98,20 @@ TOPK_CASES = [
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", TOPK_CASES, ids=str)
-def test_topk_matches_reference(case, dtype, poison_outputs):
+def test_topk_matches_reference(case, dtype, topk_walk, poison_outputs):
     check_against_reference(case, dtype)
 
 
-def test_rows_with_no_counting_entry_give_zero_and_no_gradient():
+@pytest.mark.parametrize("seqlen_k, packed", [(32, True), (33, False)])
+def test_calls_whose_lists_cover_a_quarter_of_the_keys_run_as_the_packed_mask(seqlen_k, packed, monkeypatch):
+    converted, convert = [], triton_backend.as_mask_problem
+    monkeypatch.setattr(triton_backend, "as_mask_problem", lambda problem: convert(converted.append(problem) or problem))
+    case = TopkCase(seqlen_q=9, seqlen_k=seqlen_k, width=8, bias="pairs:B,Hkv")
+    check_against_reference(case, KERNEL_DTYPES[0])
+    assert triton_backend.TOPK_PACKED_KEYS_PER_ENTRY == 4 and len(converted) == packed
+
+
+def test_rows_with_no_counting_entry_give_zero_and_no_gradient(topk_walk):
     case = TopkCase(batch=1, seqlen_q=20, seqlen_k=10, heads=2, kv_heads=1, width=4, bias="pairs:1,H", causal=True)
     inputs = make_topk_inputs(case, KERNEL_DTYPES[-1])
     inputs["indices"][:, :12] = 9  # above the diagonal for queries 0..10 (Sq > Sk): none counts
@@ -115,7 +126,7 @@ def test_rows_with_no_counting_entry_give_zero_and_no_gradient():
 
 
 @pytest.mark.parametrize("bias", ["pairs:1,1", "keys:1,H"])
-def test_gradients_are_bitwise_reproducible(bias):
+def test_gradients_are_bitwise_reproducible(bias, topk_walk):
     # Many queries pick the same few keys: the dK/dV sums are longest there.
     case = TopkCase(seqlen_q=24, seqlen_k=30, width=8, bias=bias, causal=True, hot=4)
     runs = []
