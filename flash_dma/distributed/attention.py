@@ -34,7 +34,7 @@ class ContextParallelPlan:
         """A ``ValueError`` naming what of a call (``described`` by :func:`_describe`) differs from
         what the plan was made for. On this rank only: no exchange."""
         if group is not self.ring.group:
-            raise ValueError(f"group: expected the group the plan was made for, {self.ring.group!r}, got {group!r}")
+            raise ValueError(f"plan: group: expected the group the plan was made for, {self.ring.group!r}, got {group!r}")
         for key, words in _PLANNED.items():
             if described[key] != self.inputs[key]:
                 raise ValueError(
@@ -149,7 +149,7 @@ def plan_context_parallel(
     laid_out = layout in LAYOUTS and lengths == [shard_length(total, world, r, layout) for r in range(world)]
 
     def check() -> dict:
-        described = _describe(
+        own = _describe(
             query, key, value, attn_mask, attn_bias, layout=layout, softmax_scale=softmax_scale, is_causal=is_causal,
             window_size=window_size, softcap=softcap, deterministic=deterministic, backend=backend,
         )
@@ -160,7 +160,7 @@ def plan_context_parallel(
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (query, key, value, attn_bias)
         )
-        return {**described, "kept": kept, "gradients": (needs_grad, needs_grad and attn_bias is not None and attn_bias.requires_grad)}
+        return {**own, "kept": kept, "gradients": (needs_grad, needs_grad and attn_bias is not None and attn_bias.requires_grad)}
 
     described = agree(group, check)
     require_same(described, _AGREED)
@@ -195,7 +195,7 @@ def plan_context_parallel(
         deterministic=deterministic_,
     )
     ring.prepare(query.device)
-    return ContextParallelPlan(ring=ring, inputs={key: mine[key] for key in _PLANNED})
+    return ContextParallelPlan(ring=ring, inputs={planned: mine[planned] for planned in _PLANNED})
 
 
 def _key_axis(t: torch.Tensor | None) -> str | None:
