@@ -365,6 +365,20 @@ def partial_forward(problem) -> tuple[torch.Tensor, torch.Tensor]:
         return attention(problem)
 
 
+def merge_partial(running, lse, part_out, part_lse, dest) -> None:
+    """Fold one call's ``(part_out, part_lse)`` into the running ``(running, lse)``, in place, with
+    the arguments of the Triton backend's ``merge_partial``: ``dest`` ``[B, R, H, D]`` gets the
+    merged output, ``lse`` ``[B, H, R]`` the merged log-sum-exp (rows that saw no key: 0, -inf)."""
+    top = torch.maximum(lse, part_lse)
+    empty = torch.isinf(top)  # no key seen yet: both weights are exp(-inf) = 0
+    shift = torch.where(empty, 0.0, top)
+    keep, take = torch.exp(lse - shift), torch.exp(part_lse - shift)
+    total = torch.where(empty, 1.0, keep + take)  # else >= 1: one of the two is exp(0)
+    weights = [(w / total).transpose(1, 2).unsqueeze(-1) for w in (keep, take)]  # [B, R, H, 1]
+    dest.copy_(running.float() * weights[0] + part_out.float() * weights[1])
+    lse.copy_(torch.where(empty, float("-inf"), shift + torch.log(total)))
+
+
 def partial_backward(problem, dout, out, lse, bias_requires_grad: bool):
     """``(dq, dk, dv, dbias or None)`` of ``problem`` for a softmax normalised by ``lse``, with the
     arguments of the Triton backend's ``partial_backward``.

@@ -9,12 +9,17 @@ Attention work grows with the square of the length, so the efficiency compares w
 per GPU: ``(pairs(S) / (N * t_N)) / (pairs(S/N) / t_1)``, over the (query, key) pairs that the
 mask and the causal rule leave (``metrics.active_pairs``; FLOPs per pair cancel out). Times are the slowest rank's; memory is each GPU's peak in forward+backward.
 
+The parallel calls take a plan made before timing (``plan_context_parallel``, as a model makes one
+for all its layers), so that the times are those of the steady path, with no host round trip.
+:data:`TARGETS` are the issues' goals for the efficiency; a run prints each as PASS or MISS.
+
 Writes ``results.json`` and ``results.md`` to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -22,6 +27,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,11 +36,26 @@ import torch.multiprocessing as mp
 from flash_dma import flash_dma_func
 from flash_dma.benchmark.inputs import block_topk_mask
 from flash_dma.benchmark.metrics import active_pairs
-from flash_dma.distributed import context_parallel_attention, shard_sequence
+from flash_dma.benchmark.report import checks_markdown
+from flash_dma.benchmark.targets import MODE_LABELS, Check, format_amount
+from flash_dma.distributed import context_parallel_attention, plan_context_parallel, shard_sequence
 from flash_dma.distributed.layout import shard_length
 
 SHAPE = {"heads": 16, "kv_heads": 4, "head_dim": 128}
 NO_CUDA_EXIT_CODE = 2
+
+
+class EfficiencyTarget(NamedTuple):
+    """The efficiency of one row and pass must be at least ``limit``."""
+
+    total: int
+    keep: float
+    mode: str  # "fwd" or "fwdbwd"
+    limit: float
+
+
+# Issue 30: context parallelism's fixed cost (measured on 2 GPUs).
+TARGETS = (EfficiencyTarget(262144, 0.125, "fwd", 0.9), EfficiencyTarget(262144, 0.125, "fwdbwd", 0.9))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,13 +143,15 @@ def _run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> Non
             mask = block_mask_keys(total, keep, seed=2)
             shard_mask = None if mask is None else shard_sequence(mask, dim=3)
             leaves, device_mask = _inputs(shard_length(total, world, rank, "zigzag"), shard_mask, "cuda", seed=3 + rank)
+            plan = plan_context_parallel(*leaves[:3], device_mask, leaves[3], is_causal=True)
             parallel = _measure(
-                lambda: context_parallel_attention(*leaves[:3], device_mask, leaves[3], is_causal=True), leaves, args.reps, True
+                lambda: context_parallel_attention(*leaves[:3], device_mask, leaves[3], is_causal=True, plan=plan),
+                leaves, args.reps, True,
             )
             peaks = [None] * world
             dist.all_gather_object(peaks, parallel.pop("peak_gib"))
             row["parallel"] = {**parallel, "peak_gib_per_gpu": peaks, "pairs": active_pairs(total, total, 1, SHAPE["heads"], mask)}
-            del leaves, device_mask
+            del leaves, device_mask, plan
             torch.cuda.empty_cache()
             if rank == 0:
                 row["efficiency"] = _efficiency(row, world)
@@ -144,6 +167,27 @@ def _efficiency(row: dict, world: int) -> dict:
         mode: (parallel["pairs"] / (world * parallel[f"{mode}_s"])) / (single["pairs"] / single[f"{mode}_s"])
         for mode in ("fwd", "fwdbwd")
     }
+
+
+def evaluate(rows: list[dict], world: int) -> list[Check]:
+    """The checks of :data:`TARGETS` whose rows the run made."""
+    checks = []
+    for target in TARGETS:
+        for row in rows:
+            if (row["total"], row["keep"]) != (target.total, target.keep):
+                continue
+            value = 100 * row["efficiency"][target.mode]
+            times = row["single"][f"{target.mode}_s"], row["parallel"][f"{target.mode}_s"]
+            checks.append(Check(
+                name=f"{world} GPUs, {target.total // 1024}K keep {target.keep:g} {MODE_LABELS[target.mode]}: "
+                     "per-GPU speed / 1 GPU's",
+                target=f">= {format_amount(100 * target.limit, '%')}",
+                value=value,
+                status="PASS" if value >= 100 * target.limit else "MISS",
+                detail=f"1 GPU, S/{world} tokens {1e3 * times[0]:.1f} ms; {world} GPUs, S tokens {1e3 * times[1]:.1f} ms",
+                unit="%",
+            ))
+    return checks
 
 
 def _environment(world: int) -> dict:
@@ -163,7 +207,10 @@ def _environment(world: int) -> dict:
 def _write(args: argparse.Namespace, rows: list[dict], world: int) -> None:
     env = _environment(world)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
+    checks = evaluate(rows, world)
+    (args.out / "results.json").write_text(
+        json.dumps({"environment": env, "rows": rows, "checks": [dataclasses.asdict(c) for c in checks]}, indent=2)
+    )
     lines = [
         f"# Context parallelism: {world} x {env['gpus'][0]}",
         "",
@@ -179,10 +226,10 @@ def _write(args: argparse.Namespace, rows: list[dict], world: int) -> None:
                 " / ".join(f"{p:.1f}" for p in row["parallel"]["peak_gib_per_gpu"]) + f" ({row['single']['peak_gib']:.1f})"
             )
             lines.append(
-                f"| {row['total'] // 1024}K | {row['keep']:g} | {mode} | {1e3 * row['single'][f'{mode}_s']:.1f} | "
+                f"| {row['total'] // 1024}K | {row['keep']:g} | {MODE_LABELS[mode]} | {1e3 * row['single'][f'{mode}_s']:.1f} | "
                 f"{1e3 * row['parallel'][f'{mode}_s']:.1f} | {100 * row['efficiency'][mode]:.0f}% | {peaks} |"
             )
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    (args.out / "results.md").write_text("\n".join(lines) + "\n\n" + checks_markdown(checks) + "\n")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -76,13 +76,16 @@ def checks_table(checks: list[Check]) -> str:
         f"{len(checks)} of the {len(TARGETS)} targets concern the rows of this run; the others need suites "
         "or cases it did not run."
     )
-    if not checks:
-        return scope
+    return scope + "\n\n" + checks_markdown(checks) if checks else scope
+
+
+def checks_markdown(checks: list[Check]) -> str:
+    """The target checks as a table: name, goal, value, status and detail."""
     rows = [
         [c.name, c.target, "" if c.value is None else format_amount(c.value, c.unit), f"**{c.status}**", c.detail]
         for c in checks
     ]
-    return scope + "\n\n" + _markdown_table(["target", "goal", "value", "status", "detail"], rows)
+    return _markdown_table(["target", "goal", "value", "status", "detail"], rows)
 
 
 def _shape_key(case: Case, mode: str) -> tuple:

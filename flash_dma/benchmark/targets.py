@@ -42,7 +42,7 @@ PREFILL_CHECK_LENGTHS = tuple(s for s in SEED_PREFILL_LENGTHS if 1024 <= s <= 16
 PERCALL_CHECK_LENGTHS = (*LLM_LENGTHS, LLM_LONG_LENGTH)
 RATIO = "x"  # the unit of a target that compares two rows
 _COMPARE = {"<=": operator.le, "<": operator.lt, ">=": operator.ge}
-_MODE_LABELS = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}
+MODE_LABELS = {"fwd": "fwd", "fwdbwd": "fwd+bwd"}
 
 Pick = Callable[[list[Result]], Result]
 Measure = Callable[[list[Result]], tuple[float, str]]
@@ -235,14 +235,14 @@ class Check:
 
 def _sparse_vs_flex(mode: str, seqlen: int, limit: float) -> Target:
     return Target(
-        f"llm keep 1/8 S={_k(seqlen)} {_MODE_LABELS[mode]}: flash-dma / flex time", "<=", limit,
+        f"llm keep 1/8 S={_k(seqlen)} {MODE_LABELS[mode]}: flash-dma / flex time", "<=", limit,
         _time_ratio(_llm("flash-dma", mode, seqlen, 1 / 8), _llm("flex", mode, seqlen, 1 / 8)),
     )
 
 
 def _seed_prefill(mode: str, baseline: str) -> Target:
     return Target(
-        f"seed prefill {_MODE_LABELS[mode]} S=1K..16K: flash-dma / {baseline} time (worst S)", "<=", 1.0,
+        f"seed prefill {MODE_LABELS[mode]} S=1K..16K: flash-dma / {baseline} time (worst S)", "<=", 1.0,
         _worst({
             s: _time_ratio(*(_pick(m, mode, suite="seed", kind="prefill", seqlen_k=s) for m in ("flash-dma", baseline)))
             for s in PREFILL_CHECK_LENGTHS
@@ -252,7 +252,7 @@ def _seed_prefill(mode: str, baseline: str) -> Target:
 
 def _percall(mode: str) -> Target:
     return Target(
-        f"llm keep 1/8 {_MODE_LABELS[mode]} S>=4K: flash-dma-percall / flash-dma time (worst S)", "<=", 1.1,
+        f"llm keep 1/8 {MODE_LABELS[mode]} S>=4K: flash-dma-percall / flash-dma time (worst S)", "<=", 1.1,
         _worst({
             s: _time_ratio(_llm("flash-dma-percall", mode, s, 1 / 8), _llm("flash-dma", mode, s, 1 / 8))
             for s in PERCALL_CHECK_LENGTHS
@@ -281,13 +281,13 @@ TARGETS = (
         for w in SEEDTABLE_WINDOWS
     ),
     *(
-        Target(f"seedtable S=32K W={w} {_MODE_LABELS[mode]}: flash-dma time", "<=", limit,
+        Target(f"seedtable S=32K W={w} {MODE_LABELS[mode]}: flash-dma time", "<=", limit,
                _ms(_seedtable("flash-dma", mode, w)), unit="ms")
         for w in SEEDTABLE_WINDOWS
         for mode, limit in (("fwd", 1.0), ("fwdbwd", 4.0))
     ),
     *(
-        Target(f"pqtoken S=16K {_MODE_LABELS[mode]}: flash-dma / {baseline} time", "<=", limit,
+        Target(f"pqtoken S=16K {MODE_LABELS[mode]}: flash-dma / {baseline} time", "<=", limit,
                _time_ratio(_pick("flash-dma", mode, suite="pqtoken"), _pick(baseline, mode, suite="pqtoken")))
         for mode in ("fwd", "fwdbwd")
         for baseline, limit in (("flash-dma-nomask", 1.05), ("flex", 0.5))
@@ -321,25 +321,25 @@ TARGETS = (
     # A per-query mask whose neighbouring queries pick the same keys costs what its non-empty tiles
     # cost: the same selection as a block mask, plus reading the bits of its partial tiles.
     *(
-        Target(f"topkq S=16K {_MODE_LABELS[mode]}: flash-dma-bits / flash-dma time", "<=", 1.1,
+        Target(f"topkq S=16K {MODE_LABELS[mode]}: flash-dma-bits / flash-dma time", "<=", 1.1,
                _time_ratio(_pick("flash-dma-bits", mode, suite="topkq"), _pick("flash-dma", mode, suite="topkq")))
         for mode in ("fwd", "fwdbwd")
     ),
     *(
-        Target(f"token S=16K {_MODE_LABELS[mode]}: flash-dma / flex time", "<=", limit,
+        Target(f"token S=16K {MODE_LABELS[mode]}: flash-dma / flex time", "<=", limit,
                _time_ratio(_pick("flash-dma", mode, suite="token", mask="token"),
                            _pick("flex", mode, suite="token", mask="token")))
         for mode, limit in (("fwd", 0.35), ("fwdbwd", 0.4))
     ),
     *(
-        Target(f"token S=16K {_MODE_LABELS[mode]}: flash-dma top-{TOKEN_KEPT_KEYS} keys / bias only time", "<=",
+        Target(f"token S=16K {MODE_LABELS[mode]}: flash-dma top-{TOKEN_KEPT_KEYS} keys / bias only time", "<=",
                limit, _time_ratio(_pick("flash-dma", mode, suite="token", mask="token"),
                                   _pick("flash-dma", mode, suite="token", mask="none")))
         for mode, limit in (("fwd", 0.25), ("fwdbwd", 0.3))
     ),
     # Keep 1 passes an all-true mask; TFLOP/s over the same causal pairs is cuDNN's time over ours.
     *(
-        Target(f"llm keep 1 S=16K {_MODE_LABELS[mode]}: flash-dma / sdpa-cudnn TFLOP/s", ">=", limit,
+        Target(f"llm keep 1 S=16K {MODE_LABELS[mode]}: flash-dma / sdpa-cudnn TFLOP/s", ">=", limit,
                _tflops_ratio(_llm("flash-dma", mode, 16384, 1.0), _llm("sdpa-cudnn", mode, 16384)))
         for mode, limit in (("fwd", 0.8), ("fwdbwd", 0.7))
     ),
@@ -365,14 +365,14 @@ TARGETS = (
     *(_seed_prefill(mode, baseline) for mode in ("fwd", "fwdbwd") for baseline in ("sdpa-additive", "flex")),
     *(_percall(mode) for mode in ("fwd", "fwdbwd")),
     *(
-        Target(f"llm S=32K keep 1/8 {_MODE_LABELS[mode]}: flash-dma / {baseline} peak memory", "<=", limit,
+        Target(f"llm S=32K keep 1/8 {MODE_LABELS[mode]}: flash-dma / {baseline} peak memory", "<=", limit,
                _peak_ratio(_llm("flash-dma", mode, 32768, 1 / 8), _llm(baseline, mode, 32768, baseline_keep)))
         for mode, baseline, baseline_keep, limit in (
             ("fwd", "sdpa-flash", None, 1.2), ("fwdbwd", "sdpa-flash", None, 1.2), ("fwdbwd", "flex", 1 / 8, 0.75)
         )
     ),
     *(
-        Target(f"host S=128 mask+bias {_MODE_LABELS[mode]}: flash-dma host time per call", "<=", limit,
+        Target(f"host S=128 mask+bias {MODE_LABELS[mode]}: flash-dma host time per call", "<=", limit,
                _host_us(_pick("flash-dma", mode, suite="host", mask="token")), unit="µs")
         for mode, limit in (("fwd", 40.0), ("fwdbwd", 150.0))
     ),
@@ -388,7 +388,7 @@ TARGETS = (
            _time_ratio(_pick("flash-dma-varlen", "fwdbwd", suite="varlen"), _pick("flex", "fwdbwd", suite="varlen"))),
     # "Faster": strictly below 1; the value is the ratio.
     *(
-        Target(f"varlen 8 docs S=32K keep 1/8 {_MODE_LABELS[mode]}: flash-dma-varlen / flash-dma-padded time", "<",
+        Target(f"varlen 8 docs S=32K keep 1/8 {MODE_LABELS[mode]}: flash-dma-varlen / flash-dma-padded time", "<",
                1.0, _time_ratio(_pick("flash-dma-varlen", mode, suite="varlen"),
                                 _pick("flash-dma-padded", mode, suite="varlen")))
         for mode in ("fwd", "fwdbwd")

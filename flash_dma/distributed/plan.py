@@ -14,6 +14,10 @@ the kernels' bottom-right aligned windows express (-1 meaning unbounded).
 A key chunk whose per-key mask keeps nothing is never sent; one whose kept keys fill only some
 blocks of :data:`BLOCK` keys, and that meets only full pairs (positions do not matter there),
 is sent compacted: its kept blocks only.
+
+A rank's calls return partial outputs for ranges of its rows; :func:`output_runs` cuts each
+call's rows where the number of calls that cover them changes, so that the forward knows, per
+run, whether it is the rows' first result, a middle one or the last.
 """
 
 from __future__ import annotations
@@ -197,3 +201,51 @@ def plan_step(
         key_rows = (first, stop) if p.chunk in compacted else (first + p.keys[0] - k.start, first + p.keys[1] - k.start)
         (full_calls if p.full else calls).append(Call(rows, key_rows, p.window))
     return Step(tuple(segments), tuple(sorted(calls + _merged(full_calls))))
+
+
+class Run(NamedTuple):
+    """Query rows of one call's result, and their place among the calls that cover them."""
+
+    rows: tuple[int, int]  # local query rows [start, stop)
+    index: int  # calls before this one that cover these rows
+    count: int  # calls that cover them in all, this one included
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def _covering(calls: list[tuple[int, int]], lo: int, hi: int) -> int:
+    return sum(1 for a, b in calls if a <= lo and hi <= b)
+
+
+def output_runs(calls: list[tuple[int, int]]) -> list[tuple[Run, ...]]:
+    """Per call, given the row ranges ``[a, b)`` of a rank's calls in the order they run: its rows
+    as runs of equal coverage, adjacent runs of equal coverage joined."""
+    edges = sorted({edge for rows in calls for edge in rows})
+    result = []
+    for i, (a, b) in enumerate(calls):
+        cuts = [e for e in edges if a <= e <= b]
+        runs: list[Run] = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            index = _covering(calls[:i], lo, hi)
+            run = Run((lo, hi), index, index + _covering(calls[i:], lo, hi))
+            if runs and (runs[-1].index, runs[-1].count) == (index, run.count):
+                run = run._replace(rows=(runs.pop().rows[0], hi))
+            runs.append(run)
+        result.append(tuple(runs))
+    return result
+
+
+def uncovered_rows(calls: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """The ranges of rows ``[0, length)`` that no call covers (they see no key: out 0, lse -inf)."""
+    gaps, at = [], 0
+    for a, b in sorted(calls):
+        if a > at:
+            gaps.append((at, a))
+        at = max(at, b)
+    return gaps + ([(at, length)] if at < length else [])

@@ -5,42 +5,53 @@ At step t, rank r attends the keys of rank ``r - t`` and sends its own to rank `
 transfer that no pair needs is simply not made. The next step's transfers are posted before the
 current step computes, so they overlap it.
 
-- Forward: every call returns ``(out, lse)`` for some rows; they are merged by log-sum-exp
-  into float32 accumulators.
+- Forward: every call returns ``(out, lse)`` for some rows; each is merged by log-sum-exp into
+  the rows' running result as it comes, in one pass (the backend's ``merge_partial``).
 - Backward: the keys travel again; each call's dQ adds to the rank's own, and its dK, dV and
   per-key dbias (float32) go back to the keys' owner, which adds them to its gradients.
+
+A :class:`Ring` is built once per plan (``attention.py``) and serves every call made with it:
+:meth:`Ring.prepare` computes the steps, the index tensors and the merge runs up front, so that
+a call only reads them and launches work, with no host synchronisation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
 from flash_dma.distributed.exchange import Transfers
 from flash_dma.distributed.layout import Chunk
-from flash_dma.distributed.plan import Band, Call, Step, plan_step
+from flash_dma.distributed.plan import Band, Call, Run, Step, output_runs, plan_step, uncovered_rows
 from flash_dma.inputs import AttentionProblem
 
 # How a mask or bias is sharded (see attention.py): its key axis is 1, this rank's keys (it
 # travels with them), or the whole sequence (it stays with its query rows).
 KEY_AXIS_NONE, KEY_AXIS_SHARD, KEY_AXIS_GLOBAL = "none", "keys", "all"
+# Two results merged in float32 registers and rounded once are exactly what a float32 accumulator
+# gives once rounded at the end; rows that more calls cover keep a float32 running result.
+EXACT_MERGES = 2
+
+
+def _running_in_float32(run: Run, dtype: torch.dtype) -> bool:
+    return run.count > EXACT_MERGES and dtype != torch.float32
 
 
 @dataclass(frozen=True)
 class Ring:
-    """One context-parallel attention call, agreed by every rank of the group."""
+    """The schedule of context-parallel attention calls, agreed by every rank of the group."""
 
     group: object
     rank: int
     world: int
-    backend: object  # a backend module with partial_forward() and partial_backward()
+    backend: object  # a backend module with partial_forward(), partial_backward() and merge_partial()
     chunks: list[list[Chunk]]  # per rank
     kept: list[list[list[bool] | None]]  # per rank, per chunk: plan.kept_blocks of its per-key mask
     band: Band
     mask_axis: str
     bias_axis: str
-    bias_grad: bool
     softmax_scale: float
     softcap: float
     deterministic: bool
@@ -48,6 +59,32 @@ class Ring:
     _indices: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- the plan -------------------------------------------------------------------------
+
+    def prepare(self, device: torch.device) -> None:
+        """Compute every step, index tensor and merge run that this rank's calls read."""
+        for t in range(self.world):
+            self.step(self.rank, self._source(t))
+            sent = self.step(self._target(t), self.rank)
+            if sent.calls:
+                self._index(sent, device)
+        self._call_runs, self._uncovered  # cached properties: computed now rather than on the first call
+
+    def _own_steps(self) -> list[Step]:
+        """This rank's steps in the order it runs them."""
+        return [self.step(self.rank, self._source(t)) for t in range(self.world)]
+
+    @cached_property
+    def _call_runs(self) -> list[list[tuple[Run, ...]]]:
+        """Per step, per call: the runs of its rows (:func:`output_runs`)."""
+        steps = self._own_steps()
+        runs = iter(output_runs([call.rows for step in steps for call in step.calls]))
+        return [[next(runs) for _ in step.calls] for step in steps]
+
+    @cached_property
+    def _uncovered(self) -> list[tuple[int, int]]:
+        """The rows of this rank that no call covers."""
+        rows = [call.rows for step in self._own_steps() for call in step.calls]
+        return uncovered_rows(rows, sum(c.length for c in self.chunks[self.rank]))
 
     def step(self, receiver: int, source: int) -> Step:
         """What ``receiver`` attends of ``source``'s keys (every rank plans it alike)."""
@@ -150,61 +187,92 @@ class Ring:
     # ---- forward and backward ---------------------------------------------------------------
 
     def forward(self, q, k, v, mask, bias) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out [B, S, H, D] in q's dtype, lse [B, H, S] float32)`` of this rank's queries."""
-        batch, seqlen, num_heads, head_dim = q.shape
-        out = torch.zeros(batch, seqlen, num_heads, head_dim, dtype=torch.float32, device=q.device)
-        lse = torch.full((batch, num_heads, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
+        """``(out [B, S, H, D] in q's dtype, lse [B, H, S] float32)`` of this rank's queries.
+
+        Each call's result is folded into its rows' running result as it comes (one pass): the
+        rows' first result is copied in, later ones merged, the last one into ``out``. A first
+        call that covers every row is taken as the running result itself, without a copy.
+        """
+        out = lse = wide = None  # wide: the float32 running result of rows that many calls cover
         pending = None
         for t in range(self.world):
             keys = self._keys(t, pending, k, v, mask, bias)
             if t + 1 < self.world:
                 pending = self._post_keys(t + 1, k, v, mask, bias)
             step = self.step(self.rank, self._source(t))
-            for call in step.calls:
+            for call, call_runs in zip(step.calls, self._call_runs[t]):
                 part_out, part_lse = self.backend.partial_forward(self._problem(call, step, q, keys, mask, bias))
-                _merge(out, lse, call.rows, part_out, part_lse)
-        return out.to(q.dtype), lse
+                if out is None:
+                    out, lse = (part_out, part_lse) if call.rows == (0, q.shape[1]) else self._blank(q)
+                for run in call_runs:
+                    if _running_in_float32(run, q.dtype) and wide is None:
+                        wide = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+                    self._fold(run, call.rows[0], part_out, part_lse, out, lse, wide)
+        return self._blank(q) if out is None else (out, lse)
 
-    def backward(self, dout, q, k, v, mask, bias, out, lse):
-        """``(dq, dk, dv, dbias or None)`` of this rank's shard (every rank must call it)."""
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros_like(dk)
-        dbias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if self.bias_grad else None
+    def _blank(self, q) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` to fold results into: rows that no call covers see no key (0, -inf)."""
+        batch, seqlen, num_heads, _ = q.shape
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(batch, num_heads, seqlen, dtype=torch.float32, device=q.device)
+        for a, b in self._uncovered:
+            out[:, a:b].zero_()
+            lse[:, :, a:b].fill_(float("-inf"))
+        return out, lse
+
+    def _fold(self, run: Run, first_row: int, part_out, part_lse, out, lse, wide) -> None:
+        """Fold the run's rows of one call's result (whose rows start at ``first_row``) into the running result."""
+        (a, b), own = run.rows, slice(run.rows[0] - first_row, run.rows[1] - first_row)
+        running = wide if _running_in_float32(run, out.dtype) else out
+        if run.first:
+            if running is not part_out:  # else the call's result is the running result already
+                running[:, a:b].copy_(part_out[:, own])
+            if lse is not part_lse:
+                lse[:, :, a:b].copy_(part_lse[:, :, own])
+            return
+        dest = out if run.last else running
+        self.backend.merge_partial(running[:, a:b], lse[:, :, a:b], part_out[:, own], part_lse[:, :, own], dest[:, a:b])
+
+    def backward(self, dout, q, k, v, mask, bias, out, lse, bias_grad: bool):
+        """``(dq, dk, dv, dbias or None)`` of this rank's shard (every rank must call it, all with
+        the same ``bias_grad``: whether the bias's gradient is wanted)."""
+        dq = dk = dv = None  # float32 sums, made by the first call's gradients (_added)
+        dbias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias_grad else None
         pending_keys = None
         pending_grads = None
-        travels = self.bias_grad and self.bias_axis == KEY_AXIS_SHARD  # dbias goes back with dK and dV
+        travels = bias_grad and self.bias_axis == KEY_AXIS_SHARD  # dbias goes back with dK and dV
         # A bias without a key axis shifts whole rows, which the softmax ignores: its gradient is 0.
-        key_bias_grad = self.bias_grad and self.bias_axis != KEY_AXIS_NONE
+        key_bias_grad = bias_grad and self.bias_axis != KEY_AXIS_NONE
         for t in range(self.world):
             keys = self._keys(t, pending_keys, k, v, mask, bias)
             if t + 1 < self.world:
                 pending_keys = self._post_keys(t + 1, k, v, mask, bias)
             step = self.step(self.rank, self._source(t))
             # Step 0's buffer is the shard itself: its key gradients go straight to ours.
-            gk, gv, gb = dk, dv, dbias
-            if t > 0 and keys is not None:
-                gk = torch.zeros(keys[0].shape, dtype=torch.float32, device=k.device)
-                gv = torch.zeros_like(gk)
-                gb = torch.zeros(keys[3].shape, dtype=torch.float32, device=k.device) if travels else None
+            gk = gv = None
+            gb = dbias if t == 0 else None
+            if t > 0 and travels and keys is not None:
+                gb = torch.zeros(keys[3].shape, dtype=torch.float32, device=k.device)
             for call in step.calls:
-                (a, b), (c, d) = call.rows, call.keys
+                a, b = call.rows
                 cdq, cdk, cdv, cdb = self.backend.partial_backward(
                     self._problem(call, step, q, keys, mask, bias), dout[:, a:b], out[:, a:b], lse[:, :, a:b], key_bias_grad
                 )
-                dq[:, a:b] += cdq
-                gk[:, c:d] += cdk
-                gv[:, c:d] += cdv
+                dq = _added(dq, cdq, call.rows, q.shape)
+                gk = _added(gk, cdk, call.keys, keys[0].shape)
+                gv = _added(gv, cdv, call.keys, keys[0].shape)
                 if cdb is not None:
                     self._add_bias_grad(dbias, gb, cdb, call, step)
-            if t > 0:
-                if pending_grads is not None:
-                    self._collect(pending_grads, dk, dv, dbias)
-                pending_grads = self._post_grads(t, [gk, gv, gb][: 3 if travels else 2], [dk, dv, dbias][: 3 if travels else 2])
+            if t == 0:
+                dk, dv = (_zeros_if_none(g, k.shape, k.device) for g in (gk, gv))
+                continue
+            if pending_grads is not None:
+                self._collect(pending_grads, dk, dv, dbias)
+            pending_grads = self._post_grads(t, [gk, gv, gb][: 3 if travels else 2], [dk, dv, dbias][: 3 if travels else 2])
         if pending_grads is not None:
             self._collect(pending_grads, dk, dv, dbias)
         cast = None if dbias is None else dbias.to(bias.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), cast
+        return _zeros_if_none(dq, q.shape, q.device).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), cast
 
     def _add_bias_grad(self, dbias, travelled, part, call: Call, step: Step) -> None:
         first, last = call.keys
@@ -216,10 +284,6 @@ class Ring:
         for start, length in step.key_runs(first, last):
             rows[..., start : start + length] += part[..., at : at + length]
             at += length
-
-    @property
-    def _bias_travels(self) -> bool:
-        return self.bias_grad and self.bias_axis == KEY_AXIS_SHARD
 
     def _post_grads(self, t: int, grads: list, owned: list) -> tuple[Transfers, Step]:
         """Step t's key gradients (float32): ``grads`` of ``_source(t)``'s keys back to it (None when
@@ -247,13 +311,17 @@ class Ring:
             self._put(dbias, received[2], step, 3)
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, rows: tuple[int, int], part_out, part_lse) -> None:
-    """Fold one call's ``(out, lse)`` for ``rows`` into the float32 accumulators."""
-    a, b = rows
-    old = lse[:, :, a:b]
-    new = torch.logaddexp(old, part_lse)
-    shift = torch.where(torch.isinf(new), 0.0, new)  # rows with no visible key yet keep weight 0
-    keep = torch.exp(old - shift).transpose(1, 2).unsqueeze(-1)  # [B, rows, H, 1]
-    take = torch.exp(part_lse - shift).transpose(1, 2).unsqueeze(-1)
-    out[:, a:b] = out[:, a:b] * keep + part_out.float() * take
-    lse[:, :, a:b] = new
+def _added(total: torch.Tensor | None, part: torch.Tensor, span: tuple[int, int], shape) -> torch.Tensor:
+    """``total`` (float32 ``shape``, or None before its first part) with ``part`` added at rows
+    ``span`` of dimension 1. A first part that spans every row becomes the total: no zeros, no addition."""
+    if total is None:
+        if span == (0, shape[1]):
+            return part.float()
+        total = torch.zeros(shape, dtype=torch.float32, device=part.device)
+    total[:, span[0] : span[1]] += part
+    return total
+
+
+def _zeros_if_none(total: torch.Tensor | None, shape, device) -> torch.Tensor:
+    """A sum that no call added to is zeros."""
+    return torch.zeros(shape, dtype=torch.float32, device=device) if total is None else total

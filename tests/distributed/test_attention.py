@@ -56,6 +56,37 @@ def test_compacted_blocks_match(pools, world, case):
     pools(world).run_ok(workers.matches_single_process, case, "zigzag", BACKENDS[-1], DTYPE)
 
 
+# Calls with a plan: every form that travels (per-key mask and bias) or stays (per-row and
+# pairwise forms), windows, and per-key masks that empty whole key blocks (sent compacted, as the
+# plan decided once). Host reads are counted with the reference backend on the CPU (the
+# interpreter reads tensors on the host by design) and with the kernels on a GPU, where any wait
+# for the GPU raises; on the CPU one case runs the kernels too, for the ring's merge kernel.
+COUNTED = "triton" if ON_GPU else "reference"
+
+
+def _planned(world: int, backend: str, case: Case):
+    return pytest.param(world, backend, case, id=f"{world}-{backend}-{_ids(case)}")
+
+
+PLANNED = (
+    *(_planned(world, COUNTED, case) for world in (2, 4) for case in (CASES[0], CASES[3], CASES[6])),
+    _planned(2, COUNTED, BLOCK_CASES[0]),
+    *(() if ON_GPU else (_planned(2, "triton", CASES[0]),)),
+)
+
+
+@pytest.mark.parametrize("world, backend, case", PLANNED)
+def test_plan_serves_calls_without_host_round_trips(pools, world, backend, case):
+    pools(world).run_ok(workers.matches_single_process, case, "zigzag", backend, DTYPE, True)
+
+
+@pytest.mark.parametrize("world", (4,))
+def test_half_precision_rows_of_many_calls(pools, world):
+    """Under zigzag causal attention on 4 ranks the last chunk's rows take a result from every
+    step: in half precision they keep a float32 running result (ring.EXACT_MERGES)."""
+    pools(world).run_ok(workers.matches_single_process, CASES[0], "zigzag", "triton", "bfloat16" if ON_GPU else "float16", True)
+
+
 def test_group_of_one_is_single_process(pools):
     pools(1).run_ok(workers.matches_single_process, CASES[0], "zigzag", BACKENDS[-1], DTYPE)
 
@@ -79,6 +110,25 @@ def _same_error_everywhere(results, kind: str, *phrases: str) -> None:
 )
 def test_bad_input_raises_on_every_rank(pools, per_rank, kind, phrases):
     _same_error_everywhere(pools(2).run(workers.call_with, per_rank), kind, *phrases)
+
+
+@pytest.mark.parametrize(
+    "called, call_keywords, kind, phrases",
+    [
+        pytest.param({"length": 8, "causal": False}, {}, "ValueError", ("plan: (softmax_scale, window",), id="settings"),
+        pytest.param({"length": 6}, {}, "ValueError", ("plan: query: the shard length", "expected 8", "got 6"),
+                     id="length"),
+        pytest.param({"length": 8, "dtype": "float16"}, {}, "ValueError", ("plan: query: dtype",), id="dtype"),
+        pytest.param({"length": 8, "bias": (1, 1, 1, 8)}, {}, "ValueError", ("plan: attn_bias",), id="bias"),
+        pytest.param({"length": 8}, {"layout": "contiguous"}, "ValueError", ("plan: (softmax_scale", "contiguous"),
+                     id="layout"),
+        pytest.param({"length": 8}, {"plan": "zigzag"}, "TypeError", ("plan: expected a ContextParallelPlan",),
+                     id="not-a-plan"),
+    ],
+)
+def test_call_that_differs_from_its_plan_raises(pools, called, call_keywords, kind, phrases):
+    """Every rank makes the same mistake here; each finds it on its own, with no exchange."""
+    _same_error_everywhere(pools(2).run(workers.call_with_plan, {"length": 8}, called, call_keywords), kind, *phrases)
 
 
 @pytest.mark.parametrize(

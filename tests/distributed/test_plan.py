@@ -1,14 +1,17 @@
 """Ring plans against brute force: the calls of a rank's steps cover exactly the (query, key) pairs
-that the global band leaves (and the per-key mask keeps), each once. No processes needed."""
+that the global band leaves (and the per-key mask keeps), each once; the merge runs place every
+row's results in order. No processes needed."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
 from flash_dma.backends.reference import visible_positions
 from flash_dma.distributed.layout import LAYOUTS, layout_chunks
-from flash_dma.distributed.plan import BLOCK, Band, kept_blocks, plan_step
+from flash_dma.distributed.plan import BLOCK, Band, kept_blocks, output_runs, plan_step, uncovered_rows
 
 WINDOWS = ((-1, -1), (-1, 0), (0, 0), (5, 0), (40, 17), (300, -1), (-1, 3))
 
@@ -81,3 +84,24 @@ def test_per_key_masks_skip_and_compact(world, window):
                 assert all(s.start >= chunks[0][0].stop or s.start + s.length <= chunks[0][0].start for s in step.segments)
     # Compaction and skipping send fewer keys than whole shards would.
     assert sent < (world - 1) * total
+
+
+def _row_runs(calls: list[tuple[int, int]], length: int) -> tuple[list[list[tuple[int, int]]], list[int]]:
+    """Brute force: per call, per row it covers, ``(index, count)``; and every row's count."""
+    counts = [sum(1 for a, b in calls if a <= row < b) for row in range(length)]
+    places = [[(sum(1 for a, b in calls[:i] if a <= row < b), counts[row]) for row in range(*rows)] for i, rows in enumerate(calls)]
+    return places, counts
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_output_runs_place_every_row(seed):
+    gen = random.Random(seed)
+    length = gen.randint(1, 40)
+    calls = [tuple(sorted(gen.sample(range(length + 1), 2))) for _ in range(gen.randint(0, 6))]
+    places, counts = _row_runs(calls, length)
+    for rows, runs, expected in zip(calls, output_runs(calls), places):
+        assert [r for run in runs for r in range(*run.rows)] == list(range(*rows))
+        assert [(run.index, run.count) for run in runs for _ in range(*run.rows)] == expected
+        assert all((a.index, a.count) != (b.index, b.count) for a, b in zip(runs, runs[1:]))  # joined
+    assert [r for a, b in uncovered_rows(calls, length) for r in range(a, b)] == [r for r in range(length) if not counts[r]]
+

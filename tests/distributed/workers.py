@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+
 import torch
 import torch.distributed as dist
 
 from flash_dma import flash_dma_func
-from flash_dma.distributed import context_parallel_attention, shard_sequence, unshard_sequence
+from flash_dma.backends.triton.configs import triton_interpreting
+from flash_dma.distributed import context_parallel_attention, plan_context_parallel, shard_sequence, unshard_sequence
 from tests.helpers import Case, assert_close, call_kwargs, make_inputs, reference_outputs
+
+# Collectives that pass Python objects through the host, or wait for every rank there.
+HOST_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list", "barrier")
+# Tensor methods that read a value on the host (on a GPU: wait for it).
+HOST_READS = ("item", "tolist", "__bool__")
 
 
 def device() -> torch.device:
@@ -35,10 +44,53 @@ def case_inputs(case: Case, dtype: torch.dtype) -> tuple[dict, torch.Tensor]:
     return inputs, dout
 
 
-def matches_single_process(case: Case, layout: str, backend: str, dtype_name: str) -> None:
+@contextlib.contextmanager
+def host_round_trips():
+    """Counts, by name, the calls of :data:`HOST_COLLECTIVES` and, where the backend runs no
+    interpreter (which reads tensors on the host by design), of :data:`HOST_READS`."""
+    counts = Counter()
+    patched = [(dist, name) for name in HOST_COLLECTIVES]
+    if not triton_interpreting():
+        patched += [(torch.Tensor, name) for name in HOST_READS]
+    originals = [(owner, name, getattr(owner, name)) for owner, name in patched]
+
+    def counting(name, original):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+    for owner, name, original in originals:
+        setattr(owner, name, counting(name, original))
+    try:
+        yield counts
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def gpu_syncs_raise():
+    """On a GPU, any synchronisation with the host in the block raises (``torch.cuda.set_sync_debug_mode``)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def matches_single_process(case: Case, layout: str, backend: str, dtype_name: str, planned: bool = False) -> None:
     """Context-parallel out and every gradient, unsharded, held to the rule that single-process
     ``flash_dma_func`` on the whole sequence meets (checked here too): an error against the float64
-    reference of at most twice PyTorch's own in the same dtype, plus a small floor."""
+    reference of at most twice PyTorch's own in the same dtype, plus a small floor.
+
+    ``planned``: the calls take a plan made first; the checked call is the plan's second (the
+    first warms it), and it must make no host round trip (:func:`host_round_trips`) nor, on a
+    GPU, wait for the GPU.
+    """
     dtype = getattr(torch, dtype_name)
     inputs, dout = case_inputs(case, dtype)
     oracle_out, _, oracle_grads = reference_outputs(case, inputs, dout, torch.float64)
@@ -61,8 +113,23 @@ def matches_single_process(case: Case, layout: str, backend: str, dtype_name: st
         "attn_mask": _shard(mask, layout, mask_dim),
         "attn_bias": None if bias is None else _shard(bias.detach(), layout, bias_dim).requires_grad_(),
     }
-    out = context_parallel_attention(**shards, **call_kwargs(case), layout=layout, backend=backend)
-    out.backward(_shard(dout, layout, 1))
+    settings = {**call_kwargs(case), "layout": layout, "backend": backend}
+    dout_r = _shard(dout, layout, 1)
+    if planned:
+        with host_round_trips() as planning:
+            plan = plan_context_parallel(**shards, **settings)
+        assert planning["all_gather_object"] == 2, dict(planning)  # lengths, then descriptions: the count works
+        context_parallel_attention(**shards, **settings, plan=plan).backward(dout_r)
+        for t in shards.values():
+            if t is not None:
+                t.grad = None
+        with host_round_trips() as counts, gpu_syncs_raise():
+            out = context_parallel_attention(**shards, **settings, plan=plan)
+            out.backward(dout_r)
+        assert not counts, f"host round trips in calls with a plan: {dict(counts)}"
+    else:
+        out = context_parallel_attention(**shards, **settings)
+        out.backward(dout_r)
 
     check("out", unshard_sequence(out.detach(), layout=layout), oracle_out, torch_out, single.detach())
     for name, expected in oracle_grads.items():
@@ -76,17 +143,32 @@ def matches_single_process(case: Case, layout: str, backend: str, dtype_name: st
         check(f"d{name}", whole, expected, torch_grads[name], single_grads[name])
 
 
-def call_with(per_rank: list[dict], layout: str = "zigzag") -> None:
-    """``context_parallel_attention`` with this rank's entry of ``per_rank``: a description of
-    inputs (``length``, ``dtype``, ``bias``, ``causal``), for the bad-input tests."""
-    spec = per_rank[dist.get_rank()]
+def _described_call(spec: dict) -> tuple[tuple, dict]:
+    """The arguments ``(q, k, v), keywords`` that ``spec`` describes: ``length``, ``dtype``, ``bias``
+    (a shape), ``causal``."""
     gen = torch.Generator().manual_seed(0)
     dtype = getattr(torch, spec.get("dtype", "float32"))
     length = spec["length"]
     q = torch.randn(1, length, 2, 8, generator=gen).to(device(), dtype)
     k = torch.randn(1, length, 1, 8, generator=gen).to(device(), dtype)
     bias = None if "bias" not in spec else torch.zeros(spec["bias"]).to(device(), dtype)
-    context_parallel_attention(q, k, k, attn_bias=bias, is_causal=spec.get("causal", True), layout=layout)
+    return (q, k, k), {"attn_bias": bias, "is_causal": spec.get("causal", True)}
+
+
+def call_with(per_rank: list[dict], layout: str = "zigzag") -> None:
+    """``context_parallel_attention`` with this rank's entry of ``per_rank``: a description of
+    inputs (:func:`_described_call`), for the bad-input tests."""
+    tensors, keywords = _described_call(per_rank[dist.get_rank()])
+    context_parallel_attention(*tensors, **keywords, layout=layout)
+
+
+def call_with_plan(planned: dict, called: dict, call_keywords: dict) -> None:
+    """A plan made for the inputs ``planned`` describes (:func:`_described_call`), then a call with
+    it on those ``called`` describes, and ``call_keywords``."""
+    tensors, keywords = _described_call(planned)
+    plan = plan_context_parallel(*tensors, **keywords)
+    tensors, keywords = _described_call(called)
+    context_parallel_attention(*tensors, **{**keywords, "plan": plan, **call_keywords})
 
 
 def layer_matches_single_process(layer_kwargs: dict, seqlen: int, backend: str, dtype_name: str) -> None:

@@ -26,6 +26,7 @@ import torch
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.dispatch import hopper_takes_bits
 from flash_dma.backends.triton.layout import Call, TopkCall, input_form
+from flash_dma.backends.triton.merge import merge_partial  # the ring's, beside partial_forward
 from flash_dma.backends.triton.ops import (
     attention_op,
     key_list,
