@@ -499,6 +499,9 @@ def topk_block_mask(
         A :class:`BlockMask` of EMPTY/FULL blocks (and PARTIAL ones where padding cuts a kept block),
         with ``mask_shape = (Bm, Hm, 1, Sk)`` per key or ``(Bm, Hm, Sq, Sk)`` per query block.
     """
+    # Only a padding mask makes kept blocks PARTIAL (a sequence's end does not): deciding whether
+    # one is would wait on the GPU.
+    needs_mask = attention_mask is not None
     past_end = None
     if cu_seqlens_k is not None:
         if query_len is not None:
@@ -565,8 +568,7 @@ def topk_block_mask(
         forced = forced & eligible
         selected = forced | _keep_largest(score, eligible & ~forced, cdiv(window_size, block_k))
         state = torch.where(selected, torch.where(fully_allowed, FULL, PARTIAL), EMPTY).to(torch.int8)
-    # Only a padding mask makes blocks PARTIAL; deciding whether a kept one is would wait on the GPU.
-    return block_mask_from_state(state, mask_shape, block_size, needs_mask=attention_mask is not None)
+    return block_mask_from_state(state, mask_shape, block_size, needs_mask=needs_mask)
 
 
 def attended_fraction(
