@@ -43,9 +43,9 @@ class LayerStack(nn.Module):
         from flash_dma.modules import DynamicMaskAttention
 
         super().__init__()
-        config = dict(LAYER_CONFIG, window_size=None) if dense else LAYER_CONFIG
-        if dense:  # block selection's arguments mean nothing without a window
-            config = {k: v for k, v in config.items() if k not in ("block_size", "sink_blocks")}
+        config = LAYER_CONFIG
+        if dense:  # every key: no window, and so no blocks to select
+            config = {k: v for k, v in config.items() if k not in ("block_size", "sink_blocks")} | {"window_size": None}
         hidden = LAYER_CONFIG["hidden_size"]
         self.embed = nn.Embedding(LLAMA_CONFIG["vocab_size"], hidden)
         self.norms = nn.ModuleList(nn.RMSNorm(hidden) for _ in range(LAYER_COUNT))
