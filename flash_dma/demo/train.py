@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -28,9 +27,6 @@ class TrainConfig:
         weight_decay: AdamW weight decay.
         eval_every: steps between evaluations (and the last step).
         eval_batch_size: sequences in the fixed evaluation batch.
-        dense_steps: the first ``dense_steps`` steps train with every key attended (a dense
-            warm-up, the bias still added); the selection applies from then on. Evaluations
-            always use the model's own selection. 0 (the default) for none.
         short_steps, short_seqlen: the first ``short_steps`` steps train on sequences of
             ``short_seqlen`` tokens (a length curriculum; the model has no positional encoding, so
             what it learns carries over); evaluations always use the task's length. 0 for none.
@@ -43,15 +39,12 @@ class TrainConfig:
     weight_decay: float = 0.01
     eval_every: int = 50
     eval_batch_size: int = 256
-    dense_steps: int = 0
     short_steps: int = 0
     short_seqlen: int | None = None
 
     def __post_init__(self):
-        for name in ("dense_steps", "short_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+        if isinstance(self.short_steps, bool) or not isinstance(self.short_steps, int) or self.short_steps < 0:
+            raise ValueError(f"short_steps: expected an int >= 0, got {self.short_steps!r}")
         if self.short_steps and self.short_seqlen is None:
             raise ValueError("short_seqlen: short_steps > 0 needs the length of the short sequences")
 
@@ -101,19 +94,6 @@ def evaluate(model: RecallTransformer, batch: RecallBatch, seqlen: int) -> tuple
     return loss, recall, attended / len(selections)
 
 
-@contextmanager
-def dense_attention(model: RecallTransformer):
-    """Every attention layer of ``model`` attends to every key (``window_size=None``) while the context is open."""
-    windows = [layer.window_size for layer in model.attention_layers]
-    try:
-        for layer in model.attention_layers:
-            layer.window_size = None
-        yield
-    finally:
-        for layer, window in zip(model.attention_layers, windows):
-            layer.window_size = window
-
-
 def train(
     name: str,
     model: RecallTransformer,
@@ -126,8 +106,8 @@ def train(
     """Train ``model`` in place on fresh batches of ``task``, evaluating on one fixed batch.
 
     The data depend only on ``seed``, so two models trained with the same seed see the same
-    batches and are evaluated on the same sequences. ``config.dense_steps`` and
-    ``config.short_steps`` set the warm-up phases (see :class:`TrainConfig`).
+    batches and are evaluated on the same sequences. With ``config.short_steps``, the first
+    steps train on shorter sequences (see :class:`TrainConfig`).
     """
     short_task = replace(task, seqlen=config.short_seqlen) if config.short_steps else task
     train_data = torch.Generator().manual_seed(seed)
@@ -150,8 +130,7 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, config)
         batch = (short_task if step < config.short_steps else task).sample(config.batch_size, train_data)
-        with dense_attention(model) if step < config.dense_steps else nullcontext():
-            logits, _ = model(batch.tokens.to(device))
+        logits, _ = model(batch.tokens.to(device))
         loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.to(device).flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

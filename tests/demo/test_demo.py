@@ -9,7 +9,7 @@ from flash_dma import cli
 from flash_dma.demo.model import PositiveBiasAttention, RecallTransformer
 from flash_dma.demo.report import Check
 from flash_dma.demo.task import IGNORE_INDEX, RecallTask
-from flash_dma.demo.train import TrainConfig, dense_attention, learning_rate_at, train
+from flash_dma.demo.train import TrainConfig, learning_rate_at, train
 from flash_dma.modules import DynamicMaskAttention
 
 
@@ -128,7 +128,7 @@ def test_bad_bias_scales_are_refused(kwargs, message):
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [(dict(dense_steps=-1), r"dense_steps: expected an int >= 0"), (dict(short_steps=5), r"short_seqlen:")],
+    [(dict(short_steps=-1), r"short_steps: expected an int >= 0"), (dict(short_steps=5), r"short_seqlen:")],
     ids=["negative", "no-length"],
 )
 def test_bad_warm_up_phases_are_refused(kwargs, message):
@@ -136,27 +136,15 @@ def test_bad_warm_up_phases_are_refused(kwargs, message):
         TrainConfig(**kwargs)
 
 
-def test_warm_up_phases_train_dense_then_short_then_as_configured():
+def test_the_length_curriculum_trains_short_then_long_and_evaluates_long():
     task = RecallTask(seqlen=48, num_pairs=3)
     torch.manual_seed(0)
     model = RecallTransformer(task.vocab_size, 32, 2, num_heads=4, window_size=8, rope_base=None)
-    seen = []  # (training?, sequence length, window of each layer) per forward
-    model.register_forward_pre_hook(
-        lambda m, args: seen.append((m.training, args[0].shape[1], tuple(layer.window_size for layer in m.attention_layers)))
-    )
-    config = TrainConfig(steps=4, batch_size=2, eval_every=10, eval_batch_size=2, dense_steps=1, short_steps=3, short_seqlen=32)
+    seen = []  # (training?, sequence length) per forward
+    model.register_forward_pre_hook(lambda m, args: seen.append((m.training, args[0].shape[1])))
+    config = TrainConfig(steps=4, batch_size=2, eval_every=10, eval_batch_size=2, short_steps=3, short_seqlen=32)
     result = train("sparse", model, task, config, seed=0, device=torch.device("cpu"), show_progress=False)
-    training = [entry[1:] for entry in seen if entry[0]]
-    assert training == [(32, (None, None)), (32, (8, 8)), (32, (8, 8)), (48, (8, 8))]
-    # Evaluations (before the first step and after the last) use the full length and the selection.
-    assert [entry[1:] for entry in seen if not entry[0]] == [(48, (8, 8))] * 2
-    assert [layer.window_size for layer in model.attention_layers] == [8, 8]
+    assert [length for training, length in seen if training] == [32, 32, 32, 48]
+    # Evaluations (before the first step and after the last) use the task's length.
+    assert [length for training, length in seen if not training] == [48, 48]
     assert 0 < result.final["attended"] < 1
-
-
-def test_dense_attention_restores_the_windows_after_an_error():
-    model = RecallTransformer(20, 32, 2, num_heads=4, window_size=6, rope_base=None)
-    with pytest.raises(RuntimeError), dense_attention(model):
-        assert [layer.window_size for layer in model.attention_layers] == [None, None]
-        raise RuntimeError
-    assert [layer.window_size for layer in model.attention_layers] == [6, 6]
