@@ -88,9 +88,13 @@ def add_arguments(parser) -> None:
 
 def choose_config(device: torch.device, steps: int | None, smoke: bool) -> DemoConfig:
     config = SMOKE_CONFIG if smoke else CUDA_CONFIG if device.type == "cuda" else CPU_CONFIG
-    if steps is not None:
-        config = replace(config, train=replace(config.train, steps=steps))
-    return config
+    return config if steps is None else with_steps(config, steps)
+
+
+def with_steps(config: DemoConfig, steps: int) -> DemoConfig:
+    """``config`` trained for ``steps`` steps; a length curriculum keeps its share of them."""
+    short_steps = config.train.short_steps * steps // config.train.steps
+    return replace(config, train=replace(config.train, steps=steps, short_steps=short_steps))
 
 
 def main(args) -> int:
@@ -109,6 +113,7 @@ def main(args) -> int:
         f"flash-dma demo on {device} ({backend} backend): recall of {task.num_pairs} key-value pairs among "
         f"{task.seqlen} tokens; {config.num_layers} layers, width {config.hidden_size}; sparse selection "
         f"{config.selection}; {config.train.steps} steps of {config.train.batch_size} sequences per model"
+        + (f" (the first {config.train.short_steps} of {config.train.short_seqlen} tokens)" if config.train.short_steps else "")
     )
     results = []
     for name, selection in (("sparse", config.selection), ("dense", dict(window_size=None))):

@@ -1,11 +1,13 @@
 """The demo: its task, model and schedule, and a smoke run of the command as CI runs it."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from flash_dma import cli
+from flash_dma.demo.cli import SMOKE_CONFIG, with_steps
 from flash_dma.demo.model import PositiveBiasAttention, RecallTransformer
 from flash_dma.demo.report import Check
 from flash_dma.demo.task import IGNORE_INDEX, RecallTask
@@ -148,3 +150,9 @@ def test_the_length_curriculum_trains_short_then_long_and_evaluates_long():
     # Evaluations (before the first step and after the last) use the task's length.
     assert [length for training, length in seen if not training] == [48, 48]
     assert 0 < result.final["attended"] < 1
+
+
+def test_fewer_steps_keep_the_share_of_short_sequences():
+    config = replace(SMOKE_CONFIG, train=replace(SMOKE_CONFIG.train, steps=3000, short_steps=1000, short_seqlen=32))
+    assert (with_steps(config, 300).train.steps, with_steps(config, 300).train.short_steps) == (300, 100)
+    assert with_steps(SMOKE_CONFIG, 10).train == replace(SMOKE_CONFIG.train, steps=10)
