@@ -109,11 +109,12 @@ def main(args) -> int:
     config = choose_config(device, args.steps, args.smoke)
     task = config.task
     backend = resolve_backend(None, device).__name__.rsplit(".", 1)[-1]
+    curriculum = config.train.short_steps and f" (the first {config.train.short_steps} of {config.train.short_seqlen} tokens)"
     print(
         f"flash-dma demo on {device} ({backend} backend): recall of {task.num_pairs} key-value pairs among "
         f"{task.seqlen} tokens; {config.num_layers} layers, width {config.hidden_size}; sparse selection "
         f"{config.selection}; {config.train.steps} steps of {config.train.batch_size} sequences per model"
-        + (f" (the first {config.train.short_steps} of {config.train.short_seqlen} tokens)" if config.train.short_steps else "")
+        f"{curriculum or ''}"
     )
     results = []
     for name, selection in (("sparse", config.selection), ("dense", dict(window_size=None))):

@@ -68,7 +68,9 @@ class RecallTransformer(nn.Module):
             (``num_heads``, ``window_size``...), the same for every layer.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, num_layers: int, *, bias_scale: float | None = None, **attention_kwargs):
+    def __init__(
+        self, vocab_size: int, hidden_size: int, num_layers: int, *, bias_scale: float | None = None, **attention_kwargs
+    ):
         super().__init__()
         self.token_embedding = nn.Embedding(vocab_size, hidden_size)
         self.previous_token_embedding = nn.Embedding(vocab_size, hidden_size)
