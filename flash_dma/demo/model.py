@@ -9,6 +9,31 @@ from torch import nn
 from flash_dma.modules import DynamicMaskAttention
 
 
+class PositiveBiasAttention(DynamicMaskAttention):
+    """:class:`DynamicMaskAttention` whose per-key bias is ``bias_scale * exp(A) * softplus(dt_proj(V))``.
+
+    The library's bias ``A * softplus(dt)`` starts from ``A = 0``: every key tied, and the sign of
+    ``A``, which decides whether the selection keeps the keys with the largest or the smallest
+    ``dt``, is learned from a gradient that is mostly noise until recall begins. Here the factor in
+    front of ``softplus(dt)`` is positive from the start (``bias_scale``, as ``A`` starts at 0), so
+    the ranking is always that of ``dt`` and what ``dt_proj`` learns is never turned upside down.
+    """
+
+    def __init__(self, hidden_size: int, *args, bias_scale: float, **kwargs):
+        super().__init__(hidden_size, *args, **kwargs)
+        if isinstance(bias_scale, bool) or not isinstance(bias_scale, (int, float)) or not bias_scale > 0:
+            raise ValueError(f"bias_scale: expected a float > 0 or None, got {bias_scale!r}")
+        if self.importance != "softplus":
+            raise ValueError(f"importance: bias_scale needs importance='softplus', got {self.importance!r}")
+        self.bias_scale = float(bias_scale)
+
+    def key_importance(self, value: torch.Tensor) -> torch.Tensor:
+        batch, seqlen, _, _ = value.shape
+        dt = self.dt_proj(value.reshape(batch, seqlen, self.num_kv_heads * self.head_dim))  # [B, Sk, Hkv]
+        strength = self.bias_scale * torch.exp(self.A) * F.softplus(dt)
+        return strength.float().transpose(1, 2).unsqueeze(2)
+
+
 class Block(nn.Module):
     """Pre-norm residual block: RMSNorm -> attention, RMSNorm -> GELU MLP (4x wide)."""
 
@@ -37,17 +62,25 @@ class RecallTransformer(nn.Module):
         vocab_size: V.
         hidden_size: E.
         num_layers: the number of blocks.
+        bias_scale: None for the library's bias ``A * softplus(dt)`` (A from 0, sign learned); a
+            float > 0 for :class:`PositiveBiasAttention`'s ``bias_scale * exp(A) * softplus(dt)``.
         attention_kwargs: the arguments of :class:`DynamicMaskAttention` after ``hidden_size``
             (``num_heads``, ``window_size``...), the same for every layer.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, num_layers: int, **attention_kwargs):
+    def __init__(
+        self, vocab_size: int, hidden_size: int, num_layers: int, *, bias_scale: float | None = None, **attention_kwargs
+    ):
         super().__init__()
         self.token_embedding = nn.Embedding(vocab_size, hidden_size)
         self.previous_token_embedding = nn.Embedding(vocab_size, hidden_size)
-        self.blocks = nn.ModuleList(
-            Block(hidden_size, DynamicMaskAttention(hidden_size, **attention_kwargs)) for _ in range(num_layers)
-        )
+
+        def attention() -> DynamicMaskAttention:
+            if bias_scale is None:
+                return DynamicMaskAttention(hidden_size, **attention_kwargs)
+            return PositiveBiasAttention(hidden_size, bias_scale=bias_scale, **attention_kwargs)
+
+        self.blocks = nn.ModuleList(Block(hidden_size, attention()) for _ in range(num_layers))
         self.norm = nn.RMSNorm(hidden_size)
         self.head = nn.Linear(hidden_size, vocab_size)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,9 @@ class TrainConfig:
         weight_decay: AdamW weight decay.
         eval_every: steps between evaluations (and the last step).
         eval_batch_size: sequences in the fixed evaluation batch.
+        short_steps, short_seqlen: the first ``short_steps`` steps train on sequences of
+            ``short_seqlen`` tokens (a length curriculum; the model has no positional encoding, so
+            what it learns carries over); evaluations always use the task's length. 0 for none.
     """
 
     steps: int = 500
@@ -36,6 +39,14 @@ class TrainConfig:
     weight_decay: float = 0.01
     eval_every: int = 50
     eval_batch_size: int = 256
+    short_steps: int = 0
+    short_seqlen: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.short_steps, bool) or not isinstance(self.short_steps, int) or self.short_steps < 0:
+            raise ValueError(f"short_steps: expected an int >= 0, got {self.short_steps!r}")
+        if self.short_steps and self.short_seqlen is None:
+            raise ValueError("short_seqlen: short_steps > 0 needs the length of the short sequences")
 
 
 @dataclass
@@ -95,8 +106,10 @@ def train(
     """Train ``model`` in place on fresh batches of ``task``, evaluating on one fixed batch.
 
     The data depend only on ``seed``, so two models trained with the same seed see the same
-    batches and are evaluated on the same sequences.
+    batches and are evaluated on the same sequences. With ``config.short_steps``, the first
+    steps train on shorter sequences (see :class:`TrainConfig`).
     """
+    short_task = replace(task, seqlen=config.short_seqlen) if config.short_steps else task
     train_data = torch.Generator().manual_seed(seed)
     eval_batch = task.sample(config.eval_batch_size, torch.Generator().manual_seed(seed + 1))
     eval_batch = RecallBatch(eval_batch.tokens.to(device), eval_batch.targets.to(device))
@@ -116,7 +129,7 @@ def train(
             record(step)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, config)
-        batch = task.sample(config.batch_size, train_data)
+        batch = (short_task if step < config.short_steps else task).sample(config.batch_size, train_data)
         logits, _ = model(batch.tokens.to(device))
         loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.to(device).flatten())
         optimizer.zero_grad(set_to_none=True)

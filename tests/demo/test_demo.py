@@ -1,16 +1,19 @@
 """The demo: its task, model and schedule, and a smoke run of the command as CI runs it."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from flash_dma import cli
 from flash_dma.demo import cli as demo_cli
-from flash_dma.demo.model import RecallTransformer
+from flash_dma.demo.cli import SMOKE_CONFIG, with_steps
+from flash_dma.demo.model import PositiveBiasAttention, RecallTransformer
 from flash_dma.demo.report import Check
 from flash_dma.demo.task import IGNORE_INDEX, RecallTask
-from flash_dma.demo.train import TrainConfig, learning_rate_at
+from flash_dma.demo.train import TrainConfig, learning_rate_at, train
+from flash_dma.modules import DynamicMaskAttention
 
 
 def test_every_query_is_answered_by_the_value_after_its_key():
@@ -105,3 +108,68 @@ def test_missing_cuda_is_reported_not_raised(capsys):
         pytest.skip("a CUDA device is present")
     assert cli.main(["demo", "--device", "cuda", "--smoke", "--quiet"]) == 2
     assert "--device cuda needs a CUDA device" in capsys.readouterr().err
+
+
+def test_positive_bias_ranks_keys_by_dt_from_the_first_step():
+    task = RecallTask(seqlen=40, num_pairs=3)
+    torch.manual_seed(0)
+    model = RecallTransformer(task.vocab_size, 32, 1, num_heads=4, window_size=6, rope_base=None, bias_scale=0.1)
+    layer = model.attention_layers[0]
+    assert isinstance(layer, PositiveBiasAttention) and torch.equal(layer.A, torch.zeros(4))
+    value = torch.randn(2, 40, 4, 8)
+    dt = layer.dt_proj(value.reshape(2, 40, 32)).transpose(1, 2).unsqueeze(2)
+    bias = layer.key_importance(value)
+    torch.testing.assert_close(bias, 0.1 * torch.nn.functional.softplus(dt))
+    assert (bias > 0).all()
+    # No ties at A = 0: the selection keeps the keys with the largest dt, not the earliest keys.
+    kept = layer.select(bias, None)["attn_mask"]
+    assert torch.equal(kept.sum(-1), torch.full((2, 4, 1), 6))
+    assert torch.equal(kept, dt >= dt.topk(6, dim=-1).values[..., -1:])
+    with torch.no_grad():
+        layer.A.fill_(-3.0)  # the factor exp(A) stays positive, so the ranking does not flip
+    assert torch.equal(layer.select(layer.key_importance(value), None)["attn_mask"], kept)
+
+
+def test_the_library_bias_is_the_default():
+    model = RecallTransformer(20, 32, 2, num_heads=4, window_size=6, rope_base=None)
+    assert all(type(layer) is DynamicMaskAttention for layer in model.attention_layers)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(bias_scale=0.0), r"bias_scale: expected a float > 0"), (dict(bias_scale=0.1, importance="exp"), r"importance:")],
+    ids=["zero", "exp"],
+)
+def test_bad_bias_scales_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RecallTransformer(20, 32, 1, num_heads=4, window_size=6, rope_base=None, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(short_steps=-1), r"short_steps: expected an int >= 0"), (dict(short_steps=5), r"short_seqlen:")],
+    ids=["negative", "no-length"],
+)
+def test_bad_warm_up_phases_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kwargs)
+
+
+def test_the_length_curriculum_trains_short_then_long_and_evaluates_long():
+    task = RecallTask(seqlen=48, num_pairs=3)
+    torch.manual_seed(0)
+    model = RecallTransformer(task.vocab_size, 32, 2, num_heads=4, window_size=8, rope_base=None)
+    seen = []  # (training?, sequence length) per forward
+    model.register_forward_pre_hook(lambda m, args: seen.append((m.training, args[0].shape[1])))
+    config = TrainConfig(steps=4, batch_size=2, eval_every=10, eval_batch_size=2, short_steps=3, short_seqlen=32)
+    result = train("sparse", model, task, config, seed=0, device=torch.device("cpu"), show_progress=False)
+    assert [length for training, length in seen if training] == [32, 32, 32, 48]
+    # Evaluations (before the first step and after the last) use the task's length.
+    assert [length for training, length in seen if not training] == [48, 48]
+    assert 0 < result.final["attended"] < 1
+
+
+def test_fewer_steps_keep_the_share_of_short_sequences():
+    config = replace(SMOKE_CONFIG, train=replace(SMOKE_CONFIG.train, steps=3000, short_steps=1000, short_seqlen=32))
+    assert (with_steps(config, 300).train.steps, with_steps(config, 300).train.short_steps) == (300, 100)
+    assert with_steps(SMOKE_CONFIG, 10).train == replace(SMOKE_CONFIG.train, steps=10)
