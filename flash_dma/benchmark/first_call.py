@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+import triton
 
 from flash_dma.benchmark.inputs import make_inputs
 from flash_dma.benchmark.measure import Measurement
@@ -41,10 +42,26 @@ COMPILER_CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 @dataclass(frozen=True)
 class ChildTimes:
     """``before_s``: from the child's start to its first call (imports, inputs, the model);
-    ``first_s``: the first call, synchronised."""
+    ``first_s``: the first call, synchronised; ``compiles``: each Triton compilation of the child,
+    as ``(kernel name, seconds, cache hit)``, in order (see :class:`CompileRecord`)."""
 
     before_s: float
     first_s: float
+    compiles: tuple[tuple[str, float, bool], ...] = ()
+
+
+class CompileRecord:
+    """A Triton compilation listener that keeps each compilation's kernel, time and cache hit.
+
+    Triton calls it for every kernel it compiles or finds in its cache (``knobs.compilation.listener``);
+    a cache hit's time is that of loading the binary.
+    """
+
+    def __init__(self) -> None:
+        self.compiles: list[tuple[str, float, bool]] = []
+
+    def __call__(self, *, src, metadata, metadata_group, times, cache_hit: bool) -> None:
+        self.compiles.append((metadata["name"], times.total / 1e6, cache_hit))
 
 
 class ChildFailed(RuntimeError):
@@ -73,7 +90,7 @@ def first_call_seconds(prepared: Prepared, mode: str, synchronize: Callable[[], 
 
 
 def child_main(start: float, argv: list[str] | None = None) -> None:
-    """The child's body: runs the request in ``argv[1]`` and prints ``{"before_s": .., "first_s": ..}``."""
+    """The child's body: runs the request in ``argv[1]`` and prints ``{"before_s": .., "first_s": .., "compiles": [..]}``."""
     request = json.loads((sys.argv if argv is None else argv)[1])
     case = _case_from_dict(request["case"])
     device = torch.device(request["device"])
@@ -82,11 +99,16 @@ def child_main(start: float, argv: list[str] | None = None) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    prepared = METHODS[request["method"]].prepare(case, make_inputs(case, device))
-    synchronize()
-    before_s = time.perf_counter() - start
-    first_s = first_call_seconds(prepared, request["mode"], synchronize)
-    print(json.dumps({"before_s": before_s, "first_s": first_s}), flush=True)
+    record, listening = CompileRecord(), triton.knobs.compilation.listener
+    triton.knobs.compilation.listener = record
+    try:
+        prepared = METHODS[request["method"]].prepare(case, make_inputs(case, device))
+        synchronize()
+        before_s = time.perf_counter() - start
+        first_s = first_call_seconds(prepared, request["mode"], synchronize)
+    finally:
+        triton.knobs.compilation.listener = listening
+    print(json.dumps({"before_s": before_s, "first_s": first_s, "compiles": record.compiles}), flush=True)
 
 
 def parse_child_output(stdout: str) -> ChildTimes:
@@ -94,7 +116,8 @@ def parse_child_output(stdout: str) -> ChildTimes:
     for line in reversed(stdout.splitlines()):
         if line.startswith("{"):
             fields = json.loads(line)
-            return ChildTimes(before_s=float(fields["before_s"]), first_s=float(fields["first_s"]))
+            compiles = tuple((str(name), float(seconds), bool(hit)) for name, seconds, hit in fields.get("compiles", ()))
+            return ChildTimes(before_s=float(fields["before_s"]), first_s=float(fields["first_s"]), compiles=compiles)
     raise ChildFailed(f"no result line in the child's output ({len(stdout)} characters)")
 
 

@@ -28,6 +28,19 @@ def _case(cache="warm", **changes) -> Case:
     return Case(**{**fields, **changes})
 
 
+def test_the_child_line_carries_its_compilations():
+    stdout = '{"before_s": 1.0, "first_s": 2.0, "compiles": [["_fwd", 1.5, false], ["_dq", 0.01, true]]}\n'
+    assert parse_child_output(stdout).compiles == (("_fwd", 1.5, False), ("_dq", 0.01, True))
+
+
+def test_the_compile_record_keeps_name_seconds_and_cache_hit():
+    from types import SimpleNamespace
+
+    record = first_call.CompileRecord()
+    record(src=None, metadata={"name": "_kernel"}, metadata_group={}, times=SimpleNamespace(total=2_500_000), cache_hit=False)
+    assert record.compiles == [("_kernel", 2.5, False)]
+
+
 def test_the_result_is_the_last_json_line():
     stdout = 'loading...\n{"before_s": 1.0, "first_s": 9.0}\nwarning: {not json\n{"before_s": 2.5, "first_s": 0.75}\n'
     assert parse_child_output(stdout) == ChildTimes(before_s=2.5, first_s=0.75)
@@ -108,6 +121,7 @@ def test_the_child_prints_its_times_on_the_cpu(mode, capsys):
     times = parse_child_output(capsys.readouterr().out)
     assert times.before_s > 0 and times.first_s > 0
     assert times.before_s + times.first_s <= time.perf_counter() - start
+    assert first_call.triton.knobs.compilation.listener is None  # the child's record is not left installed
 
 
 def test_a_real_child_process_on_the_cpu():
