@@ -7,6 +7,7 @@ run is the warm one). Each child records every Triton compilation
 (``flash_dma.benchmark.first_call.CompileRecord``); the report lists them, cold against warm.
 
     python3 tools/first_call_report.py      # on a GPU
+    TRITON_INTERPRET=1 python3 tools/first_call_report.py --device cpu   # the pipeline, nothing compiled
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def _summary(label: str, times: ChildTimes) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwdbwd", help="the first call (default: fwdbwd)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the child's device (default: cuda)")
     args = parser.parse_args()
     case = next(c for c in first_call_cases() if c.kind == "prefill")
-    request = child_request(case, case.methods[0], args.mode)
+    request = child_request(case, case.methods[0], args.mode, device=args.device)
     with tempfile.TemporaryDirectory(prefix="flash-dma-first-call-") as folder:
         environment = fresh_cache_environment(folder)
         cold = run_child(request, environment)
