@@ -385,8 +385,9 @@ def summary_block_state(target: Target, gen: torch.Generator) -> Results:
 
 
 def summary_topk(target: Target, gen: torch.Generator) -> Results:
-    """``topk_block_mask`` (its lists come from the block-lists kernel on CUDA) per key with a padding
-    mask, per query block under causal attention, and per packed sequence."""
+    """``topk_block_mask`` per key with a padding mask (on CUDA: the block top-k kernel), per query
+    block under causal attention, and per packed sequence (the kernel again); the lists come from
+    the block-lists kernel."""
     bias = target.floats(torch.randn(2, 2, 1, 300, generator=gen), fp32=True)
     padding = target.ints(torch.arange(300)[None, :] < torch.tensor([[300], [131]]))
     lens = (70, 1, 129)

@@ -16,6 +16,7 @@ import torch
 
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.block_summary import block_lists, block_state
+from flash_dma.backends.triton.block_topk import block_topk_state
 from flash_dma.backends.triton.forward import CachePages, attention_forward
 from flash_dma.backends.triton.key_list import build_key_list
 from flash_dma.backends.triton.layout import (
@@ -81,6 +82,30 @@ def summary_state(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tenso
 def summary_lists(state: torch.Tensor, transpose: bool) -> torch.Tensor:
     """``block_lists``, through the custom op when compiling."""
     return (block_lists_op if torch.compiler.is_compiling() else block_lists)(state, transpose)
+
+
+@torch.library.custom_op("flash_dma::block_topk_state", mutates_args=())
+def block_topk_state_op(
+    bias: torch.Tensor, allowed: torch.Tensor | None, past_end: torch.Tensor | None, block_k: int, keep: int,
+    sink_blocks: int, mean: bool,
+) -> torch.Tensor:
+    return block_topk_state(bias, allowed, past_end, block_k, keep, sink_blocks, mean)
+
+
+@block_topk_state_op.register_fake
+def _block_topk_state_fake(bias, allowed, past_end, block_k, keep, sink_blocks, mean):
+    nb, nh, _, sk = bias.shape
+    return bias.new_empty(nb, nh, 1, (sk + block_k - 1) // block_k, dtype=torch.int8)
+
+
+def topk_state(
+    bias: torch.Tensor, allowed: torch.Tensor | None, past_end: torch.Tensor | None, block_k: int, keep: int,
+    sink_blocks: int, mean: bool,
+) -> torch.Tensor:
+    """``block_topk_state``, through the custom op when compiling."""
+    return (block_topk_state_op if torch.compiler.is_compiling() else block_topk_state)(
+        bias, allowed, past_end, block_k, keep, sink_blocks, mean
+    )
 
 
 _SCHEMA_TYPES = {torch.Tensor: "Tensor", torch.Tensor | None: "Tensor?", int: "SymInt", float: "float", bool: "bool"}
