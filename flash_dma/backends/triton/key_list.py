@@ -154,14 +154,12 @@ def build_key_list(mask: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     layout = (tensor_layout(mask), seqlen_k)
     grid = lambda meta: (batch * heads, num_chunks)  # noqa: E731
     count_launcher.launch(
-        layout, [view, counts], lambda: ([view, counts, *mask_strides, seqlen_k, heads, chunk], (chunk,)),
+        layout, [view, counts], lambda: ([view, counts, *mask_strides, seqlen_k, heads, chunk], ()),
         configs.single_program_config, grid,
     )
     key_list_launcher.launch(
         layout, [view, counts, key_list],
-        # The constexprs go into the key, which picks the compiled kernel.
-        lambda: ([view, counts, key_list, *mask_strides, *key_list.stride()[:2], seqlen_k, heads, chunk, chunks_block],
-                 (chunk, chunks_block)),
+        lambda: ([view, counts, key_list, *mask_strides, *key_list.stride()[:2], seqlen_k, heads, chunk, chunks_block], ()),
         configs.single_program_config, grid,
     )
     return key_list

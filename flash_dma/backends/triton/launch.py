@@ -159,6 +159,7 @@ class Launcher:
         not_specialized = getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"] or ()
         self.other_int_slots = [names.index(n) for n in not_specialized]
         self.reset_slots = [names.index(n) for n in reset_to_zero]
+        self.constexpr_slots = list(getattr(kernel, "constexprs", ()))
         self.choices: dict = {}  # problem key -> Config
         self.compiled: dict = {}  # launch signature -> (CompiledKernel, Config)
         self.plans = Memo()  # (caller's layout, pointers aligned) -> Prepared
@@ -200,7 +201,9 @@ class Launcher:
             int_key = True
         else:
             int_key = (tuple(map(_int_spec, ints)), tuple(-_I32 <= x < _I32 for x in others))
-        signature = (key, int_key, tuple([t.dtype for t in tensors]), tuple(a % 16 == 0 for a in addresses))
+        # The constexprs given in ``args`` are compiled in: a kernel built for one set serves no other.
+        constants = tuple([args[i] for i in self.constexpr_slots if i < len(args)])
+        signature = (key, constants, int_key, tuple([t.dtype for t in tensors]), tuple(a % 16 == 0 for a in addresses))
         entry = self.compiled.get(signature)
         if entry is None:
             entry = self.compiled[signature] = self._compile(grid, args, key, candidates)
@@ -209,7 +212,7 @@ class Launcher:
 
     def _check_classified(self, args: list) -> None:
         # An int the launcher does not classify would be specialised by Triton behind its back.
-        known = {*self.int_slots, *self.other_int_slots, *getattr(self.kernel, "constexprs", ())}
+        known = {*self.int_slots, *self.other_int_slots, *self.constexpr_slots}
         stray = [self.kernel.arg_names[i] for i, a in enumerate(args) if type(a) is int and i not in known]
         if stray:
             raise TypeError(f"{self.kernel.__name__}: int parameters {stray} are neither specialized nor do_not_specialize")

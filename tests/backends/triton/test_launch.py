@@ -157,3 +157,17 @@ def test_memoised_plans_are_bounded_and_keep_no_tensor(monkeypatch):
     assert all(len(m) <= 2 for m in memo._MEMOS)
     gc.collect()
     assert all(ref() is None for ref in alive)
+
+
+@pytest.mark.gpu_only
+def test_a_compiled_kernel_serves_only_its_own_constexprs():
+    """Launches that differ only in constexprs (the block size, the reduction) each get their own
+    compiled kernel: one built for blocks of 16 would read blocks of 32 wrongly."""
+    from flash_dma.backends.triton.block_topk import block_topk_state
+
+    bias = torch.randn(1, 2, 1, 320, device=DEVICE)
+    for block, mean in ((16, False), (32, False), (32, True)):
+        blocks = bias.view(1, 2, 1, -1, block)
+        scores = blocks.mean(-1) if mean else blocks.amax(-1)
+        expected = torch.zeros_like(scores, dtype=torch.int8).scatter_(-1, scores.topk(3, dim=-1).indices, 2)
+        assert torch.equal(block_topk_state(bias, None, None, block, 3, 0, mean), expected), (block, mean)
