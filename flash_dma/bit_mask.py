@@ -45,7 +45,9 @@ def pack_rows(mask: torch.Tensor) -> torch.Tensor:
     key_len = mask.shape[-1]
     width = words_per_row(key_len)
     bits = torch.nn.functional.pad(mask.to(torch.uint8), (0, width * WORD_BITS - key_len))
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+    # Made on the device (a list would be copied from the host, which a CUDA graph capture refuses).
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    weights = torch.bitwise_left_shift(torch.ones_like(shifts), shifts)  # 1, 2, 4, ..., 128
     # Eight keys per byte (a sum of distinct powers of two), four little-endian bytes per word.
     packed = (bits.view(*mask.shape[:-1], width * 4, 8) * weights).sum(-1, dtype=torch.uint8)
     return packed.view(torch.int32)
