@@ -541,6 +541,9 @@ CASES = {
                 kv_heads=2, head_dim=64, page_size=16, bias_heads=8, window=(64, 0), num_splits=4, listed=True),
         _decode("decode-paged-d256-auto-splits", batch=2, seqlen_q=1, new=1, cached=(1100, 17), capacity=1280, heads=4,
                 kv_heads=2, head_dim=256, page_size=256, mask=False, bias_heads=2, causal=False),
+        # 16K keys and D = 128: on a Hopper the tiles are copied whole from the pool of pages (TMA).
+        _decode("decode-paged-tma-d128", batch=2, seqlen_q=1, new=1, cached=(16500, 300), capacity=16640, heads=8,
+                kv_heads=2, head_dim=128, page_size=128, mask=False, bias_heads=2, num_splits=4),
         # flash_dma_varlen_func: packed sequences (one empty, one of length 1), forward and backward.
         _varlen("varlen-keys-causal", lens_q=(5, 0, 33, 1, 17), lens_k=(9, 3, 33, 1, 129), heads=4, kv_heads=2,
                 head_dim=64, mask="packed", bias="packed", causal=True, walk="listed"),

@@ -90,6 +90,7 @@ TOPK_DKDV_ELEMENTS = 4096
 # Decode shapes (few query rows, split over keys): BLOCK_M shrinks to the rows.
 _DECODE = [(16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 8, 4), (16, 32, 4, 2)]
 _INTERPRETER_TILE = 32
+MIN_TILE = 16  # the smallest tile side tl.dot takes
 
 
 def triton_interpreting() -> bool:
@@ -137,7 +138,7 @@ def next_power_of_2(n: int) -> int:
 
 
 def head_dim_block(head_dim: int) -> int:
-    return max(16, next_power_of_2(head_dim))
+    return max(MIN_TILE, next_power_of_2(head_dim))
 
 
 def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> triton.Config:
@@ -163,7 +164,7 @@ def backward_candidates(device: torch.device, block_d: int, kernel: str) -> list
 
 
 def topk_candidates(block_d: int, group: int) -> list[triton.Config]:
-    block_m = max(16, next_power_of_2(group))
+    block_m = max(MIN_TILE, next_power_of_2(group))
     if triton_interpreting():
         return [_config(block_m, _INTERPRETER_TILE, 4, 1)]
     block_n, num_warps, num_stages = _TOPK[min(b for b in _TOPK if b >= block_d)]
@@ -184,7 +185,7 @@ def fit_to_problem(configs, rows: int, list_block_q: int, list_block_k: int) -> 
     """Shrink tiles to the summary blocks and to the rows there are; drop duplicates."""
     fitted = {}
     for config in configs:
-        block_m = min(config.kwargs["BLOCK_M"], max(16, next_power_of_2(rows)))
+        block_m = min(config.kwargs["BLOCK_M"], max(MIN_TILE, next_power_of_2(rows)))
         block_n = config.kwargs["BLOCK_N"]
         if list_block_q > 0:
             block_m = min(block_m, list_block_q)

@@ -85,8 +85,12 @@ def _attn_fwd_tiles(
         next_tile = tile_start(tiles, walk_position(j + 1, lo, gap_lo, gap_hi), tiles_per_block, WALK)
         keys, key_ok = tile_indices(tiles, tile, key_limit, BLOCK_N, WALK)  # [BLOCK_N]
         kv_rows = page_rows(table_row, keys, key_ok, page_size, cache_last, PAGED)
+        # Copied whole, a tile starts at its first key's row; a paged one lies within one page.
+        first_row = tile * BLOCK_N
+        if PAGED and TMA:
+            first_row = page_rows(table_row, first_row, True, page_size, cache_last, PAGED)
         _, _, s = row_tile_scores(  # [BLOCK_M, BLOCK_N]
-            q, q_idx, k_source, tile * BLOCK_N, keys, kv_rows, key_ok, stride_ks, head_dim, band_lo, band_hi,
+            q, q_idx, k_source, first_row, keys, kv_rows, key_ok, stride_ks, head_dim, band_lo, band_hi,
             bias_rows, stride_bk, mask_rows, stride_mk, scale_log2, softcap_log2, scale_over_cap,
             STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, TMA, BLOCK_D, DOT_PRECISION, MASK_BITS,
         )
@@ -96,7 +100,10 @@ def _attn_fwd_tiles(
         p = tl.exp2(s - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_rows(v_source, tile * BLOCK_N, kv_rows, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, TMA, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        v = load_rows(v_source, first_row, kv_rows, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, TMA, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        if PAGED and TMA and STAGE != STAGE_INTERIOR:
+            # Past the sequence, a page's rows are unwritten (NaN, say): P is 0 there, 0 x NaN is not.
+            v = tl.where(key_ok[:, None], v, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
         m_i = m_new
         tile = next_tile
@@ -127,7 +134,7 @@ def _attn_fwd_kernel(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SEQ: tl.constexpr, MASK_BITS: tl.constexpr, TMA: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr, PAGED: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_TILES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Last row tiles first: under a causal band they hold the most work, so the grid's tail is light.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -183,10 +190,14 @@ def _attn_fwd_kernel(
             other=0.0,
         )
     kv_offset = k_start.to(tl.int64)
-    # Gathered keys (a key list) and a paged cache's rows are scattered: those are read row by row.
-    KV_TMA: tl.constexpr = TMA and WALK != WALK_KEYS and not PAGED
-    k_source = row_source(K + b_kv * stride_kb + kv_offset * stride_ks + kv_head * stride_kh, seqlen_k, stride_ks, head_dim, KV_TMA, BLOCK_N, BLOCK_D)
-    v_source = row_source(V + b_kv * stride_vb + kv_offset * stride_vs + kv_head * stride_vh, seqlen_k, stride_vs, head_dim, KV_TMA, BLOCK_N, BLOCK_D)
+    # Gathered keys (a key list) are scattered: those are read row by row. So are a paged cache's,
+    # unless every tile lies within one page (PAGE_TILES), copied then from the pool of pages.
+    KV_TMA: tl.constexpr = TMA and WALK != WALK_KEYS and (PAGE_TILES or not PAGED)
+    kv_length = seqlen_k
+    if PAGED:
+        kv_length = (cache_last + 1) * page_size
+    k_source = row_source(K + b_kv * stride_kb + kv_offset * stride_ks + kv_head * stride_kh, kv_length, stride_ks, head_dim, KV_TMA, BLOCK_N, BLOCK_D)
+    v_source = row_source(V + b_kv * stride_vb + kv_offset * stride_vs + kv_head * stride_vh, kv_length, stride_vs, head_dim, KV_TMA, BLOCK_N, BLOCK_D)
     # Per-key mask/bias: one base pointer shared by every row; otherwise one pointer per row.
     # A cache's bias is stored with its keys, so it follows their rows.
     mask_rows = Mask + b64 * stride_mb
@@ -357,10 +368,13 @@ def attention_forward(
     table = no_ints if cache is None or cache.block_table is None else cache.block_table
     paged = cache is not None and cache.block_table is not None
     cache_last = k.shape[1] // cache.page_size - 1 if paged else k.shape[0] - 1  # the last page, or cache row
+    tma = copy_engine_reads(block_d, seqlen_k, q, k, call.v)
+    # Key tiles of a power of two up to the page size lie within one page, and copy whole (see the kernel).
+    page_tiles = paged and tma and cache.page_size >= configs.MIN_TILE and cache.page_size & (cache.page_size - 1) == 0
+    fit_block_k = min(b for b in (list_block_k, cache.page_size if page_tiles else 0, 1 << 30) if b > 0)
 
     def build():
         runtime, flags = common_arguments(call, kv_lists, pack_gqa, sequences)
-        tma = copy_engine_reads(block_d, seqlen_k, q, k, call.v)
         if num_splits > 1:
             lse_strides = (lse_target.stride(0), lse_target.stride(1), lse_target.stride(3), lse_target.stride(2))
         else:
@@ -369,14 +383,14 @@ def attention_forward(
             *runtime, out_target, lse_target, *out_target.stride()[:4], *lse_strides, rows,
             cache_rows, table, table.stride(0) if paged else 0, cache.page_size if paged else 1,
             int(cache is not None and cache.rows is not None), cache_last,
-            *flags, tma, pack_gqa, num_splits > 1, paged, block_d,
+            *flags, tma, pack_gqa, num_splits > 1, paged, page_tiles, block_d,
         ]
-        key = (q.dtype, *flags, tma, pack_gqa, num_splits > 1, paged, block_d, decode, configs.length_bucket(seqlen_k),
-               list_block_q, list_block_k)
+        key = (q.dtype, *flags, tma, pack_gqa, num_splits > 1, paged, page_tiles, block_d, decode,
+               configs.length_bucket(seqlen_k), list_block_q, fit_block_k)
         return args, key
 
     def candidates():
-        return configs.fit_to_problem(configs.forward_candidates(q.device, block_d, decode), rows, list_block_q, list_block_k)
+        return configs.fit_to_problem(configs.forward_candidates(q.device, block_d, decode), rows, list_block_q, fit_block_k)
 
     layout = (signature, tensor_layout(cache_rows), tensor_layout(table), cache.page_size if paged else 0)
     forward_launcher.launch(

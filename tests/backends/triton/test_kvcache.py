@@ -117,3 +117,37 @@ def test_kvcache_matches_reference(case, dtype):
     for name, cache, reference_cache in zip(("k_cache", "v_cache", "bias_cache"), caches, expected[2:]):
         if cache is not None:
             assert torch.equal(cache, reference_cache), name
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        CacheCase(page_size=16),  # tiles shrink to the page and copy whole
+        CacheCase(cached=(200, 7, 511), capacity=512, page_size=64, head_dim=64, num_splits=4),
+        CacheCase(page_size=24, seqlen_q=3, new=3, window=(7, 0)),  # not a power of two: row by row
+        CacheCase(page_size=16, listed=True),  # a key list is gathered row by row whatever the pages
+    ],
+    ids=str,
+)
+def test_paged_tiles_through_the_copy_engine(case, monkeypatch):
+    """With TMA on (small problems too), a paged cache's tiles are copied from its pool of pages;
+    the slots past each sequence and the spare pages hold NaN, which must not reach the output."""
+    from flash_dma.backends.triton import layout
+
+    monkeypatch.setattr(layout, "TMA_MIN_KEYS", 0)
+    monkeypatch.setattr(layout, "TMA_MIN_BLOCK_D", 0)
+    dtype = KERNEL_DTYPES[0]
+    inputs = make_cache_inputs(case, dtype)
+    table = inputs["block_table"].cpu()
+    unwritten = torch.ones(inputs["k_cache"].shape[:2], dtype=torch.bool)
+    for entry, length in enumerate(case.cached):
+        for key in range(length + case.new):
+            unwritten[table[entry, key // case.page_size], key % case.page_size] = False
+    for name in ("k_cache", "v_cache"):
+        inputs[name][unwritten.to(DEVICE)] = float("nan")
+    actual = run(case, inputs, "triton")
+    expected = run(case, inputs, "reference")
+    assert not torch.isnan(actual[0]).any()
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    assert max_error(actual[0], expected[0]) <= tolerance * max(1.0, expected[0].abs().max().item())
+    assert max_error(actual[1], expected[1]) <= 1e-4
