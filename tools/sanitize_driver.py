@@ -521,6 +521,14 @@ CASES = {
                    head_dim=72, dtype=torch.float32, bias="1,1,Sq,Sk", causal=True, deterministic=True),
         _attention("attn-fp16-d64-window-softcap", batch=2, seqlen_q=129, seqlen_k=129, heads=4, kv_heads=4,
                    head_dim=64, dtype=torch.float16, mask="1,H,1,Sk", window=(16, 16), softcap=10.0, walk="listed"),
+        # The Hopper kernels on a per-key summary walk (key scores staged by the loader), and with
+        # softcap: forward, dQ and dK/dV through the cap's slope.
+        _attention("attn-summary-d128-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
+                   head_dim=128, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True,
+                   walk="summary", block_size=(128, 128)),
+        _attention("attn-summary-d128-softcap-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
+                   head_dim=128, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True, softcap=5.0,
+                   walk="summary", block_size=(128, 128)),
         _attention("attn-query-chunks", batch=1, seqlen_q=90, seqlen_k=70, heads=4, kv_heads=2, head_dim=64,
                    mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,1,1,Sk", causal=True, walk="summary",
                    block_size=(16, 16), query_chunks=2),

@@ -81,7 +81,7 @@ class Route:
 
 _HOPPER_FORMS = dict(
     device=("hopper",), dtype=("fp16", "bf16"), head_dim=HEAD_DIMS, mask=("none", "keys", "rows", "bits"),
-    sequences=("fixed",), split=(False,), softcap=(False,), aligned=(True,),
+    sequences=("fixed",), split=(False,), aligned=(True,),
 )
 ROUTES = (
     # flash_dma_topk_func: keys listed per query, gathered (``topk_forward.py``, ``topk_backward.py``).

@@ -96,15 +96,15 @@ _DENSE = dict(_PER_KEY, HAS_MASK=False, WALK=WALK_DENSE, MASK_PER_KEY=False, BIA
 _FULL_MASK = dict(_PER_KEY, MASK_PER_KEY=False, BIAS_PER_KEY=False)
 _BITS = dict(_FULL_MASK, MASK_BITS=True)
 # Hopper with aligned inputs: TMA loads (the kernels keep row-by-row loads where rows are gathered).
-_FORWARD = dict(TMA=True, PACK_GQA=False, SPLIT=False, PAGED=False, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
+_FORWARD = dict(TMA=True, PACK_GQA=False, SPLIT=False, PAGED=False, PAGE_TILES=False, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
 _DKDV = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=128, DBIAS_HEAD_SHARED=True, DBIAS_ATOMIC=False, CHUNKS_IN_ORDER=False)
 _DQ = dict(TMA=True, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
-_HOPPER = dict(MASK=MASK_KEYS.value, BIAS=BIAS_KEYS.value, WALK=WALK_BLOCKS, HEAD_DIM=128, STAGED_BIAS=False, KV_STAGES=2)
+_HOPPER = dict(MASK=MASK_KEYS.value, BIAS=BIAS_KEYS.value, WALK=WALK_BLOCKS, HEAD_DIM=128, STAGED_BIAS=False, SOFTCAP=False, KV_STAGES=2)
 _HOPPER_PAIRS = dict(_HOPPER, MASK=MASK_BITS.value, BIAS=BIAS_PAIRS.value, HEAD_DIM=64, KV_STAGES=3)
 _HOPPER_ROWS = dict(_HOPPER, MASK=MASK_ROWS.value, BIAS=BIAS_ROWS.value, WALK=WALK_DENSE)
 _HOPPER_DKDV = dict(
-    MASK=MASK_KEYS.value, BIAS=BIAS_KEYS.value, WALK=WALK_BLOCKS, HEAD_DIM=128, STAGED_BIAS=False, DBIAS=DBIAS_PER_KEY,
-    DBIAS_ATOMIC=False, DBIAS_HEAD_SHARED=True, Q_STAGES=2,
+    MASK=MASK_KEYS.value, BIAS=BIAS_KEYS.value, WALK=WALK_BLOCKS, HEAD_DIM=128, STAGED_BIAS=False, SOFTCAP=False,
+    DBIAS=DBIAS_PER_KEY, DBIAS_ATOMIC=False, DBIAS_HEAD_SHARED=True, Q_STAGES=2,
 )
 _HOPPER_DKDV_PAIRS = dict(
     _HOPPER_DKDV, MASK=MASK_BITS.value, BIAS=BIAS_PAIRS.value, HEAD_DIM=64, Q_STAGES=3, DBIAS=DBIAS_FULL,
@@ -144,6 +144,11 @@ VARIANTS = [
         "forward-paged-decode", forward_launcher, 4, 3,
         {**_KEYS, **_FORWARD, "SEQ": SEQ_CACHE, "PAGED": True, "PACK_GQA": True, "SPLIT": True, "BLOCK_M": 16, "BLOCK_D": 64},
     ),
+    Variant(  # pages holding whole tiles: K and V tiles copied from the pool
+        "forward-paged-tiles-decode", forward_launcher, 4, 4,
+        {**_PER_KEY, **_FORWARD, "HAS_MASK": False, "WALK": WALK_DENSE, "SEQ": SEQ_CACHE, "PAGED": True, "PAGE_TILES": True,
+         "PACK_GQA": True, "SPLIT": True, "BLOCK_M": 16, "BLOCK_N": 64},
+    ),
     Variant("forward-d256", forward_launcher, 8, 2, {**_KEYS, **_FORWARD, "BLOCK_N": 32, "BLOCK_D": 256}),
     Variant("forward-bits", forward_launcher, 8, 2, {**_BITS, **_FORWARD}, pointers=_WORDS),
     *_gluon_variants(
@@ -155,6 +160,7 @@ VARIANTS = [
         ("pairs-d64-staged", dict(_HOPPER_PAIRS, STAGED_BIAS=True, KV_STAGES=2)),
         ("pairs-d128", dict(_HOPPER_PAIRS, HEAD_DIM=128, KV_STAGES=2)),
         ("rows", _HOPPER_ROWS),
+        ("per-key-blocks-softcap", dict(_HOPPER, SOFTCAP=True)),
     ),
     Variant("dkdv-key-list", dkdv_launcher, 4, 3, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
     Variant("dkdv-per-key-blocks", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
@@ -172,6 +178,7 @@ VARIANTS = [
         ("pairs-d64-staged", dict(_HOPPER_DKDV_PAIRS, STAGED_BIAS=True)),
         ("pairs-d128-atomic", dict(_HOPPER_DKDV_PAIRS, HEAD_DIM=128, Q_STAGES=2, DBIAS_ATOMIC=True)),
         ("rows", dict(_HOPPER_DKDV, MASK=MASK_ROWS.value, BIAS=BIAS_ROWS.value, WALK=WALK_DENSE, DBIAS=DBIAS_NONE)),
+        ("per-key-blocks-softcap", dict(_HOPPER_DKDV, SOFTCAP=True)),
     ),
     *_gluon_variants(
         "dq-hopper", hopper_dq.hopper_dq_launcher, hopper_dq.TILE,
@@ -181,6 +188,7 @@ VARIANTS = [
         ("pairs-d64", _HOPPER_PAIRS),
         ("pairs-d64-staged", dict(_HOPPER_PAIRS, STAGED_BIAS=True)),
         ("rows", _HOPPER_ROWS),
+        ("per-key-blocks-softcap", dict(_HOPPER, SOFTCAP=True)),
     ),
     Variant("dq-key-list", dq_launcher, 8, 2, {**_KEYS, **_DQ}),
     Variant("dq-per-key-blocks", dq_launcher, 8, 2, {**_PER_KEY, **_DQ}),

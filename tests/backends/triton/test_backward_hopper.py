@@ -55,6 +55,9 @@ CASES = [
     # Key lists (token-level per-key masks): dQ gathers the kept keys as the forward does.
     Case(seqlen_q=300, seqlen_k=777, head_dim=128, mask=PER_KEY, bias=PER_KEY, causal=True, listed=True),
     Case(seqlen_q=500, seqlen_k=700, heads=6, kv_heads=2, head_dim=64, mask="1,1,1,Sk", bias="1,H,1,Sk", window=(100, 3), listed=True),
+    # Softcap: dK and dQ through the cap's slope, the bias gradient without it.
+    Case(seqlen_q=600, seqlen_k=777, head_dim=128, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128), softcap=5.0),
+    Case(seqlen_q=130, seqlen_k=239, heads=6, kv_heads=2, head_dim=64, bias="B,H,Sq,Sk", window=(40, 40), softcap=2.0),
 ]
 
 
@@ -149,8 +152,8 @@ def test_float32_gradients(dtype, hopper_calls, poison_outputs):
 
 
 def test_backward_dispatch(hopper_calls, monkeypatch):
-    """Plain backwards take the Hopper kernels; softcap, a bool per-pair mask and FLASH_DMA_HOPPER=0
-    take the Triton ones, and deterministic backwards the Triton dK/dV."""
+    """Plain backwards take the Hopper kernels, softcapped ones too; a bool per-pair mask and
+    FLASH_DMA_HOPPER=0 take the Triton ones, and deterministic backwards the Triton dK/dV."""
     case = Case(seqlen_q=256, seqlen_k=256, heads=4, kv_heads=2, head_dim=128, bias=PER_KEY, causal=True)
 
     def backward(case, **kwargs):
@@ -162,7 +165,8 @@ def test_backward_dispatch(hopper_calls, monkeypatch):
     backward(case, deterministic=True)  # dQ has no atomics: it stays
     assert hopper_calls == ["dkdv", "dq", "dq"]
     backward(case.with_(softcap=5.0))
+    assert hopper_calls == ["dkdv", "dq", "dq", "dkdv", "dq"]
     backward(case.with_(mask="B,Hkv,Sq,Sk"))  # a small problem's bool per-pair mask
     monkeypatch.setenv("FLASH_DMA_HOPPER", "0")
     backward(case)
-    assert hopper_calls == ["dkdv", "dq", "dq"]
+    assert hopper_calls == ["dkdv", "dq", "dq", "dkdv", "dq"]

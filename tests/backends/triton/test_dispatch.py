@@ -37,7 +37,7 @@ def test_docs_show_the_table_the_code_routes_by():
         (dict(mask="pairs"), TRITON, TRITON, TRITON),  # a bool per pair: bits only on Hopper
         (dict(walk="keys", mask="none"), HOPPER, HOPPER, TRITON),  # a key list's columns
         (dict(deterministic=True), HOPPER, HOPPER, TRITON),  # query chunks add up by atomics
-        (dict(softcap=True), TRITON, TRITON, TRITON),
+        (dict(softcap=True), HOPPER, HOPPER, HOPPER),
         (dict(dtype="fp32"), TRITON, TRITON, TRITON),
         (dict(head_dim=96), TRITON, TRITON, TRITON),
         (dict(sequences="packed"), TRITON, TRITON, TRITON),

@@ -51,6 +51,9 @@ CASES = [
     Case(seqlen_q=63, seqlen_k=90, head_dim=128, bias=PER_KEY, window=(5000, 5000), causal=True),
     # Many work items per program (the persistent grid wraps around several times).
     Case(batch=3, seqlen_q=2048, seqlen_k=2048, heads=16, kv_heads=4, head_dim=128, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
+    # Softcap (Gemma's form): the cap before the bias, on a summary walk and on the dense one.
+    Case(seqlen_q=600, seqlen_k=777, head_dim=128, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128), softcap=5.0),
+    Case(seqlen_q=130, seqlen_k=239, heads=6, kv_heads=2, head_dim=64, bias="B,H,Sq,Sk", window=(40, 40), softcap=2.0),
 ]
 
 PAIR_CASES = HOPPER_PAIR_CASES
@@ -64,7 +67,9 @@ def _call(case: Case, inputs: dict, key_list=None):
     elif mask is not None and case.block_size is not None:
         summary = build_block_mask(mask, block_size=case.block_size)
     window = (case.window[0], 0) if case.causal else case.window
-    return kernel_call(inputs, summary, key_list, softmax_scale=case.head_dim**-0.5, window=window, mask=mask)
+    return kernel_call(
+        inputs, summary, key_list, softmax_scale=case.head_dim**-0.5, window=window, softcap=case.softcap, mask=mask
+    )
 
 
 def _check(case: Case, inputs: dict, call, dtype) -> None:
@@ -137,8 +142,8 @@ def test_packed_query_view_is_read_through_its_strides():
 
 
 def test_forward_dispatch(monkeypatch):
-    """Large plain forwards take the Hopper kernel, with a key list and a BitMask too;
-    FLASH_DMA_HOPPER=0, softcap and a bool per-pair mask (bits only) do not."""
+    """Large plain forwards take the Hopper kernel, with a key list, a BitMask and softcap too;
+    FLASH_DMA_HOPPER=0 and a bool per-pair mask (bits only) do not."""
     case = Case(batch=1, seqlen_q=4096, seqlen_k=4096, heads=16, kv_heads=4, head_dim=128, bias=PER_KEY, causal=True)
     inputs = make_inputs(case, KERNEL_DTYPES[0])
     calls = []
@@ -151,10 +156,11 @@ def test_forward_dispatch(monkeypatch):
     attention_forward(call._replace(mask=pack_mask(pairs).words, mask_bits=True, **_walk(pack_mask(pairs).summary)))
     assert len(calls) == 3 and calls[1].key_list is keys and calls[2].mask_bits
     attention_forward(call._replace(softcap=5.0))
+    assert len(calls) == 4 and calls[3].softcap == 5.0
     attention_forward(call._replace(mask=pairs))
     monkeypatch.setenv("FLASH_DMA_HOPPER", "0")
     attention_forward(call)
-    assert len(calls) == 3
+    assert len(calls) == 4
 
 
 def _walk(summary) -> dict:

@@ -142,10 +142,11 @@ def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.T
         head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(walk, num_heads),
         call.list_block_q, call.list_block_k, *diagonal_band(call.window_left, call.window_right, seqlen_q, seqlen_k),
         call.softmax_scale, call.softmax_scale * tiles.LOG2E.value,
+        call.softcap * tiles.LOG2E.value, call.softmax_scale / call.softcap if call.softcap > 0 else 0.0,
     ]
     constexprs = [
         MASK_CODES[input_form(mask, call.mask_bits)], BIAS_CODES[input_form(bias)], walk_flag, head_dim,
-        stages_pair_bias(call, walk_flag),
+        stages_pair_bias(call, walk_flag), call.softcap > 0,
     ]
     return runtime, constexprs
 
@@ -210,11 +211,14 @@ class Problem:
     band_hi: gl.tensor
     scale: gl.tensor
     scale_log2: gl.tensor
+    softcap_log2: gl.tensor
+    scale_over_cap: gl.tensor
     MASK: gl.constexpr
     BIAS: gl.constexpr
     WALK: gl.constexpr
     HEAD_DIM: gl.constexpr
     STAGED_BIAS: gl.constexpr
+    SOFTCAP: gl.constexpr
     KV_STAGES: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -658,6 +662,34 @@ def wait_for_scores(p, bufs, qk, pending: gl.constexpr, stage, keys_layout: gl.c
 
 
 @gluon.jit
+def _tanh(x):
+    # As tiles.tanh (the Triton kernels'): odd-symmetric, neither overflowing nor losing precision
+    # near 0; the division approximate (2 ulp), as the softmax warpgroups' instructions set their pace.
+    e = gl.exp2(gl.abs(x) * (-2.0 * tiles.LOG2E))
+    t = gl.fdiv(1.0 - e, 1.0 + e, ieee_rounding=False)
+    return gl.where(x < 0, -t, t)
+
+
+@gluon.jit
+def log2_scores(p, qk):
+    """Log2-domain scores of a product tile ``qk``: ``scale * qk``, or with SOFTCAP
+    ``softcap * tanh(scale * qk / softcap)`` (``tiles.scores_log2``)."""
+    if p.SOFTCAP:
+        s = _tanh(qk * p.scale_over_cap) * p.softcap_log2
+    else:
+        s = qk * p.scale_log2
+    return s
+
+
+@gluon.jit
+def softcap_slope(p, qk):
+    """The derivative of the capped score by the uncapped one at ``qk``, ``1 - tanh²``: dS times it
+    is the gradient of ``scale * q.k`` (the bias, added after the cap, takes dS itself)."""
+    t = _tanh(qk * p.scale_over_cap)
+    return 1.0 - t * t
+
+
+@gluon.jit
 def visible_scores(
     p, bufs, qk, staged, stage, batch, head, first_row, rows, keys_layout: gl.constexpr, ROWS: gl.constexpr, HALF: gl.constexpr,
 ):
@@ -669,7 +701,7 @@ def visible_scores(
     ``staged_keys(p, bufs, stage, keys_layout)``."""
     KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
     first_key, last_key, key_scores = staged
-    s = qk * p.scale_log2
+    s = log2_scores(p, qk)
     if p.BIAS == BIAS_KEYS or p.MASK == MASK_KEYS or KEYS:
         s = s + key_scores[None, :]
     if p.STAGED_BIAS:

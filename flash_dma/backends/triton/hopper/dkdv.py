@@ -55,6 +55,7 @@ from flash_dma.backends.triton.hopper.common import (
     jit_with_runtime_scalars,
     kept_by_bits,
     key_walk,
+    log2_scores,
     pair_bias,
     pair_buffers,
     pair_descriptors,
@@ -63,6 +64,7 @@ from flash_dma.backends.triton.hopper.common import (
     put,
     record,
     row_statistics,
+    softcap_slope,
     staged_pair_row,
     summary_row,
     tile_at,
@@ -151,6 +153,8 @@ class _Problem:
     band_hi: gl.tensor
     scale: gl.tensor
     scale_log2: gl.tensor
+    softcap_log2: gl.tensor
+    scale_over_cap: gl.tensor
     MASK: gl.constexpr
     BIAS: gl.constexpr
     WALK: gl.constexpr
@@ -161,6 +165,7 @@ class _Problem:
     HEAD_DIM: gl.constexpr
     STAGED_BIAS: gl.constexpr
     STAGED_DBIAS: gl.constexpr
+    SOFTCAP: gl.constexpr
     Q_STAGES: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -431,7 +436,7 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
                 first_row = get(bufs.tiles.index(stage)) * p.BLOCK_M
                 rows = first_row + gl.arange(0, p.BLOCK_M, rows_of_s)  # [BLOCK_M]
                 st = warpgroup_mma_wait(1, deps=[st])
-                s = st * p.scale_log2 + key_scores[:, None]
+                s = log2_scores(p, st) + key_scores[:, None]
                 if p.STAGED_BIAS:
                     staged = bufs.bias.index(stage).slice(HALF * KEYS, KEYS, dim=1).permute((1, 0))  # [KEYS, BLOCK_M]
                     s = s + staged.load(s_layout).to(gl.float32) * tiles.LOG2E
@@ -458,6 +463,8 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
                             dbias_tile = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
                     else:
                         _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row, ds, HALF)
+                if p.SOFTCAP:
+                    ds = ds * softcap_slope(p, st)  # after the bias gradient, which is dS itself
                 # Both products are issued once S^T and dP^T are spent: their registers hold P^T and dS^T.
                 dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), operand_layout), do, dv, is_async=True)
                 dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), q, dk, is_async=True)
@@ -506,7 +513,9 @@ def _dkdv_hopper_kernel(
     stride_wb, stride_wh, stride_wr, walk_width, mask_rows, mask_cols, bias_rows, bias_cols,
     batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
     mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k, band_lo, band_hi, scale, scale_log2,
+    softcap_log2, scale_over_cap,
     MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGED_BIAS: gl.constexpr,
+    SOFTCAP: gl.constexpr,
     DO, Lse, Delta, DK, DV, ScratchK, ScratchV, DBias, Queue,
     stride_dob, stride_dos, stride_doh, stride_gb, stride_gs, stride_gh,
     stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk, dbias_head_div, dbias_rows, chunks, items,
@@ -572,8 +581,8 @@ def _dkdv_hopper_kernel(
         stride_gb, stride_gs, stride_gh, stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
         batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group, chunks, items,
         mask_head_div, bias_head_div, walk_head_div, dbias_head_div, list_block_q, list_block_k,
-        band_lo, band_hi, scale, scale_log2,
-        MASK, BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEADS_INNER, HEAD_DIM, STAGED_BIAS, STAGED_DBIAS, Q_STAGES,
+        band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
+        MASK, BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEADS_INNER, HEAD_DIM, STAGED_BIAS, STAGED_DBIAS, SOFTCAP, Q_STAGES,
         BLOCK_M, BLOCK_N,
     )
     gl.warp_specialize(

@@ -37,6 +37,7 @@ from flash_dma.backends.triton.hopper.common import (
     store_rows,
     take_rows,
     tile_descriptor,
+    softcap_slope,
     visible_scores,
     wait_for_scores,
     walked_keys,
@@ -117,6 +118,8 @@ def _dq_rows(p, bufs, HALF: gl.constexpr):
             dp = warpgroup_mma_wait(0, deps=[dp])
             mbarrier.arrive(bufs.v_empty.index(stage), count=1)
             ds = probs * (dp - delta[:, None])
+            if p.SOFTCAP:
+                ds = ds * softcap_slope(p, qk)
             dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), k, dq, is_async=True)
             dq = warpgroup_mma_wait(0, deps=[dq])
             mbarrier.arrive(bufs.k_empty.index(stage), count=1)
@@ -143,7 +146,9 @@ def _dq_hopper_kernel(
     stride_wb, stride_wh, stride_wr, walk_width, mask_rows, mask_cols, bias_rows, bias_cols,
     batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
     mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k, band_lo, band_hi, scale, scale_log2,
+    softcap_log2, scale_over_cap,
     MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGED_BIAS: gl.constexpr,
+    SOFTCAP: gl.constexpr,
     DO, Lse, Delta, DQ, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, items, row_blocks,
     KV_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
@@ -185,8 +190,8 @@ def _dq_hopper_kernel(
         stride_wb, stride_wh, stride_wr, walk_width,
         seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
-        band_lo, band_hi, scale, scale_log2,
-        MASK, BIAS, WALK, HEAD_DIM, STAGED_BIAS, KV_STAGES, BLOCK_M, BLOCK_N, True,
+        band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
+        MASK, BIAS, WALK, HEAD_DIM, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, True,
     )
     gl.warp_specialize(
         [(_dq_lower, (p, bufs)), (_dq_upper, (p, bufs)), (load_partition, (p, bufs))],

@@ -51,6 +51,7 @@ from flash_dma.backends.triton.hopper.common import (
     load_partition,
     record,
     row_values,
+    stages_pair_bias,
     store_rows,
     take_rows,
     tile_descriptor,
@@ -229,7 +230,9 @@ def _attn_fwd_hopper_kernel(
     stride_wb, stride_wh, stride_wr, walk_width, mask_rows, mask_cols, bias_rows, bias_cols,
     batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
     mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k, band_lo, band_hi, scale, scale_log2,
+    softcap_log2, scale_over_cap,
     MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGED_BIAS: gl.constexpr,
+    SOFTCAP: gl.constexpr,
     Out, Lse, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, items, row_blocks,
     KV_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
@@ -269,8 +272,8 @@ def _attn_fwd_hopper_kernel(
         stride_wb, stride_wh, stride_wr, walk_width,
         seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
-        band_lo, band_hi, scale, scale_log2,
-        MASK, BIAS, WALK, HEAD_DIM, STAGED_BIAS, KV_STAGES, BLOCK_M, BLOCK_N, False,
+        band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
+        MASK, BIAS, WALK, HEAD_DIM, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, False,
     )
     gl.warp_specialize(
         [(_softmax_lower, (p, bufs)), (_softmax_upper, (p, bufs)), (load_partition, (p, bufs))],
@@ -295,7 +298,7 @@ def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: 
 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
-        stages = STAGED_BIAS_KV_STAGES if flags[-1] else KV_STAGES[head_dim]
+        stages = STAGED_BIAS_KV_STAGES if stages_pair_bias(call, walk_flag) else KV_STAGES[head_dim]
         own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages]
         return [*tensors, *runtime, *flags, out, lse, *own], (q.dtype, *flags)
 
