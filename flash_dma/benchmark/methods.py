@@ -118,7 +118,8 @@ class FlashDma(Method):
         def forward() -> torch.Tensor:
             return flash_dma_func(
                 inputs.query, inputs.key, inputs.value, attn_mask=inputs.mask, attn_bias=inputs.bias,
-                is_causal=True, block_mask=block_mask, backend=self.backend,
+                is_causal=True, softcap=case.softcap, block_mask=block_mask, deterministic=case.deterministic,
+                backend=self.backend,
             )
 
         return Prepared(forward, inputs.leaves)

@@ -63,6 +63,8 @@ SUITE_HELP = {
               "each keeping 1/8 of its blocks; vs Flex with a document mask and vs the documents padded",
     "kvcache": "decode through flash_dma_with_kvcache over a full cache, contiguous and paged, with a per-key "
                "mask and bias: B=8 over 32K keys, B=1 over 512K",
+    "forms": "the llm shape at 16K, block top-k 1/8, plain and in the contract's other forms (softcap, "
+             "deterministic gradients): what each form costs against the plain call",
 }
 SUITES = tuple(SUITE_HELP)
 MODES = ("fwd", "fwdbwd")
@@ -153,6 +155,9 @@ KVCACHE_LONG_SHAPE = SEED_SHAPE
 KVCACHE_LONG_LENGTH = 524288
 KVCACHE_LONG_KEEP = 1 / 8
 KVCACHE_METHODS = ("flash-dma-kvcache",)
+FORMS_LENGTH = 16384
+FORMS_KEEP = 1 / 8
+FORMS_SOFTCAP = 30.0  # Gemma 2's attention cap
 
 # --quick: a few rows per suite, with about one Flex compilation per suite.
 QUICK_SEED_PREFILL_LENGTHS = (4096,)
@@ -228,6 +233,8 @@ class Case:
     cache: str | None = None  # "warm" | "cold" compiler caches: the first call in a new process; None: here
     documents: tuple[int, ...] | None = None  # lengths of the packed documents (varlen suite); None: unpacked
     kv_layout: str | None = None  # "contiguous" | "paged" KV cache (kvcache suite); None: no KV cache
+    softcap: float = 0.0  # flash_dma_func's softcap (forms suite)
+    deterministic: bool = False  # flash_dma_func's deterministic (forms suite)
 
     @property
     def is_decode(self) -> bool:
@@ -320,7 +327,8 @@ class Case:
             layout = ""
             if self.uses_kv_cache:
                 layout = f" {self.kv_layout}" + (f" {self.page_size}" if self.page_size else "")
-            text = f"{length}{docs} {self._mask_text()}{bias}{layout}"
+            form = (f" softcap={self.softcap:g}" if self.softcap else "") + (" deterministic" if self.deterministic else "")
+            text = f"{length}{docs} {self._mask_text()}{bias}{layout}{form}"
         return text + CACHE_LABELS.get(self.cache, "")
 
     def _mask_text(self) -> str:
@@ -555,6 +563,14 @@ def kvcache_cases(quick: bool = False) -> list[Case]:
     return cases
 
 
+def forms_cases(quick: bool = False) -> list[Case]:
+    """The plain llm call at 16K keep 1/8, then the same call in each other form; one row each,
+    already sanity-sized, so ``quick`` keeps them all."""
+    plain = Case("forms", "prefill", **LLM_SHAPE, seqlen_q=FORMS_LENGTH, seqlen_k=FORMS_LENGTH, keep=FORMS_KEEP,
+                 methods=("flash-dma",), modes=MODES)
+    return [plain, replace(plain, softcap=FORMS_SOFTCAP), replace(plain, deterministic=True, modes=("fwdbwd",))]
+
+
 BUILDERS = {
     "llm": llm_cases,
     "seedtable": seedtable_cases,
@@ -571,6 +587,7 @@ BUILDERS = {
     "firstcall": first_call_cases,
     "varlen": varlen_cases,
     "kvcache": kvcache_cases,
+    "forms": forms_cases,
 }
 
 

@@ -22,6 +22,7 @@ from flash_dma.benchmark.suites import (
     KVCACHE_LONG_KEEP,
     KVCACHE_LONG_LENGTH,
     DOGE_LENGTHS,
+    FORMS_SOFTCAP,
     LAYER_LENGTH,
     LLAMA_LENGTHS,
     LLM_LENGTHS,
@@ -403,6 +404,17 @@ TARGETS = (
         Target(f"kvcache B=8 Sk=32K keep {format_fraction(keep)}: flash-dma-kvcache time paged / contiguous", "<=",
                1.1, _paged_vs_contiguous(keep))
         for keep in KVCACHE_KEEPS
+    ),
+    # Every form of the contract on the Hopper kernels (issue 31): no form costs much beyond the plain call.
+    *(
+        Target(f"forms S=16K keep 1/8 {MODE_LABELS[mode]}: flash-dma {form} / plain time", "<=", 1.15,
+               _time_ratio(_pick("flash-dma", mode, suite="forms", **fields),
+                           _pick("flash-dma", mode, suite="forms", softcap=0.0, deterministic=False)))
+        for form, fields, modes in (
+            (f"softcap={FORMS_SOFTCAP:g}", dict(softcap=FORMS_SOFTCAP), MODES),
+            ("deterministic", dict(deterministic=True), ("fwdbwd",)),
+        )
+        for mode in modes
     ),
     Target("kvcache B=1 H=2 Sk=512K keep 1/8: flash-dma-kvcache time", "<=", KVCACHE_LONG_US,
            _device_us(_pick("flash-dma-kvcache", "fwd", suite="kvcache", seqlen_k=KVCACHE_LONG_LENGTH,

@@ -10,6 +10,7 @@ from flash_dma.benchmark.suites import (
     SEED_SHAPE,
     Case,
     doge_cases,
+    forms_cases,
     kvcache_cases,
     layer_cases,
     pqtoken_cases,
@@ -124,6 +125,10 @@ def passing_results() -> list[Result]:
         else:
             ms, tbps = 0.01, 1.75
         rows.append(row(kv, "flash-dma-kvcache", "fwd", ms=ms, gbps=tbps * 1e3))
+    plain, softcap, deterministic = forms_cases()
+    for mode, plain_ms in (("fwd", 0.3), ("fwdbwd", 1.4)):
+        rows += [row(plain, "flash-dma", mode, ms=plain_ms), row(softcap, "flash-dma", mode, ms=plain_ms * 1.1)]
+    rows.append(row(deterministic, "flash-dma", "fwdbwd", ms=1.4 * 1.12))
     return rows
 
 

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from flash_dma.benchmark.methods import METHODS
@@ -159,7 +161,7 @@ def test_quick_is_a_small_subset_of_the_full_run():
     full, quick = build_cases(), build_cases(quick=True)
     assert set(quick) <= set(full)
     assert {c.suite for c in quick} == set(SUITES)
-    assert count_rows(quick) <= 115 < count_rows(full)
+    assert count_rows(quick) <= 120 < count_rows(full)
 
 
 def test_all_runs_every_suite_in_order_and_each_suite_runs_alone():
@@ -241,3 +243,12 @@ def test_kvcache_suite_decodes_over_full_caches():
     assert cases[2].kept_text == "4096/32768 keys" and cases[-1].kept_keys == 65536
     assert kvcache_cases(quick=True) == cases[2:]
     assert not build_cases("kvcache", modes=("fwdbwd",))
+
+
+def test_forms_suite_is_the_plain_call_then_each_form():
+    plain, softcap, deterministic = build_cases("forms")
+    assert (plain.seqlen_k, plain.keep, plain.softcap, plain.deterministic) == (16384, 1 / 8, 0.0, False)
+    assert softcap == replace(plain, softcap=30.0) and softcap.label == "S=16384 keep=1/8 softcap=30"
+    assert deterministic.deterministic and deterministic.modes == ("fwdbwd",)
+    assert deterministic.label == "S=16384 keep=1/8 deterministic"
+    assert build_cases("forms", quick=True) == [plain, softcap, deterministic]

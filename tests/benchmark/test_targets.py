@@ -15,9 +15,9 @@ def _by_name(checks):
 
 def test_every_target_passes_on_good_numbers():
     checks = evaluate(passing_results())
-    assert len(checks) == len(TARGETS) == 76
-    assert len({c.name for c in checks}) == 76
-    assert [c.status for c in checks] == ["PASS"] * 76, [c for c in checks if c.status != "PASS"]
+    assert len(checks) == len(TARGETS) == 79
+    assert len({c.name for c in checks}) == 79
+    assert [c.status for c in checks] == ["PASS"] * 79, [c for c in checks if c.status != "PASS"]
     values = _by_name(checks)
     assert values["llm keep 1/8 S=16K fwd: flash-dma / flex time"].value == 0.5
     assert values["llm keep 1/8 S=128K fwd+bwd: flash-dma / flex time"].value == 0.25
@@ -33,6 +33,8 @@ def test_every_target_passes_on_good_numbers():
     assert values["llm keep 1/32 S=16K fwd+bwd: flash-dma time"].value == 0.4
     assert values["llm S=32K keep 1/8 fwd+bwd: flash-dma / flex peak memory"].value == 1.0 / 1.5
     assert values["llm keep 1/8 fwd S>=4K: flash-dma-percall / flash-dma time (worst S)"].value == 0.52 / 0.5
+    assert values["forms S=16K keep 1/8 fwd+bwd: flash-dma softcap=30 / plain time"].value == pytest.approx(1.1)
+    assert values["forms S=16K keep 1/8 fwd+bwd: flash-dma deterministic / plain time"].value == pytest.approx(1.12)
 
 
 def test_absolute_targets_keep_their_unit():
