@@ -554,8 +554,7 @@ def topk_block_mask(
             return block_mask_from_state(state, (*bias.shape[:2], 1, key_len), block_size, needs_mask=needs_mask)
         bias = bias.float()
         if allowed is None:
-            allowed = torch.ones((), dtype=torch.bool, device=bias.device)
-        bias, allowed = _broadcast("attention_mask", bias, allowed)
+            allowed = torch.ones((), dtype=torch.bool, device=bias.device).expand(bias.shape)
         block_bias = _key_blocks(bias, block_k, 0.0)  # [Bm, Hm, 1, NKB, block_k]
         block_allowed = _key_blocks(allowed, block_k, False)
         allowed_count = block_allowed.sum(dim=-1)  # [Bm, Hm, 1, NKB]

@@ -368,13 +368,17 @@ def attention_forward(
     table = no_ints if cache is None or cache.block_table is None else cache.block_table
     paged = cache is not None and cache.block_table is not None
     cache_last = k.shape[1] // cache.page_size - 1 if paged else k.shape[0] - 1  # the last page, or cache row
-    tma = copy_engine_reads(block_d, seqlen_k, q, k, call.v)
-    # Key tiles of a power of two up to the page size lie within one page, and copy whole (see the kernel).
-    page_tiles = paged and tma and cache.page_size >= configs.MIN_TILE and cache.page_size & (cache.page_size - 1) == 0
-    fit_block_k = min(b for b in (list_block_k, cache.page_size if page_tiles else 0, 1 << 30) if b > 0)
+    def kv_reads() -> tuple[bool, bool, int]:
+        """``(tma, page_tiles, fit_block_k)``: whether K/V tiles are copied whole (TMA), whether a
+        paged cache's are (key tiles of a power of two up to the page size lie within one page),
+        and the largest key tile. Decided once per layout, by ``build`` and ``candidates``."""
+        tma = copy_engine_reads(block_d, seqlen_k, q, k, call.v)
+        page_tiles = paged and tma and cache.page_size >= configs.MIN_TILE and cache.page_size & (cache.page_size - 1) == 0
+        return tma, page_tiles, min(b for b in (list_block_k, cache.page_size if page_tiles else 0, 1 << 30) if b > 0)
 
     def build():
         runtime, flags = common_arguments(call, kv_lists, pack_gqa, sequences)
+        tma, page_tiles, fit_block_k = kv_reads()
         if num_splits > 1:
             lse_strides = (lse_target.stride(0), lse_target.stride(1), lse_target.stride(3), lse_target.stride(2))
         else:
@@ -390,6 +394,7 @@ def attention_forward(
         return args, key
 
     def candidates():
+        fit_block_k = kv_reads()[2]
         return configs.fit_to_problem(configs.forward_candidates(q.device, block_d, decode), rows, list_block_q, fit_block_k)
 
     layout = (signature, tensor_layout(cache_rows), tensor_layout(table), cache.page_size if paged else 0)
