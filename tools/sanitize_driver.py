@@ -119,7 +119,7 @@ def _walk(listed: bool, query_chunks: int = 0) -> ExitStack:
     if listed:
         stack.enter_context(mock.patch.object(triton_backend, "SMALL_PROBLEM", 0))
     if query_chunks:
-        stack.enter_context(mock.patch.object(triton_backward, "query_chunks", lambda seqlen_q: query_chunks))
+        stack.enter_context(mock.patch.object(triton_backward, "query_chunks", lambda *args: query_chunks))
     return stack
 
 
@@ -529,6 +529,10 @@ CASES = {
         _attention("attn-summary-d128-softcap-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
                    head_dim=128, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True, softcap=5.0,
                    walk="summary", block_size=(128, 128)),
+        # Deterministic on Hopper: dK/dV's query chunks wait for their turns (a per-key bias the batch shares).
+        _attention("attn-summary-d128-deterministic-chunks", batch=2, seqlen_q=600, seqlen_k=600, heads=4, kv_heads=2,
+                   head_dim=128, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,Hkv,1,Sk", causal=True,
+                   walk="summary", block_size=(128, 128), deterministic=True, query_chunks=3),
         _attention("attn-query-chunks", batch=1, seqlen_q=90, seqlen_k=70, heads=4, kv_heads=2, head_dim=64,
                    mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,1,1,Sk", causal=True, walk="summary",
                    block_size=(16, 16), query_chunks=2),

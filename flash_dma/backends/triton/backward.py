@@ -505,15 +505,14 @@ dq_launcher = Launcher(
 
 class BiasGradient(NamedTuple):
     """How the dK/dV kernel makes the bias gradient (:func:`bias_gradient`): in a zeroed buffer
-    ``[chunks, Bd, Hd, Sqb, Sk]`` of ``dtype``, then summed over its chunks and over the
-    dimensions ``sums`` (of one chunk) into the bias's shape."""
+    ``[chunks, Bd, Hd, Sqb, Sk]`` of ``dtype``, then summed over its chunks and, where ``Bd`` or
+    ``Hd`` is a multiple of the bias's own, over each bias row's slices (:func:`sum_bias_gradient`)."""
 
     shape: tuple[int, int, int, int, int]
     dtype: torch.dtype
     kind: int  # DBIAS_FULL or DBIAS_PER_KEY
     atomic: bool
     head_shared: bool
-    sums: tuple[int, ...]
 
 
 def bias_gradient(
@@ -529,7 +528,8 @@ def bias_gradient(
 
     The ``hopper`` kernel writes each element of a per-pair gradient once, in the bias's dtype
     (it adds a group's heads in registers), unless programs share it; a walk that differs per
-    query head (``per_head_walk``) keeps a group's heads apart, so they add by atomics too.
+    query head (``per_head_walk``) keeps a group's heads apart, so they add by atomics too, or,
+    deterministic, each head gets its own slice.
     """
     bb, bh, bq, bk = bias.shape
     # A bias broadcast over several keys shifts whole rows, which the softmax ignores. Over one
@@ -540,15 +540,28 @@ def bias_gradient(
     shared_batch = bb == 1 and batch > 1
     shared_kv = bh == 1 and num_kv_heads > 1
     full = bq > 1
-    atomic = (shared_batch or shared_kv or (hopper and full and per_head_walk and bh != num_heads)) and not deterministic
+    heads_apart = hopper and full and per_head_walk and bh != num_heads
+    atomic = (shared_batch or shared_kv or heads_apart) and not deterministic
     rows_b = batch if shared_batch and deterministic else bb
-    rows_h = num_kv_heads if shared_kv and deterministic else bh
+    rows_h = bh
+    if deterministic:
+        rows_h = num_heads if heads_apart else num_kv_heads if shared_kv else bh
     chunks = 1 if full else query_chunks
-    dtype = bias.dtype if hopper and full and not atomic else torch.float32
-    sums = tuple(d for d, (rows, size) in enumerate(((rows_b, bb), (rows_h, bh))) if rows != size)
-    return BiasGradient(
-        (chunks, rows_b, rows_h, bq, bk), dtype, DBIAS_FULL if full else DBIAS_PER_KEY, atomic, rows_h != num_heads, sums,
-    )
+    summed = (rows_b, rows_h) != (bb, bh)
+    dtype = bias.dtype if hopper and full and not atomic and not summed else torch.float32
+    return BiasGradient((chunks, rows_b, rows_h, bq, bk), dtype, DBIAS_FULL if full else DBIAS_PER_KEY, atomic, rows_h != num_heads)
+
+
+def sum_bias_gradient(acc: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The bias gradient in ``bias``'s shape and dtype from the kernel's buffer ``acc``
+    ``[chunks, Bd, Hd, Sqb, Sk]`` (:class:`BiasGradient`): summed over the chunks, then over the
+    slices of each bias row (``Bd``, ``Hd`` multiples of the bias's), by torch, in a fixed order."""
+    bb, bh, bq, bk = bias.shape
+    _, rows_b, rows_h = acc.shape[:3]
+    dbias = acc[0] if acc.shape[0] == 1 else acc.sum(dim=0)
+    if (rows_b, rows_h) != (bb, bh):
+        dbias = dbias.view(bb, rows_b // bb, bh, rows_h // bh, bq, bk).sum(dim=(1, 3))
+    return dbias.to(bias.dtype)
 
 
 def query_chunks(
@@ -560,8 +573,8 @@ def query_chunks(
     with a sparse per-key mask only a few such columns exist and the longest one sets the
     run time. Splitting each column bounds that. ``kv_entries`` is B x Hkv.
 
-    - In order (deterministic): a chunk waits for the one before it, holding its SM, so
-      chunks stay long (2048 queries each).
+    - In order (deterministic, the Triton kernel): a chunk waits for the one before it,
+      holding its SM, so chunks stay long (2048 queries each).
     - By atomics: enough programs for a mask that keeps 1/8 of the columns, at least 512
       queries each. H100, bf16, llm shape, keep 1/8, dK/dV kernel (ms) by chunks:
 
@@ -734,8 +747,7 @@ def attention_backward(
 
     dbias = None
     if gradient is not None:
-        dbias = dbias_acc[0] if gradient.shape[0] == 1 else dbias_acc.sum(dim=0)
-        dbias = (dbias.sum(dim=gradient.sums, keepdim=True) if gradient.sums else dbias).to(bias.dtype)
+        dbias = sum_bias_gradient(dbias_acc, bias)
     elif bias_requires_grad:
         dbias = bias.new_zeros(bias.shape)  # a bias broadcast over keys cannot change the softmax
     return dq, dk, dv, dbias
@@ -760,8 +772,9 @@ def _plan(call: Call, dout: torch.Tensor, bias_requires_grad: bool, num_query_ch
     hopper_dkdv = route("dkdv", form_of("dkdv", call, sequences, dout=dout)) == HOPPER
     hopper_dq = route("dq", form_of("dq", call, sequences, dout=dout)) == HOPPER
     masked = call.mask is not None or call.q_lists is not None or call.key_list is not None
+    # The Hopper kernel's chunks run side by side whether or not they add up in order.
     chunks = num_query_chunks or query_chunks(
-        seqlen_q, seqlen_k, batch * num_kv_heads, call.deterministic, call.q.device, hopper_dkdv, masked,
+        seqlen_q, seqlen_k, batch * num_kv_heads, call.deterministic and not hopper_dkdv, call.q.device, hopper_dkdv, masked,
     )
     gradient = None
     if bias_requires_grad:

@@ -87,8 +87,8 @@ ROUTES = (
     # flash_dma_topk_func: keys listed per query, gathered (``topk_forward.py``, ``topk_backward.py``).
     Route(TOPK, PASSES, walk=("indices",)),
     Route(HOPPER, ("forward", "dq"), **_HOPPER_FORMS),
-    # Query chunks add up by fp32 atomics in no fixed order; a key list's columns are the Triton kernel's.
-    Route(HOPPER, ("dkdv",), **_HOPPER_FORMS, walk=("dense", "blocks"), deterministic=(False,)),
+    # A key list's columns are the Triton kernel's.
+    Route(HOPPER, ("dkdv",), **_HOPPER_FORMS, walk=("dense", "blocks")),
     Route(TRITON, PASSES),
 )
 

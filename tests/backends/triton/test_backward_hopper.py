@@ -89,16 +89,19 @@ def hopper_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("chunks", [1, 3], ids=["chunks1", "chunks3"])
+@pytest.mark.parametrize(
+    "chunks, deterministic", [(1, False), (3, False), (3, True)], ids=["chunks1", "chunks3", "chunks3-in-order"],
+)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", CASES + PAIR_CASES, ids=str)
-def test_hopper_gradients_match_reference(case, dtype, chunks, hopper_calls, monkeypatch, poison_outputs):
-    """Written directly (one chunk) or added up in fp32 scratch (three chunks of each key tile's queries)."""
+def test_hopper_gradients_match_reference(case, dtype, chunks, deterministic, hopper_calls, monkeypatch, poison_outputs):
+    """Written directly (one chunk) or added up in fp32 scratch (three chunks of each key tile's
+    queries): by atomics, or deterministic, in chunk order."""
     monkeypatch.setattr(backward_module, "query_chunks", lambda *args: chunks)
     memo.forget_memos()  # the chunks of a layout seen before are remembered
     inputs = make_inputs(case, dtype, requires_grad=True)
     before = {name: t.detach().clone() for name, t in inputs.items() if t is not None}
-    out = triton_call(case, inputs)
+    out = triton_call(case, inputs, deterministic=deterministic)
     dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
     out.backward(dout)
     assert hopper_calls == _hopper_kernels(case)
@@ -152,8 +155,8 @@ def test_float32_gradients(dtype, hopper_calls, poison_outputs):
 
 
 def test_backward_dispatch(hopper_calls, monkeypatch):
-    """Plain backwards take the Hopper kernels, softcapped ones too; a bool per-pair mask and
-    FLASH_DMA_HOPPER=0 take the Triton ones, and deterministic backwards the Triton dK/dV."""
+    """Plain backwards take the Hopper kernels, softcapped and deterministic ones too; a bool
+    per-pair mask and FLASH_DMA_HOPPER=0 take the Triton ones."""
     case = Case(seqlen_q=256, seqlen_k=256, heads=4, kv_heads=2, head_dim=128, bias=PER_KEY, causal=True)
 
     def backward(case, **kwargs):
@@ -162,11 +165,49 @@ def test_backward_dispatch(hopper_calls, monkeypatch):
 
     backward(case)
     assert hopper_calls == ["dkdv", "dq"]
-    backward(case, deterministic=True)  # dQ has no atomics: it stays
-    assert hopper_calls == ["dkdv", "dq", "dq"]
+    backward(case, deterministic=True)
+    assert hopper_calls == ["dkdv", "dq"] * 2
     backward(case.with_(softcap=5.0))
-    assert hopper_calls == ["dkdv", "dq", "dq", "dkdv", "dq"]
+    assert hopper_calls == ["dkdv", "dq"] * 3
     backward(case.with_(mask="B,Hkv,Sq,Sk"))  # a small problem's bool per-pair mask
     monkeypatch.setenv("FLASH_DMA_HOPPER", "0")
     backward(case)
-    assert hopper_calls == ["dkdv", "dq", "dq", "dkdv", "dq"]
+    assert hopper_calls == ["dkdv", "dq"] * 3
+
+
+DETERMINISTIC_CASES = [
+    # Per-key bias shared by the batch and the key/value heads: a slice per program, summed after.
+    Case(batch=2, seqlen_q=1500, seqlen_k=1500, heads=8, kv_heads=2, head_dim=128, mask=PER_KEY, bias="1,1,1,Sk",
+         mask_kind="blocks", causal=True, block_size=(128, 128)),
+    # Per-pair bias per key/value head, walked per query head: a slice per query head, summed after.
+    Case(seqlen_q=700, seqlen_k=700, heads=4, kv_heads=2, head_dim=64, bias="B,Hkv,Sq,Sk", causal=True, softcap=5.0),
+]
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=str)
+def test_deterministic_gradients_are_bit_identical(case, hopper_calls, monkeypatch):
+    """deterministic=True: the Hopper dK/dV adds its query chunks in chunk order, and the bias
+    gradient's shared rows are summed after the kernel, so two runs agree bit for bit."""
+    monkeypatch.setattr(backward_module, "query_chunks", lambda *args: 5)
+    memo.forget_memos()
+    inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
+    summary = None
+    if case.bias.startswith("B,Hkv,Sq"):  # a per-query-head walk: the summary's rows differ per query head
+        scores = torch.randn(case.batch, case.heads, 1, case.seqlen_k, generator=case.generator("walk")).to(inputs["query"].device)
+        summary = topk_block_mask(scores, 256, block_size=(128, 128), query_len=case.seqlen_q, is_causal=True)
+    dout = torch.randn(case.batch, case.seqlen_q, case.heads, case.head_dim, generator=case.generator("dout")).to(inputs["query"])
+    runs = []
+    for _ in range(3):
+        for t in inputs.values():
+            if t is not None and t.requires_grad:
+                t.grad = None
+        out = triton_call(case, inputs, deterministic=True, block_mask=summary)
+        out.backward(dout)
+        runs.append([inputs[n].grad.clone() for n in ("query", "key", "value", "attn_bias")])
+    assert hopper_calls == ["dkdv", "dq"] * 3
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
+    as_elements = inputs if summary is None else dict(inputs, attn_mask=summary.dense_rows(0, case.seqlen_q, case.seqlen_k) == FULL)
+    _, _, oracle = reference_outputs(case, as_elements, dout, torch.float64)
+    _, _, baseline = reference_outputs(case, as_elements, dout, KERNEL_DTYPES[0])
+    assert_gradients_close(inputs, oracle, baseline)

@@ -36,7 +36,8 @@ def test_docs_show_the_table_the_code_routes_by():
         (dict(mask="rows", bias="rows", walk="dense"), HOPPER, HOPPER, HOPPER),
         (dict(mask="pairs"), TRITON, TRITON, TRITON),  # a bool per pair: bits only on Hopper
         (dict(walk="keys", mask="none"), HOPPER, HOPPER, TRITON),  # a key list's columns
-        (dict(deterministic=True), HOPPER, HOPPER, TRITON),  # query chunks add up by atomics
+        (dict(deterministic=True), HOPPER, HOPPER, HOPPER),  # query chunks add up in order
+        (dict(deterministic=True, walk="keys", mask="none"), HOPPER, HOPPER, TRITON),
         (dict(softcap=True), HOPPER, HOPPER, HOPPER),
         (dict(dtype="fp32"), TRITON, TRITON, TRITON),
         (dict(head_dim=96), TRITON, TRITON, TRITON),

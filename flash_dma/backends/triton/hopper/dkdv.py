@@ -17,8 +17,11 @@ epilogue take turns. Here, as in FlashAttention-3's backward, the roles run side
 
 A work item is (key tile, query chunk, batch, key/value head); it visits every query head of the
 group, so K and V are read once per item. Items are taken first key tiles first (under a causal
-band they see the most queries). With several query chunks, their parts are added by fp32
-atomics into zeroed scratch, which the caller converts; with one, dK and dV are written directly.
+band they see the most queries). With one query chunk, dK and dV are written directly. With
+several, their parts add up in fp32 scratch: by atomics into zeroed scratch, which the caller
+converts, or, deterministic (IN_ORDER), in chunk order: each chunk waits for the one before it,
+and the last writes dK and dV. The chunks of a column are queued side by side and every program
+is resident, so the chunk waited for is always under way.
 
 The bias gradient: per key, the column sums of dS (flushed per head, or once for a bias the
 group shares); per pair, dS itself, each tile written once. For a per-pair bias the group's
@@ -115,6 +118,7 @@ class _Problem:
     ScratchV: gl.tensor
     DBias: gl.tensor
     Queue: gl.tensor
+    Turns: gl.tensor
     stride_mb: gl.tensor
     stride_mh: gl.tensor
     stride_mq: gl.tensor
@@ -166,6 +170,7 @@ class _Problem:
     STAGED_BIAS: gl.constexpr
     STAGED_DBIAS: gl.constexpr
     SOFTCAP: gl.constexpr
+    IN_ORDER: gl.constexpr
     Q_STAGES: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -291,7 +296,7 @@ def _load_query_tile(p, bufs, loaded, batch, head, g, key_tile, tile, partial, r
 def _load_columns(p, bufs):
     """One warp: takes work items off the queue; for each, K and V, then its query tiles
     (``_load_query_tile``): head by head, or with HEADS_INNER each tile's heads in turn (their
-    walk is the same). Items without tiles are skipped when chunks add up in zeroed scratch."""
+    walk is the same). Items without tiles are skipped when chunks add up by atomics."""
     kv_bytes: gl.constexpr = 2 * p.k_desc.block_type.nbytes
     row_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_M // 32], [32], [1], [0])
     published = 0
@@ -301,7 +306,7 @@ def _load_columns(p, bufs):
     while index < p.items:
         key_tile, chunk, batch, kv_head = _column_position(p, index)
         count = _item_tiles(p, key_tile, chunk, batch, kv_head)
-        if (count > 0) | (p.chunks == 1):
+        if (count > 0) | (p.chunks == 1) | p.IN_ORDER:
             _publish(bufs, published, index, count)
             published += 1
         if count > 0:
@@ -487,12 +492,36 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
         if p.chunks == 1:
             gl.store(p.DK + offsets, dk.to(p.DK.dtype.element_ty), mask=ok)
             gl.store(p.DV + offsets, dv.to(p.DV.dtype.element_ty), mask=ok)
+        elif p.IN_ORDER:
+            # One turn counter per column half: index // chunks numbers the columns.
+            _add_in_order(p, p.Turns + (index // p.chunks) * 2 + HALF, chunk, offsets, ok, dk, dv)
         else:
             gl.atomic_add(p.ScratchK + offsets, dk, mask=ok, sem="relaxed")
             gl.atomic_add(p.ScratchV + offsets, dv, mask=ok, sem="relaxed")
         index, count = _take(bufs, taken)
     if p.STAGED_DBIAS:
         tma.store_wait(0)  # the staging tile lives in shared memory, which ends with the program
+
+
+@gluon.jit
+def _add_in_order(p, turn, chunk, offsets, ok, dk, dv):
+    """Add chunk ``chunk``'s part of dK and dV ``[KEYS, D]`` to the parts of the chunks before it,
+    in chunk order: the sums are the same on every run. The chunk waits for its turn, adds the
+    scratch, and writes it back (the last chunk: dK and dV), then passes the turn on."""
+    while gl.atomic_add(turn, 0, sem="acquire") != chunk:
+        pass
+    gl.thread_barrier()  # every thread reads the scratch after the turn came
+    if chunk > 0:
+        dk += gl.load(p.ScratchK + offsets, mask=ok, other=0.0, cache_modifier=".cg")
+        dv += gl.load(p.ScratchV + offsets, mask=ok, other=0.0, cache_modifier=".cg")
+    if chunk < p.chunks - 1:
+        gl.store(p.ScratchK + offsets, dk, mask=ok)
+        gl.store(p.ScratchV + offsets, dv, mask=ok)
+    else:
+        gl.store(p.DK + offsets, dk.to(p.DK.dtype.element_ty), mask=ok)
+        gl.store(p.DV + offsets, dv.to(p.DV.dtype.element_ty), mask=ok)
+    gl.thread_barrier()  # every thread's stores are made before the turn is passed on
+    gl.atomic_add(turn, 1, sem="release")
 
 
 @gluon.jit
@@ -516,10 +545,10 @@ def _dkdv_hopper_kernel(
     softcap_log2, scale_over_cap,
     MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGED_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
-    DO, Lse, Delta, DK, DV, ScratchK, ScratchV, DBias, Queue,
+    DO, Lse, Delta, DK, DV, ScratchK, ScratchV, DBias, Queue, Turns,
     stride_dob, stride_dos, stride_doh, stride_gb, stride_gs, stride_gh,
     stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk, dbias_head_div, dbias_rows, chunks, items,
-    DBIAS: gl.constexpr, DBIAS_ATOMIC: gl.constexpr, DBIAS_HEAD_SHARED: gl.constexpr,
+    DBIAS: gl.constexpr, DBIAS_ATOMIC: gl.constexpr, DBIAS_HEAD_SHARED: gl.constexpr, IN_ORDER: gl.constexpr,
     Q_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
@@ -532,7 +561,9 @@ def _dkdv_hopper_kernel(
     )
     words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, Q_STAGES, BLOCK_N)
     # A per-pair bias gradient written once per element leaves as the bias came in: by TMA.
-    STAGED_DBIAS: gl.constexpr = STAGED_BIAS and DBIAS == _FULL and not DBIAS_ATOMIC
+    STAGED_DBIAS: gl.constexpr = (
+        STAGED_BIAS and DBIAS == _FULL and not DBIAS_ATOMIC and DBias.dtype.element_ty == Bias.dtype.element_ty
+    )
     dbias_desc = q_desc
     dbias = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
     if STAGED_DBIAS:
@@ -575,14 +606,14 @@ def _dkdv_hopper_kernel(
     # A per-pair gradient the group's heads share is added up in registers, a tile's heads in turn.
     HEADS_INNER: gl.constexpr = DBIAS == _FULL and DBIAS_HEAD_SHARED and not DBIAS_ATOMIC
     p = _Problem(
-        q_desc, k_desc, v_desc, do_desc, words_desc, bias_desc, dbias_desc, Lse, Delta, Mask, Bias, Walk, DK, DV, ScratchK, ScratchV, DBias, Queue,
+        q_desc, k_desc, v_desc, do_desc, words_desc, bias_desc, dbias_desc, Lse, Delta, Mask, Bias, Walk, DK, DV, ScratchK, ScratchV, DBias, Queue, Turns,
         stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
         stride_wb, stride_wh, stride_wr, walk_width,
         stride_gb, stride_gs, stride_gh, stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
         batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group, chunks, items,
         mask_head_div, bias_head_div, walk_head_div, dbias_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
-        MASK, BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEADS_INNER, HEAD_DIM, STAGED_BIAS, STAGED_DBIAS, SOFTCAP, Q_STAGES,
+        MASK, BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEADS_INNER, HEAD_DIM, STAGED_BIAS, STAGED_DBIAS, SOFTCAP, IN_ORDER, Q_STAGES,
         BLOCK_M, BLOCK_N,
     )
     gl.warp_specialize(
@@ -593,7 +624,7 @@ def _dkdv_hopper_kernel(
 
 hopper_dkdv_launcher = Launcher(
     _dkdv_hopper_kernel,
-    tensors=(*COMMON_TENSORS, "DO", "Lse", "Delta", "DK", "DV", "ScratchK", "ScratchV", "DBias", "Queue"),
+    tensors=(*COMMON_TENSORS, "DO", "Lse", "Delta", "DK", "DV", "ScratchK", "ScratchV", "DBias", "Queue", "Turns"),
     specialized=(),
 )
 
@@ -608,7 +639,8 @@ def hopper_dkdv(
 
     ``dout`` ``[B, Sq, H, D]``; ``lse``, ``delta`` ``[B, H, Sq]`` float32, contiguous;
     ``dbias_flags`` is ``(kind, atomic, head_shared)`` of ``backward.bias_gradient``;
-    ``chunks`` splits each key tile's queries. ``signature`` holds the layouts of the call, of
+    ``chunks`` splits each key tile's queries, whose parts add up in chunk order when the call is
+    deterministic. ``signature`` holds the layouts of the call, of
     ``dout`` and of the gradients (``backward.attention_backward``'s): the launch is prepared
     once per signature.
     """
@@ -617,15 +649,20 @@ def hopper_dkdv(
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     device = q.device
     items = chunks * cdiv(seqlen_k, TILE.kwargs["BLOCK_N"]) * batch * num_kv_heads
+    in_order = call.deterministic and chunks > 1
     scratch_k = scratch_v = placeholder(device, torch.float32)
+    turns = placeholder(device, torch.int32)
     if chunks > 1:
-        scratch_k = torch.zeros(dk.shape, dtype=torch.float32, device=device)
-        scratch_v = torch.zeros(dv.shape, dtype=torch.float32, device=device)
+        scratch = torch.empty if in_order else torch.zeros  # in order, the first chunk writes it
+        scratch_k = scratch(dk.shape, dtype=torch.float32, device=device)
+        scratch_v = scratch(dv.shape, dtype=torch.float32, device=device)
+    if in_order:
+        turns = torch.zeros(2 * items // chunks, dtype=torch.int32, device=device)  # a counter per column half
     dbias_target = placeholder(device, torch.float32) if dbias_acc is None else dbias_acc
     queue = torch.zeros(1, dtype=torch.int32, device=device)
     walk_flag = WALK_DENSE if call.q_lists is None else WALK_BLOCKS
     tensors = hopper_tensors(call, k, v, call.q_lists)
-    own_tensors = [dout, lse, delta, dk, dv, scratch_k, scratch_v, dbias_target, queue]
+    own_tensors = [dout, lse, delta, dk, dv, scratch_k, scratch_v, dbias_target, queue, turns]
 
     def build():
         runtime, flags = hopper_arguments(call, k, v, call.q_lists, walk_flag)
@@ -634,9 +671,9 @@ def hopper_dkdv(
             *dout.stride()[:3], *dk.stride()[:3],
             0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0), *broadcast_strides(dbias_slice),
             head_divisor(dbias_slice, num_heads), 0 if dbias_slice is None else dbias_slice.numel() // seqlen_k,
-            chunks, items, *dbias_flags, Q_STAGES[head_dim],
+            chunks, items, *dbias_flags, in_order, Q_STAGES[head_dim],
         ]
-        return [*tensors, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags)
+        return [*tensors, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags, in_order)
 
     hopper_dkdv_launcher.launch(
         (signature, chunks, dbias_flags), [*tensors, *own_tensors], build, lambda: [TILE],
