@@ -662,12 +662,26 @@ def wait_for_scores(p, bufs, qk, pending: gl.constexpr, stage, keys_layout: gl.c
 
 
 @gluon.jit
-def _tanh(x):
-    # As tiles.tanh (the Triton kernels'): odd-symmetric, neither overflowing nor losing precision
-    # near 0; the division approximate (2 ulp), as the softmax warpgroups' instructions set their pace.
-    e = gl.exp2(gl.abs(x) * (-2.0 * tiles.LOG2E))
-    t = gl.fdiv(1.0 - e, 1.0 + e, ieee_rounding=False)
-    return gl.where(x < 0, -t, t)
+def _tanh(x, APPROXIMATE: gl.constexpr):
+    """tanh of a float32 tile. APPROXIMATE: the hardware's ``tanh.approx.f32`` (relative error
+    2^-11, one special-function instruction, as FlashAttention-3 and FlexAttention's examples use it);
+    else as ``tiles.tanh`` (the Triton kernels'), odd-symmetric, neither overflowing nor losing
+    precision near 0, its division approximate (2 ulp): two special-function instructions and five
+    others, which set the softmax warpgroups' pace (docs/design-notes.md, "Softcap on Hopper")."""
+    if APPROXIMATE:
+        t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+    else:
+        e = gl.exp2(gl.abs(x) * (-2.0 * tiles.LOG2E))
+        t = gl.fdiv(1.0 - e, 1.0 + e, ieee_rounding=False)
+        t = gl.where(x < 0, -t, t)
+    return t
+
+
+@gluon.jit
+def _approximate_tanh(p):
+    """Whether softcap takes the hardware tanh: for bfloat16 inputs, whose rounding of the
+    probabilities (2^-9) exceeds the tanh's error; float16 (2^-12) keeps the exact form."""
+    return p.q_desc.dtype == gl.bfloat16
 
 
 @gluon.jit
@@ -675,7 +689,7 @@ def log2_scores(p, qk):
     """Log2-domain scores of a product tile ``qk``: ``scale * qk``, or with SOFTCAP
     ``softcap * tanh(scale * qk / softcap)`` (``tiles.scores_log2``)."""
     if p.SOFTCAP:
-        s = _tanh(qk * p.scale_over_cap) * p.softcap_log2
+        s = _tanh(qk * p.scale_over_cap, _approximate_tanh(p)) * p.softcap_log2
     else:
         s = qk * p.scale_log2
     return s
@@ -685,7 +699,7 @@ def log2_scores(p, qk):
 def softcap_slope(p, qk):
     """The derivative of the capped score by the uncapped one at ``qk``, ``1 - tanh²``: dS times it
     is the gradient of ``scale * q.k`` (the bias, added after the cap, takes dS itself)."""
-    t = _tanh(qk * p.scale_over_cap)
+    t = _tanh(qk * p.scale_over_cap, _approximate_tanh(p))
     return 1.0 - t * t
 
 
