@@ -64,7 +64,8 @@ SUITE_HELP = {
     "kvcache": "decode through flash_dma_with_kvcache over a full cache, contiguous and paged, with a per-key "
                "mask and bias: B=8 over 32K keys, B=1 over 512K",
     "forms": "the llm shape at 16K, block top-k 1/8, plain and in the contract's other forms (softcap, "
-             "deterministic gradients): what each form costs against the plain call",
+             "deterministic gradients): what each form costs against the plain call; and at head dims 96, "
+             "192 and 256 against Flex",
 }
 SUITES = tuple(SUITE_HELP)
 MODES = ("fwd", "fwdbwd")
@@ -158,6 +159,7 @@ KVCACHE_METHODS = ("flash-dma-kvcache",)
 FORMS_LENGTH = 16384
 FORMS_KEEP = 1 / 8
 FORMS_SOFTCAP = 30.0  # Gemma 2's attention cap
+FORMS_HEAD_DIMS = (96, 192, 256)  # large models' head dims, against Flex
 
 # --quick: a few rows per suite, with about one Flex compilation per suite.
 QUICK_SEED_PREFILL_LENGTHS = (4096,)
@@ -328,6 +330,8 @@ class Case:
             if self.uses_kv_cache:
                 layout = f" {self.kv_layout}" + (f" {self.page_size}" if self.page_size else "")
             form = (f" softcap={self.softcap:g}" if self.softcap else "") + (" deterministic" if self.deterministic else "")
+            if self.suite == "forms" and self.head_dim != LLM_SHAPE["head_dim"]:
+                form += f" D={self.head_dim}"
             text = f"{length}{docs} {self._mask_text()}{bias}{layout}{form}"
         return text + CACHE_LABELS.get(self.cache, "")
 
@@ -564,11 +568,14 @@ def kvcache_cases(quick: bool = False) -> list[Case]:
 
 
 def forms_cases(quick: bool = False) -> list[Case]:
-    """The plain llm call at 16K keep 1/8, then the same call in each other form; one row each,
-    already sanity-sized, so ``quick`` keeps them all."""
+    """The plain llm call at 16K keep 1/8, then the same call in each other form, and at other
+    head dims against Flex; ``quick`` keeps the forms, one row each."""
     plain = Case("forms", "prefill", **LLM_SHAPE, seqlen_q=FORMS_LENGTH, seqlen_k=FORMS_LENGTH, keep=FORMS_KEEP,
                  methods=("flash-dma",), modes=MODES)
-    return [plain, replace(plain, softcap=FORMS_SOFTCAP), replace(plain, deterministic=True, modes=("fwdbwd",))]
+    forms = [plain, replace(plain, softcap=FORMS_SOFTCAP), replace(plain, deterministic=True, modes=("fwdbwd",))]
+    if quick:  # one Flex compilation per head dim and mode: minutes
+        return forms
+    return forms + [replace(plain, head_dim=head_dim, methods=("flash-dma", "flex")) for head_dim in FORMS_HEAD_DIMS]
 
 
 BUILDERS = {

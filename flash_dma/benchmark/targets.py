@@ -22,10 +22,12 @@ from flash_dma.benchmark.suites import (
     KVCACHE_LONG_KEEP,
     KVCACHE_LONG_LENGTH,
     DOGE_LENGTHS,
+    FORMS_HEAD_DIMS,
     FORMS_SOFTCAP,
     LAYER_LENGTH,
     LLAMA_LENGTHS,
     LLM_LENGTHS,
+    LLM_SHAPE,
     LLM_LONG_LENGTH,
     SEED_PREFILL_LENGTHS,
     SEEDTABLE_WINDOWS,
@@ -409,12 +411,20 @@ TARGETS = (
     *(
         Target(f"forms S=16K keep 1/8 {MODE_LABELS[mode]}: flash-dma {form} / plain time", "<=", 1.15,
                _time_ratio(_pick("flash-dma", mode, suite="forms", **fields),
-                           _pick("flash-dma", mode, suite="forms", softcap=0.0, deterministic=False)))
+                           _pick("flash-dma", mode, suite="forms", softcap=0.0, deterministic=False,
+                                 head_dim=LLM_SHAPE["head_dim"])))
         for form, fields, modes in (
             (f"softcap={FORMS_SOFTCAP:g}", dict(softcap=FORMS_SOFTCAP), MODES),
             ("deterministic", dict(deterministic=True), ("fwdbwd",)),
         )
         for mode in modes
+    ),
+    *(
+        Target(f"forms D={head_dim} S=16K keep 1/8 {MODE_LABELS[mode]}: flash-dma / flex time", "<=", goal,
+               _time_ratio(_pick("flash-dma", mode, suite="forms", head_dim=head_dim),
+                           _pick("flex", mode, suite="forms", head_dim=head_dim)))
+        for head_dim in FORMS_HEAD_DIMS
+        for mode, goal in zip(MODES, (0.6, 0.4) if head_dim == 256 else (0.65, 0.4))
     ),
     Target("kvcache B=1 H=2 Sk=512K keep 1/8: flash-dma-kvcache time", "<=", KVCACHE_LONG_US,
            _device_us(_pick("flash-dma-kvcache", "fwd", suite="kvcache", seqlen_k=KVCACHE_LONG_LENGTH,

@@ -125,9 +125,11 @@ def passing_results() -> list[Result]:
         else:
             ms, tbps = 0.01, 1.75
         rows.append(row(kv, "flash-dma-kvcache", "fwd", ms=ms, gbps=tbps * 1e3))
-    plain, softcap, deterministic = forms_cases()
+    plain, softcap, deterministic, *head_dims = forms_cases()
     for mode, plain_ms in (("fwd", 0.3), ("fwdbwd", 1.4)):
         rows += [row(plain, "flash-dma", mode, ms=plain_ms), row(softcap, "flash-dma", mode, ms=plain_ms * 1.1)]
+        for other in head_dims:  # 0.55x / 0.35x of Flex
+            rows += [row(other, "flash-dma", mode, ms=plain_ms * 2), row(other, "flex", mode, ms=plain_ms * 2 / (0.55 if mode == "fwd" else 0.35))]
     rows.append(row(deterministic, "flash-dma", "fwdbwd", ms=1.4 * 1.12))
     return rows
 

@@ -99,15 +99,15 @@ _BITS = dict(_FULL_MASK, MASK_BITS=True)
 _FORWARD = dict(TMA=True, PACK_GQA=False, SPLIT=False, PAGED=False, PAGE_TILES=False, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
 _DKDV = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=128, DBIAS_HEAD_SHARED=True, DBIAS_ATOMIC=False, CHUNKS_IN_ORDER=False)
 _DQ = dict(TMA=True, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
-_HOPPER = dict(MASK=MASK_KEYS.value, BIAS=BIAS_KEYS.value, WALK=WALK_BLOCKS, HEAD_DIM=128, STAGED_BIAS=False, SOFTCAP=False, KV_STAGES=2)
-_HOPPER_PAIRS = dict(_HOPPER, MASK=MASK_BITS.value, BIAS=BIAS_PAIRS.value, HEAD_DIM=64, KV_STAGES=3)
+_HOPPER = dict(MASK=MASK_KEYS.value, BIAS=BIAS_KEYS.value, WALK=WALK_BLOCKS, HEAD_DIM=128, COLUMNS=128, STAGED_BIAS=False, SOFTCAP=False, KV_STAGES=2)
+_HOPPER_PAIRS = dict(_HOPPER, MASK=MASK_BITS.value, BIAS=BIAS_PAIRS.value, HEAD_DIM=64, COLUMNS=64, KV_STAGES=3)
 _HOPPER_ROWS = dict(_HOPPER, MASK=MASK_ROWS.value, BIAS=BIAS_ROWS.value, WALK=WALK_DENSE)
 _HOPPER_DKDV = dict(
-    MASK=MASK_KEYS.value, BIAS=BIAS_KEYS.value, WALK=WALK_BLOCKS, HEAD_DIM=128, STAGED_BIAS=False, SOFTCAP=False,
+    MASK=MASK_KEYS.value, BIAS=BIAS_KEYS.value, WALK=WALK_BLOCKS, HEAD_DIM=128, COLUMNS=128, STAGED_BIAS=False, SOFTCAP=False,
     DBIAS=DBIAS_PER_KEY, DBIAS_ATOMIC=False, DBIAS_HEAD_SHARED=True, IN_ORDER=False, Q_STAGES=2,
 )
 _HOPPER_DKDV_PAIRS = dict(
-    _HOPPER_DKDV, MASK=MASK_BITS.value, BIAS=BIAS_PAIRS.value, HEAD_DIM=64, Q_STAGES=3, DBIAS=DBIAS_FULL,
+    _HOPPER_DKDV, MASK=MASK_BITS.value, BIAS=BIAS_PAIRS.value, HEAD_DIM=64, COLUMNS=64, Q_STAGES=3, DBIAS=DBIAS_FULL,
 )
 
 
@@ -155,12 +155,14 @@ VARIANTS = [
         "forward-hopper", hopper_forward.hopper_launcher, hopper_forward.TILE,
         ("per-key-blocks", _HOPPER),
         ("key-list", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_KEYS)),
-        ("dense-d64", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
+        ("dense-d64", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, COLUMNS=64, KV_STAGES=3)),
+        ("dense-d32", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=32, COLUMNS=32, KV_STAGES=3)),
         ("pairs-d64", _HOPPER_PAIRS),
         ("pairs-d64-staged", dict(_HOPPER_PAIRS, STAGED_BIAS=True, KV_STAGES=2)),
-        ("pairs-d128", dict(_HOPPER_PAIRS, HEAD_DIM=128, KV_STAGES=2)),
+        ("pairs-d128", dict(_HOPPER_PAIRS, HEAD_DIM=128, COLUMNS=128, KV_STAGES=2)),
         ("rows", _HOPPER_ROWS),
         ("per-key-blocks-softcap", dict(_HOPPER, SOFTCAP=True)),
+        ("per-key-blocks-d96", dict(_HOPPER, COLUMNS=96)),
     ),
     Variant("dkdv-key-list", dkdv_launcher, 4, 3, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
     Variant("dkdv-per-key-blocks", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
@@ -173,23 +175,27 @@ VARIANTS = [
     *_gluon_variants(
         "dkdv-hopper", hopper_dkdv.hopper_dkdv_launcher, hopper_dkdv.TILE,
         ("per-key-blocks", _HOPPER_DKDV),
-        ("dense-d64", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, Q_STAGES=3, DBIAS=DBIAS_NONE)),
+        ("dense-d64", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, COLUMNS=64, Q_STAGES=3, DBIAS=DBIAS_NONE)),
+        ("dense-d32", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=32, COLUMNS=32, Q_STAGES=3, DBIAS=DBIAS_NONE)),
         ("pairs-d64", _HOPPER_DKDV_PAIRS),
         ("pairs-d64-staged", dict(_HOPPER_DKDV_PAIRS, STAGED_BIAS=True)),
-        ("pairs-d128-atomic", dict(_HOPPER_DKDV_PAIRS, HEAD_DIM=128, Q_STAGES=2, DBIAS_ATOMIC=True)),
+        ("pairs-d128-atomic", dict(_HOPPER_DKDV_PAIRS, HEAD_DIM=128, COLUMNS=128, Q_STAGES=2, DBIAS_ATOMIC=True)),
         ("rows", dict(_HOPPER_DKDV, MASK=MASK_ROWS.value, BIAS=BIAS_ROWS.value, WALK=WALK_DENSE, DBIAS=DBIAS_NONE)),
         ("per-key-blocks-softcap", dict(_HOPPER_DKDV, SOFTCAP=True)),
         ("per-key-blocks-in-order", dict(_HOPPER_DKDV, IN_ORDER=True)),
+        ("per-key-blocks-d96", dict(_HOPPER_DKDV, COLUMNS=96)),
     ),
     *_gluon_variants(
         "dq-hopper", hopper_dq.hopper_dq_launcher, hopper_dq.TILE,
         ("per-key-blocks", _HOPPER),
         ("key-list", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_KEYS)),
-        ("dense-d64", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, KV_STAGES=3)),
+        ("dense-d64", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, COLUMNS=64, KV_STAGES=3)),
+        ("dense-d32", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=32, COLUMNS=32, KV_STAGES=3)),
         ("pairs-d64", _HOPPER_PAIRS),
         ("pairs-d64-staged", dict(_HOPPER_PAIRS, STAGED_BIAS=True)),
         ("rows", _HOPPER_ROWS),
         ("per-key-blocks-softcap", dict(_HOPPER, SOFTCAP=True)),
+        ("per-key-blocks-d96", dict(_HOPPER, COLUMNS=96)),
     ),
     Variant("dq-key-list", dq_launcher, 8, 2, {**_KEYS, **_DQ}),
     Variant("dq-per-key-blocks", dq_launcher, 8, 2, {**_PER_KEY, **_DQ}),

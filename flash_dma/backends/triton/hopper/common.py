@@ -48,7 +48,15 @@ _tile_start = gluon.jit(tiles.tile_start.fn)
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (32, 64, 96, 128)
+
+
+def head_dim_tile(head_dim: int) -> int:
+    """The head dim of the kernels' tiles (their HEAD_DIM): ``head_dim`` rounded up to a power of
+    two. The TMA copies fill the columns past ``head_dim`` with zeros, which add nothing to the
+    products, and leave them out of the stores."""
+    return triton.next_power_of_2(head_dim)
+
 # (query rows, keys) per tile of each pass: 64 per math warpgroup along the axis the pass owns.
 TILES = {"forward": (128, 128), "dq": (128, 64), "dkdv": (64, 128)}
 # Registers per thread: each math warpgroup 240, the loader 24 (setmaxnreg); a kernel starts with
@@ -100,12 +108,12 @@ COMMON_TENSORS = ("Q", "K", "V", "Mask", "Bias", "Walk")
 
 def stages_pair_bias(call: Call, walk_flag: int) -> bool:
     """Whether the loader copies a per-pair bias's tiles with TMA (``pair_descriptor``): a 16-bit,
-    contiguous bias of 16-byte rows, keys not gathered, and at D = 64 (where shared memory has
+    contiguous bias of 16-byte rows, keys not gathered, and at D <= 64 (where shared memory has
     room for its ring); otherwise the math warpgroups load it themselves."""
     bias = call.bias
     return (
         input_form(bias) == "pairs" and bias.element_size() == 2 and bias.is_contiguous()
-        and bias.data_ptr() % 16 == 0 and bias.shape[3] % 8 == 0 and walk_flag != WALK_KEYS and call.q.shape[3] == 64
+        and bias.data_ptr() % 16 == 0 and bias.shape[3] % 8 == 0 and walk_flag != WALK_KEYS and head_dim_tile(call.q.shape[3]) <= 64
     )
 
 
@@ -128,7 +136,7 @@ def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.T
     rows (all but the last axis) and columns of mask and bias,
     ``batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group``, the head divisors of mask,
     bias and walk, the summary's block sizes, the band on the bottom-right diagonal and
-    ``scale, scale_log2``; ``constexprs`` ``MASK, BIAS, WALK, HEAD_DIM, STAGED_BIAS``.
+    ``scale, scale_log2``; ``constexprs`` ``MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP``.
     """
     q, mask, bias = call.q, call.mask, call.bias
     batch, seqlen_q, num_heads, head_dim = q.shape
@@ -145,7 +153,7 @@ def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.T
         call.softcap * tiles.LOG2E.value, call.softmax_scale / call.softcap if call.softcap > 0 else 0.0,
     ]
     constexprs = [
-        MASK_CODES[input_form(mask, call.mask_bits)], BIAS_CODES[input_form(bias)], walk_flag, head_dim,
+        MASK_CODES[input_form(mask, call.mask_bits)], BIAS_CODES[input_form(bias)], walk_flag, head_dim_tile(head_dim), head_dim,
         stages_pair_bias(call, walk_flag), call.softcap > 0,
     ]
     return runtime, constexprs
@@ -216,7 +224,8 @@ class Problem:
     MASK: gl.constexpr
     BIAS: gl.constexpr
     WALK: gl.constexpr
-    HEAD_DIM: gl.constexpr
+    HEAD_DIM: gl.constexpr  # the tiles' head dim (``head_dim_tile(COLUMNS)``)
+    COLUMNS: gl.constexpr  # the inputs' head dim
     STAGED_BIAS: gl.constexpr
     SOFTCAP: gl.constexpr
     KV_STAGES: gl.constexpr
@@ -258,14 +267,14 @@ def get(slot):
 
 @gluon.jit
 def tile_descriptor(
-    T, batch, length, heads, stride_b, stride_s, stride_h,
+    T, batch, length, heads, COLUMNS: gl.constexpr, stride_b, stride_s, stride_h,
     ROWS: gl.constexpr, LAYOUT_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
 ):
-    """The TMA descriptor of a whole ``[B, S, heads, D]`` tensor, in tiles of ``ROWS`` rows of one
-    head, laid out in shared memory as tiles of ``LAYOUT_ROWS`` rows are (``store_rows`` writes
-    a warpgroup's half of a Q tile)."""
+    """The TMA descriptor of a whole ``[B, S, heads, COLUMNS]`` tensor, in tiles of ``ROWS`` rows of
+    one head and HEAD_DIM (``head_dim_tile``) columns, laid out in shared memory as tiles of
+    ``LAYOUT_ROWS`` rows are (``store_rows`` writes a warpgroup's half of a Q tile)."""
     return tma.make_tensor_descriptor(
-        T, [batch, length, heads, HEAD_DIM], [stride_b, stride_s, stride_h, 1], [1, ROWS, 1, HEAD_DIM],
+        T, [batch, length, heads, COLUMNS], [stride_b, stride_s, stride_h, 1], [1, ROWS, 1, HEAD_DIM],
         gl.NVMMASharedLayout.get_default_for([1, LAYOUT_ROWS, 1, HEAD_DIM], T.dtype.element_ty),
     )
 
@@ -626,7 +635,7 @@ def store_rows(p, bufs, q_slot, HALF: gl.constexpr, batch, first_row, head, valu
             p.Out + batch.to(gl.int64) * p.stride_ob + head.to(gl.int64) * p.stride_oh
             + (rows.to(gl.int64) * p.stride_os)[:, None] + cols[None, :]
         )
-        gl.store(ptrs, values.to(p.Out.dtype.element_ty), mask=(rows < p.seqlen_q)[:, None])
+        gl.store(ptrs, values.to(p.Out.dtype.element_ty), mask=(rows < p.seqlen_q)[:, None] & (cols < p.COLUMNS)[None, :])
     mbarrier.arrive(bufs.q_empty.index(q_slot), count=1)
 
 

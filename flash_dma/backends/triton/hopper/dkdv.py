@@ -52,6 +52,7 @@ from flash_dma.backends.triton.hopper.common import (
     WORD_BITS,
     Item,
     get,
+    head_dim_tile,
     hopper_arguments,
     hopper_tensors,
     input_base,
@@ -91,7 +92,7 @@ from flash_dma.backends.triton.layout import (
 from flash_dma.integers import cdiv
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dkdv"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
-Q_STAGES = {64: 3, 128: 2}  # Q/dO tiles in flight; with two K/V buffers, D = 128 fills 192 KB
+Q_STAGES = {32: 3, 64: 3, 128: 2}  # Q/dO tiles in flight per tile head dim; with two K/V buffers, D = 128 fills 192 KB
 _PER_KEY = gl.constexpr(DBIAS_PER_KEY)
 _FULL = gl.constexpr(DBIAS_FULL)
 
@@ -166,7 +167,8 @@ class _Problem:
     DBIAS_ATOMIC: gl.constexpr
     DBIAS_HEAD_SHARED: gl.constexpr
     HEADS_INNER: gl.constexpr
-    HEAD_DIM: gl.constexpr
+    HEAD_DIM: gl.constexpr  # the tiles' head dim (``head_dim_tile(COLUMNS)``)
+    COLUMNS: gl.constexpr  # the inputs' head dim
     STAGED_BIAS: gl.constexpr
     STAGED_DBIAS: gl.constexpr
     SOFTCAP: gl.constexpr
@@ -488,7 +490,7 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
             batch.to(gl.int64) * p.stride_gb + kv_head * p.stride_gh + (out_keys.to(gl.int64) * p.stride_gs)[:, None]
             + cols[None, :]
         )
-        ok = (out_keys < p.seqlen_k)[:, None]
+        ok = (out_keys < p.seqlen_k)[:, None] & (cols < p.COLUMNS)[None, :]
         if p.chunks == 1:
             gl.store(p.DK + offsets, dk.to(p.DK.dtype.element_ty), mask=ok)
             gl.store(p.DV + offsets, dv.to(p.DV.dtype.element_ty), mask=ok)
@@ -543,7 +545,8 @@ def _dkdv_hopper_kernel(
     batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
     mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k, band_lo, band_hi, scale, scale_log2,
     softcap_log2, scale_over_cap,
-    MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGED_BIAS: gl.constexpr,
+    MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr,
+    STAGED_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
     DO, Lse, Delta, DK, DV, ScratchK, ScratchV, DBias, Queue, Turns,
     stride_dob, stride_dos, stride_doh, stride_gb, stride_gs, stride_gh,
@@ -552,10 +555,10 @@ def _dkdv_hopper_kernel(
     Q_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
-    q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
-    do_desc = tile_descriptor(DO, batch, seqlen_q, num_heads, stride_dob, stride_dos, stride_doh, BLOCK_M, BLOCK_M, HEAD_DIM)
-    k_desc = tile_descriptor(K, batch, seqlen_k, num_kv_heads, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
-    v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    do_desc = tile_descriptor(DO, batch, seqlen_q, num_heads, COLUMNS, stride_dob, stride_dos, stride_doh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    k_desc = tile_descriptor(K, batch, seqlen_k, num_kv_heads, COLUMNS, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, COLUMNS, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
     words_desc, bias_desc = pair_descriptors(
         Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, STAGED_BIAS, BLOCK_M, BLOCK_N,
     )
@@ -613,7 +616,7 @@ def _dkdv_hopper_kernel(
         batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group, chunks, items,
         mask_head_div, bias_head_div, walk_head_div, dbias_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
-        MASK, BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEADS_INNER, HEAD_DIM, STAGED_BIAS, STAGED_DBIAS, SOFTCAP, IN_ORDER, Q_STAGES,
+        MASK, BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEADS_INNER, HEAD_DIM, COLUMNS, STAGED_BIAS, STAGED_DBIAS, SOFTCAP, IN_ORDER, Q_STAGES,
         BLOCK_M, BLOCK_N,
     )
     gl.warp_specialize(
@@ -671,7 +674,7 @@ def hopper_dkdv(
             *dout.stride()[:3], *dk.stride()[:3],
             0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0), *broadcast_strides(dbias_slice),
             head_divisor(dbias_slice, num_heads), 0 if dbias_slice is None else dbias_slice.numel() // seqlen_k,
-            chunks, items, *dbias_flags, in_order, Q_STAGES[head_dim],
+            chunks, items, *dbias_flags, in_order, Q_STAGES[head_dim_tile(head_dim)],
         ]
         return [*tensors, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags, in_order)
 

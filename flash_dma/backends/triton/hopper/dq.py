@@ -26,13 +26,14 @@ from flash_dma.backends.triton.hopper.common import (
     PLAIN,
     TILES,
     Problem,
+    head_dim_tile,
     hopper_arguments,
     hopper_tensors,
     init_barriers,
-    pair_buffers,
-    pair_descriptors,
     jit_with_runtime_scalars,
     load_partition,
+    pair_buffers,
+    pair_descriptors,
     record,
     softcap_slope,
     store_rows,
@@ -47,7 +48,7 @@ from flash_dma.backends.triton.layout import Call
 from flash_dma.integers import cdiv
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dq"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
-KV_STAGES = {64: 3, 128: 2}  # with two Q/dO buffers, D = 128 fills 192 KB
+KV_STAGES = {32: 3, 64: 3, 128: 2}  # per tile head dim; with two Q/dO buffers, D = 128 fills 192 KB
 
 
 @record
@@ -147,16 +148,17 @@ def _dq_hopper_kernel(
     batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
     mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k, band_lo, band_hi, scale, scale_log2,
     softcap_log2, scale_over_cap,
-    MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGED_BIAS: gl.constexpr,
+    MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr,
+    STAGED_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
     DO, Lse, Delta, DQ, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, items, row_blocks,
     KV_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
-    q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
-    do_desc = tile_descriptor(DO, batch, seqlen_q, num_heads, stride_dob, stride_dos, stride_doh, BLOCK_M, BLOCK_M, HEAD_DIM)
-    dq_desc = tile_descriptor(DQ, batch, seqlen_q, num_heads, stride_dqb, stride_dqs, stride_dqh, BLOCK_M // 2, BLOCK_M, HEAD_DIM)
-    k_desc = tile_descriptor(K, batch, seqlen_k, num_kv_heads, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
-    v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    do_desc = tile_descriptor(DO, batch, seqlen_q, num_heads, COLUMNS, stride_dob, stride_dos, stride_doh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    dq_desc = tile_descriptor(DQ, batch, seqlen_q, num_heads, COLUMNS, stride_dqb, stride_dqs, stride_dqh, BLOCK_M // 2, BLOCK_M, HEAD_DIM)
+    k_desc = tile_descriptor(K, batch, seqlen_k, num_kv_heads, COLUMNS, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, COLUMNS, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
     words_desc, bias_desc = pair_descriptors(
         Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, STAGED_BIAS, BLOCK_M, BLOCK_N,
     )
@@ -191,7 +193,7 @@ def _dq_hopper_kernel(
         seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
-        MASK, BIAS, WALK, HEAD_DIM, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, True,
+        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, True,
     )
     gl.warp_specialize(
         [(_dq_lower, (p, bufs)), (_dq_upper, (p, bufs)), (load_partition, (p, bufs))],
@@ -218,7 +220,7 @@ def hopper_dq(
 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
-        own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, KV_STAGES[head_dim]]
+        own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, KV_STAGES[head_dim_tile(head_dim)]]
         return [*tensors, *runtime, *flags, dout, lse, delta, dq, *own], (q.dtype, dq.dtype, *flags)
 
     hopper_dq_launcher.launch(

@@ -41,14 +41,15 @@ from flash_dma.backends.triton.hopper.common import (
     TILES,
     Problem,
     get,
+    head_dim_tile,
     hopper_arguments,
     hopper_tensors,
-    pair_buffers,
-    pair_descriptors,
     init_barriers,
     input_base,
     jit_with_runtime_scalars,
     load_partition,
+    pair_buffers,
+    pair_descriptors,
     record,
     row_values,
     stages_pair_bias,
@@ -64,8 +65,10 @@ from flash_dma.backends.triton.layout import Call
 from flash_dma.integers import cdiv
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["forward"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
-KV_STAGES = {64: 3, 128: 2}  # K/V tiles in flight; with two Q buffers, D = 128 fills 192 KB of shared memory
-STAGED_BIAS_KV_STAGES = 2  # D = 64 with a per-pair bias staged beside K and V: 32 KB more per stage
+# K/V tiles in flight per tile head dim (``head_dim_tile``); with two Q buffers, D = 128 fills 192 KB of
+# shared memory. D = 32 takes D = 64's ring.
+KV_STAGES = {32: 3, 64: 3, 128: 2}
+STAGED_BIAS_KV_STAGES = 2  # D <= 64 with a per-pair bias staged beside K and V: 32 KB more per stage
 
 
 @record
@@ -231,16 +234,17 @@ def _attn_fwd_hopper_kernel(
     batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
     mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k, band_lo, band_hi, scale, scale_log2,
     softcap_log2, scale_over_cap,
-    MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGED_BIAS: gl.constexpr,
+    MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr,
+    STAGED_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
     Out, Lse, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, items, row_blocks,
     KV_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
-    q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
-    k_desc = tile_descriptor(K, batch, seqlen_k, num_kv_heads, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
-    v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
-    o_desc = tile_descriptor(Out, batch, seqlen_q, num_heads, stride_ob, stride_os, stride_oh, BLOCK_M // 2, BLOCK_M, HEAD_DIM)
+    q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
+    k_desc = tile_descriptor(K, batch, seqlen_k, num_kv_heads, COLUMNS, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, COLUMNS, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    o_desc = tile_descriptor(Out, batch, seqlen_q, num_heads, COLUMNS, stride_ob, stride_os, stride_oh, BLOCK_M // 2, BLOCK_M, HEAD_DIM)
     words_desc, bias_desc = pair_descriptors(
         Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, STAGED_BIAS, BLOCK_M, BLOCK_N,
     )
@@ -273,7 +277,7 @@ def _attn_fwd_hopper_kernel(
         seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
-        MASK, BIAS, WALK, HEAD_DIM, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, False,
+        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, False,
     )
     gl.warp_specialize(
         [(_softmax_lower, (p, bufs)), (_softmax_upper, (p, bufs)), (load_partition, (p, bufs))],
@@ -298,7 +302,7 @@ def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: 
 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
-        stages = STAGED_BIAS_KV_STAGES if stages_pair_bias(call, walk_flag) else KV_STAGES[head_dim]
+        stages = STAGED_BIAS_KV_STAGES if stages_pair_bias(call, walk_flag) else KV_STAGES[head_dim_tile(head_dim)]
         own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages]
         return [*tensors, *runtime, *flags, out, lse, *own], (q.dtype, *flags)
 
