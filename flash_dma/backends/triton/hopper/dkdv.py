@@ -682,6 +682,6 @@ def hopper_dkdv(
         (signature, chunks, dbias_flags), [*tensors, *own_tensors], build, lambda: [TILE],
         lambda meta: (min(items, configs.multiprocessor_count(device)),),
     )
-    if chunks > 1:
+    if chunks > 1 and not in_order:  # in order, the last chunk wrote dK and dV
         dk.copy_(scratch_k)
         dv.copy_(scratch_v)
