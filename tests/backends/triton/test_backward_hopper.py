@@ -94,13 +94,13 @@ def hopper_calls(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "chunks, deterministic", [(1, False), (3, False), (3, True)], ids=["chunks1", "chunks3", "chunks3-in-order"],
+    "chunks, deterministic", [(1, False), (3, False), (3, True)], ids=["chunks1", "chunks3", "chunks3-deterministic"],
 )
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", CASES + PAIR_CASES, ids=str)
 def test_hopper_gradients_match_reference(case, dtype, chunks, deterministic, hopper_calls, monkeypatch, poison_outputs):
     """Written directly (one chunk) or added up in fp32 scratch (three chunks of each key tile's
-    queries): by atomics, or deterministic, in chunk order."""
+    queries): by atomics, or deterministic, in slices of their own, summed in chunk order."""
     monkeypatch.setattr(backward_module, "query_chunks", lambda *args: chunks)
     memo.forget_memos()  # the chunks of a layout seen before are remembered
     inputs = make_inputs(case, dtype, requires_grad=True)
@@ -190,8 +190,9 @@ DETERMINISTIC_CASES = [
 
 @pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=str)
 def test_deterministic_gradients_are_bit_identical(case, hopper_calls, monkeypatch):
-    """deterministic=True: the Hopper dK/dV adds its query chunks in chunk order, and the bias
-    gradient's shared rows are summed after the kernel, so two runs agree bit for bit."""
+    """deterministic=True: the Hopper dK/dV writes each query chunk's part to a slice of its own,
+    summed in chunk order, and the bias gradient's shared rows are summed after the kernel, so
+    two runs agree bit for bit."""
     monkeypatch.setattr(backward_module, "query_chunks", lambda *args: 5)
     memo.forget_memos()
     inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
@@ -205,7 +206,7 @@ def test_deterministic_gradients_are_bit_identical(case, hopper_calls, monkeypat
         for t in inputs.values():
             if t is not None and t.requires_grad:
                 t.grad = None
-        out = triton_call(case, inputs, deterministic=True, block_mask=summary)
+        out = triton_call(case, inputs, deterministic=True, **({} if summary is None else {"block_mask": summary}))
         out.backward(dout)
         runs.append([inputs[n].grad.clone() for n in ("query", "key", "value", "attn_bias")])
     assert hopper_calls == ["dkdv", "dq"] * 3

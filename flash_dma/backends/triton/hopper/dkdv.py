@@ -19,9 +19,9 @@ A work item is (key tile, query chunk, batch, key/value head); it visits every q
 group, so K and V are read once per item. Items are taken first key tiles first (under a causal
 band they see the most queries). With one query chunk, dK and dV are written directly. With
 several, their parts add up in fp32 scratch: by atomics into zeroed scratch, which the caller
-converts, or, deterministic (IN_ORDER), in chunk order: each chunk waits for the one before it,
-and the last writes dK and dV. The chunks of a column are queued side by side and every program
-is resident, so the chunk waited for is always under way.
+converts, or, deterministic (SLICES), each chunk into a slice of its own, which the caller sums
+in chunk order. (Chunks that waited for their turn to add, as the Triton kernel's do, made the
+step 2.9x slower: a chunk's program can be two items behind its neighbours'.)
 
 The bias gradient: per key, the column sums of dS (flushed per head, or once for a bias the
 group shares); per pair, dS itself, each tile written once. For a per-pair bias the group's
@@ -119,7 +119,6 @@ class _Problem:
     ScratchV: gl.tensor
     DBias: gl.tensor
     Queue: gl.tensor
-    Turns: gl.tensor
     stride_mb: gl.tensor
     stride_mh: gl.tensor
     stride_mq: gl.tensor
@@ -172,7 +171,7 @@ class _Problem:
     STAGED_BIAS: gl.constexpr
     STAGED_DBIAS: gl.constexpr
     SOFTCAP: gl.constexpr
-    IN_ORDER: gl.constexpr
+    SLICES: gl.constexpr
     Q_STAGES: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -308,7 +307,7 @@ def _load_columns(p, bufs):
     while index < p.items:
         key_tile, chunk, batch, kv_head = _column_position(p, index)
         count = _item_tiles(p, key_tile, chunk, batch, kv_head)
-        if (count > 0) | (p.chunks == 1) | p.IN_ORDER:
+        if (count > 0) | (p.chunks == 1) | p.SLICES:
             _publish(bufs, published, index, count)
             published += 1
         if count > 0:
@@ -494,36 +493,16 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
         if p.chunks == 1:
             gl.store(p.DK + offsets, dk.to(p.DK.dtype.element_ty), mask=ok)
             gl.store(p.DV + offsets, dv.to(p.DV.dtype.element_ty), mask=ok)
-        elif p.IN_ORDER:
-            # One turn counter per column half: index // chunks numbers the columns.
-            _add_in_order(p, p.Turns + (index // p.chunks) * 2 + HALF, chunk, offsets, ok, dk, dv)
+        elif p.SLICES:  # every item writes its chunk's slice, empty ones zeros
+            slice_offset = chunk.to(gl.int64) * p.batch * p.seqlen_k * p.num_kv_heads * p.COLUMNS
+            gl.store(p.ScratchK + slice_offset + offsets, dk, mask=ok)
+            gl.store(p.ScratchV + slice_offset + offsets, dv, mask=ok)
         else:
             gl.atomic_add(p.ScratchK + offsets, dk, mask=ok, sem="relaxed")
             gl.atomic_add(p.ScratchV + offsets, dv, mask=ok, sem="relaxed")
         index, count = _take(bufs, taken)
     if p.STAGED_DBIAS:
         tma.store_wait(0)  # the staging tile lives in shared memory, which ends with the program
-
-
-@gluon.jit
-def _add_in_order(p, turn, chunk, offsets, ok, dk, dv):
-    """Add chunk ``chunk``'s part of dK and dV ``[KEYS, D]`` to the parts of the chunks before it,
-    in chunk order: the sums are the same on every run. The chunk waits for its turn, adds the
-    scratch, and writes it back (the last chunk: dK and dV), then passes the turn on."""
-    while gl.atomic_add(turn, 0, sem="acquire") != chunk:
-        pass
-    gl.thread_barrier()  # every thread reads the scratch after the turn came
-    if chunk > 0:
-        dk += gl.load(p.ScratchK + offsets, mask=ok, other=0.0, cache_modifier=".cg")
-        dv += gl.load(p.ScratchV + offsets, mask=ok, other=0.0, cache_modifier=".cg")
-    if chunk < p.chunks - 1:
-        gl.store(p.ScratchK + offsets, dk, mask=ok)
-        gl.store(p.ScratchV + offsets, dv, mask=ok)
-    else:
-        gl.store(p.DK + offsets, dk.to(p.DK.dtype.element_ty), mask=ok)
-        gl.store(p.DV + offsets, dv.to(p.DV.dtype.element_ty), mask=ok)
-    gl.thread_barrier()  # every thread's stores are made before the turn is passed on
-    gl.atomic_add(turn, 1, sem="release")
 
 
 @gluon.jit
@@ -548,10 +527,10 @@ def _dkdv_hopper_kernel(
     MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr,
     STAGED_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
-    DO, Lse, Delta, DK, DV, ScratchK, ScratchV, DBias, Queue, Turns,
+    DO, Lse, Delta, DK, DV, ScratchK, ScratchV, DBias, Queue,
     stride_dob, stride_dos, stride_doh, stride_gb, stride_gs, stride_gh,
     stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk, dbias_head_div, dbias_rows, chunks, items,
-    DBIAS: gl.constexpr, DBIAS_ATOMIC: gl.constexpr, DBIAS_HEAD_SHARED: gl.constexpr, IN_ORDER: gl.constexpr,
+    DBIAS: gl.constexpr, DBIAS_ATOMIC: gl.constexpr, DBIAS_HEAD_SHARED: gl.constexpr, SLICES: gl.constexpr,
     Q_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
@@ -609,14 +588,14 @@ def _dkdv_hopper_kernel(
     # A per-pair gradient the group's heads share is added up in registers, a tile's heads in turn.
     HEADS_INNER: gl.constexpr = DBIAS == _FULL and DBIAS_HEAD_SHARED and not DBIAS_ATOMIC
     p = _Problem(
-        q_desc, k_desc, v_desc, do_desc, words_desc, bias_desc, dbias_desc, Lse, Delta, Mask, Bias, Walk, DK, DV, ScratchK, ScratchV, DBias, Queue, Turns,
+        q_desc, k_desc, v_desc, do_desc, words_desc, bias_desc, dbias_desc, Lse, Delta, Mask, Bias, Walk, DK, DV, ScratchK, ScratchV, DBias, Queue,
         stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
         stride_wb, stride_wh, stride_wr, walk_width,
         stride_gb, stride_gs, stride_gh, stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
         batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group, chunks, items,
         mask_head_div, bias_head_div, walk_head_div, dbias_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
-        MASK, BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEADS_INNER, HEAD_DIM, COLUMNS, STAGED_BIAS, STAGED_DBIAS, SOFTCAP, IN_ORDER, Q_STAGES,
+        MASK, BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEADS_INNER, HEAD_DIM, COLUMNS, STAGED_BIAS, STAGED_DBIAS, SOFTCAP, SLICES, Q_STAGES,
         BLOCK_M, BLOCK_N,
     )
     gl.warp_specialize(
@@ -627,7 +606,7 @@ def _dkdv_hopper_kernel(
 
 hopper_dkdv_launcher = Launcher(
     _dkdv_hopper_kernel,
-    tensors=(*COMMON_TENSORS, "DO", "Lse", "Delta", "DK", "DV", "ScratchK", "ScratchV", "DBias", "Queue", "Turns"),
+    tensors=(*COMMON_TENSORS, "DO", "Lse", "Delta", "DK", "DV", "ScratchK", "ScratchV", "DBias", "Queue"),
     specialized=(),
 )
 
@@ -642,8 +621,8 @@ def hopper_dkdv(
 
     ``dout`` ``[B, Sq, H, D]``; ``lse``, ``delta`` ``[B, H, Sq]`` float32, contiguous;
     ``dbias_flags`` is ``(kind, atomic, head_shared)`` of ``backward.bias_gradient``;
-    ``chunks`` splits each key tile's queries, whose parts add up in chunk order when the call is
-    deterministic. ``signature`` holds the layouts of the call, of
+    ``chunks`` splits each key tile's queries; a deterministic call's parts go to fp32 slices
+    (``chunks`` times dK and dV in memory), summed in chunk order. ``signature`` holds the layouts of the call, of
     ``dout`` and of the gradients (``backward.attention_backward``'s): the launch is prepared
     once per signature.
     """
@@ -652,20 +631,19 @@ def hopper_dkdv(
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     device = q.device
     items = chunks * cdiv(seqlen_k, TILE.kwargs["BLOCK_N"]) * batch * num_kv_heads
-    in_order = call.deterministic and chunks > 1
+    slices = call.deterministic and chunks > 1
     scratch_k = scratch_v = placeholder(device, torch.float32)
-    turns = placeholder(device, torch.int32)
-    if chunks > 1:
-        scratch = torch.empty if in_order else torch.zeros  # in order, the first chunk writes it
-        scratch_k = scratch(dk.shape, dtype=torch.float32, device=device)
-        scratch_v = scratch(dv.shape, dtype=torch.float32, device=device)
-    if in_order:
-        turns = torch.zeros(2 * items // chunks, dtype=torch.int32, device=device)  # a counter per column half
+    if slices:  # [chunks, B, Sk, Hkv, D], each element written once
+        scratch_k = torch.empty((chunks, *dk.shape), dtype=torch.float32, device=device)
+        scratch_v = torch.empty((chunks, *dv.shape), dtype=torch.float32, device=device)
+    elif chunks > 1:
+        scratch_k = torch.zeros(dk.shape, dtype=torch.float32, device=device)
+        scratch_v = torch.zeros(dv.shape, dtype=torch.float32, device=device)
     dbias_target = placeholder(device, torch.float32) if dbias_acc is None else dbias_acc
     queue = torch.zeros(1, dtype=torch.int32, device=device)
     walk_flag = WALK_DENSE if call.q_lists is None else WALK_BLOCKS
     tensors = hopper_tensors(call, k, v, call.q_lists)
-    own_tensors = [dout, lse, delta, dk, dv, scratch_k, scratch_v, dbias_target, queue, turns]
+    own_tensors = [dout, lse, delta, dk, dv, scratch_k, scratch_v, dbias_target, queue]
 
     def build():
         runtime, flags = hopper_arguments(call, k, v, call.q_lists, walk_flag)
@@ -674,14 +652,17 @@ def hopper_dkdv(
             *dout.stride()[:3], *dk.stride()[:3],
             0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0), *broadcast_strides(dbias_slice),
             head_divisor(dbias_slice, num_heads), 0 if dbias_slice is None else dbias_slice.numel() // seqlen_k,
-            chunks, items, *dbias_flags, in_order, Q_STAGES[head_dim_tile(head_dim)],
+            chunks, items, *dbias_flags, slices, Q_STAGES[head_dim_tile(head_dim)],
         ]
-        return [*tensors, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags, in_order)
+        return [*tensors, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags, slices)
 
     hopper_dkdv_launcher.launch(
         (signature, chunks, dbias_flags), [*tensors, *own_tensors], build, lambda: [TILE],
         lambda meta: (min(items, configs.multiprocessor_count(device)),),
     )
-    if chunks > 1 and not in_order:  # in order, the last chunk wrote dK and dV
+    if slices:  # summed in chunk order: the same bits on every run
+        dk.copy_(scratch_k.sum(dim=0))
+        dv.copy_(scratch_v.sum(dim=0))
+    elif chunks > 1:
         dk.copy_(scratch_k)
         dv.copy_(scratch_v)
