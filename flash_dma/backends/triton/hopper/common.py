@@ -452,9 +452,10 @@ def row_statistics(p, row_offset, rows, bias_base):
     query row is taken back out of the LSE: the kernels' scores leave it out."""
     row_ok = rows < p.seqlen_q
     lse = gl.load(p.Lse + row_offset + rows, mask=row_ok, other=float("inf"))
+    sees_nothing = lse == float("-inf")  # tested first: a row bias of -inf would make it NaN
     if p.BIAS == BIAS_ROWS:
         lse = lse - row_values(p, bias_base, p.stride_bq, rows, 0.0).to(gl.float32)
-    lse = gl.where(lse == float("-inf"), float("inf"), lse) * tiles.LOG2E
+    lse = gl.where(sees_nothing, float("inf"), lse) * tiles.LOG2E
     return lse, gl.load(p.Delta + row_offset + rows, mask=row_ok, other=0.0)
 
 
