@@ -186,10 +186,10 @@ class Inputs:
 
 @dataclass(frozen=True)
 class CacheInputs:
-    """A KV-cache decode case's tensors, as ``flash_dma_with_kvcache`` takes them (forward only).
+    """A KV-cache case's tensors, as ``flash_dma_with_kvcache`` takes them (forward only).
 
     Attributes:
-        query: ``[B, 1, H, D]`` bf16.
+        query: ``[B, Sq, H, D]`` bf16 (Sq = 1: decode; more: a chunk of prefill over the cache).
         k_cache, v_cache: ``[B, S, Hkv, D]`` bf16, or paged ``[B * S / page_size, page_size, Hkv, D]``.
         cache_seqlens: ``[B]`` int32, every entry full (S keys).
         block_table: ``[B, S / page_size]`` int32, a random permutation of the pages; None if contiguous.
@@ -236,7 +236,7 @@ def make_cache_inputs(case: Case, device: torch.device | str, seed: int = SEED) 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=device, dtype=DTYPE)
 
-    query = randn(batch, 1, case.heads, head_dim)
+    query = randn(batch, case.seqlen_q, case.heads, head_dim)
     k_cache, v_cache = randn(batch, length, kv_heads, head_dim), randn(batch, length, kv_heads, head_dim)
     bias_cache = randn(batch, length, kv_heads)
     mask = random_key_mask(batch, kv_heads, length, case.kept_keys, gen)

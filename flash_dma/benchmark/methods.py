@@ -427,6 +427,26 @@ class FlashDmaKvcache(Method):
         return Prepared(forward, ())
 
 
+class FlashDmaNoCache(Method):
+    name = "flash-dma-nocache"
+    description = (
+        "a KV-cache row's problem without the cache: `flash_dma_func(q, k_cache, v_cache, attn_mask=mask, "
+        "attn_bias=bias, is_causal=True)` on the contiguous cache's tensors, the bias `[B, Hkv, 1, S]` a view "
+        "of `bias_cache` (a cache call's twin: what the cache costs)"
+    )
+
+    def prepare(self, case: Case, inputs: CacheInputs) -> Prepared:
+        if inputs.block_table is not None:
+            raise ValueError(f"{self.name}: expected a contiguous cache, got kv_layout={case.kv_layout!r}")
+        mask = None if case.keep == 1 else inputs.mask
+        bias = inputs.bias_cache.permute(0, 2, 1)[:, :, None]  # [B, Hkv, 1, S]
+
+        def forward() -> torch.Tensor:
+            return flash_dma_func(inputs.query, inputs.k_cache, inputs.v_cache, attn_mask=mask, attn_bias=bias, is_causal=True)
+
+        return Prepared(forward, ())
+
+
 def _repeat_heads(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     """``[B, h, X, Y]`` -> ``[B, num_heads, X, Y]``, each head repeated ``num_heads / h`` times.
 
@@ -669,6 +689,7 @@ METHODS: dict[str, Method] = {
         FlashDmaVarlen(),
         FlashDmaPadded(),
         FlashDmaKvcache(),
+        FlashDmaNoCache(),
         FlashDmaTopk(),  # last: the plots' colours follow this order
     )
 }

@@ -160,6 +160,7 @@ FORMS_LENGTH = 16384
 FORMS_KEEP = 1 / 8
 FORMS_SOFTCAP = 30.0  # Gemma 2's attention cap
 FORMS_HEAD_DIMS = (96, 192, 256)  # large models' head dims, against Flex
+FORMS_PREFILL_QUERIES, FORMS_CACHE_LENGTH = 4096, 65536  # chunked prefill: 4K new queries over a 64K cache
 
 # --quick: a few rows per suite, with about one Flex compilation per suite.
 QUICK_SEED_PREFILL_LENGTHS = (4096,)
@@ -324,6 +325,8 @@ class Case:
             text = f"S={self.seqlen_k} one layer's key selection"
         else:
             length = f"Sk={self.seqlen_k}" if self.seqlen_q != self.seqlen_k else f"S={self.seqlen_k}"
+            if 1 < self.seqlen_q != self.seqlen_k:
+                length = f"Sq={self.seqlen_q} {length}"
             bias = {"full": f" bias[1,{self.heads},Sq,Sk]", "pair": f" bias[1,{self.kv_heads},Sq,Sk]"}.get(self.bias, "")
             docs = f" {len(self.documents)} docs" if self.documents is not None else ""
             layout = ""
@@ -568,11 +571,16 @@ def kvcache_cases(quick: bool = False) -> list[Case]:
 
 
 def forms_cases(quick: bool = False) -> list[Case]:
-    """The plain llm call at 16K keep 1/8, then the same call in each other form, and at other
-    head dims against Flex; ``quick`` keeps the forms, one row each."""
+    """The plain llm call at 16K keep 1/8, then the same call in each other form, a chunk of
+    prefill over a KV cache against the same problem without one, and the llm call at other head
+    dims against Flex; ``quick`` leaves out the head dims (a Flex compilation each)."""
     plain = Case("forms", "prefill", **LLM_SHAPE, seqlen_q=FORMS_LENGTH, seqlen_k=FORMS_LENGTH, keep=FORMS_KEEP,
                  methods=("flash-dma",), modes=MODES)
-    forms = [plain, replace(plain, softcap=FORMS_SOFTCAP), replace(plain, deterministic=True, modes=("fwdbwd",))]
+    forms = [
+        plain, replace(plain, softcap=FORMS_SOFTCAP), replace(plain, deterministic=True, modes=("fwdbwd",)),
+        Case("forms", "prefill", **LLM_SHAPE, seqlen_q=FORMS_PREFILL_QUERIES, seqlen_k=FORMS_CACHE_LENGTH, keep=FORMS_KEEP,
+             methods=("flash-dma-kvcache", "flash-dma-nocache"), modes=("fwd",), mask="random", kv_layout="contiguous"),
+    ]
     if quick:  # one Flex compilation per head dim and mode: minutes
         return forms
     return forms + [replace(plain, head_dim=head_dim, methods=("flash-dma", "flex")) for head_dim in FORMS_HEAD_DIMS]

@@ -22,6 +22,7 @@ from flash_dma.benchmark.suites import (
     KVCACHE_LONG_KEEP,
     KVCACHE_LONG_LENGTH,
     DOGE_LENGTHS,
+    FORMS_CACHE_LENGTH,
     FORMS_HEAD_DIMS,
     FORMS_SOFTCAP,
     LAYER_LENGTH,
@@ -419,6 +420,9 @@ TARGETS = (
         )
         for mode in modes
     ),
+    Target(f"forms cache prefill Sq=4K Sk=64K keep 1/8 fwd: flash-dma-kvcache / flash-dma-nocache time", "<=", 1.1,
+           _time_ratio(*(_pick(m, "fwd", suite="forms", seqlen_k=FORMS_CACHE_LENGTH)
+                         for m in ("flash-dma-kvcache", "flash-dma-nocache")))),
     *(
         Target(f"forms D={head_dim} S=16K keep 1/8 {MODE_LABELS[mode]}: flash-dma / flex time", "<=", goal,
                _time_ratio(_pick("flash-dma", mode, suite="forms", head_dim=head_dim),

@@ -125,7 +125,8 @@ def passing_results() -> list[Result]:
         else:
             ms, tbps = 0.01, 1.75
         rows.append(row(kv, "flash-dma-kvcache", "fwd", ms=ms, gbps=tbps * 1e3))
-    plain, softcap, deterministic, *head_dims = forms_cases()
+    plain, softcap, deterministic, prefill, *head_dims = forms_cases()
+    rows += [row(prefill, "flash-dma-kvcache", "fwd", ms=0.5), row(prefill, "flash-dma-nocache", "fwd", ms=0.48)]
     for mode, plain_ms in (("fwd", 0.3), ("fwdbwd", 1.4)):
         rows += [row(plain, "flash-dma", mode, ms=plain_ms), row(softcap, "flash-dma", mode, ms=plain_ms * 1.1)]
         for other in head_dims:  # 0.55x / 0.35x of Flex

@@ -385,3 +385,16 @@ def test_layer_methods_run_the_stack_and_its_selection(monkeypatch):
         assert prepared.leaves and all(p.grad is not None for p in prepared.leaves)
     selection = METHODS["layer-select"].prepare(replace(case, kind="select", modes=("fwd",)), ids)
     assert selection.leaves == () and selection.forward().shape == (1, 2, 1, 128 // 16)
+
+
+def test_kvcache_prefill_matches_the_same_call_without_a_cache():
+    """The forms suite's chunked prefill: new queries over a full cache, against flash-dma-nocache."""
+    case = _kvcache_case("contiguous", suite="forms", kind="prefill", seqlen_q=5,
+                         methods=("flash-dma-kvcache", "flash-dma-nocache"))
+    inputs = make_inputs(case, "cpu")
+    cached = METHODS["flash-dma-kvcache"].prepare(case, inputs).forward()
+    uncached = METHODS["flash-dma-nocache"].prepare(case, inputs).forward()
+    assert cached.shape == uncached.shape == (2, 5, 4, 16)
+    torch.testing.assert_close(cached, uncached, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="kv_layout='paged'"):
+        METHODS["flash-dma-nocache"].prepare(replace(case, kv_layout="paged"), make_inputs(replace(case, kv_layout="paged"), "cpu"))

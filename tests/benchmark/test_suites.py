@@ -246,11 +246,14 @@ def test_kvcache_suite_decodes_over_full_caches():
 
 
 def test_forms_suite_is_the_plain_call_then_each_form():
-    plain, softcap, deterministic, *head_dims = build_cases("forms")
+    plain, softcap, deterministic, prefill, *head_dims = build_cases("forms")
     assert (plain.seqlen_k, plain.keep, plain.softcap, plain.deterministic) == (16384, 1 / 8, 0.0, False)
     assert softcap == replace(plain, softcap=30.0) and softcap.label == "S=16384 keep=1/8 softcap=30"
     assert deterministic.deterministic and deterministic.modes == ("fwdbwd",)
     assert deterministic.label == "S=16384 keep=1/8 deterministic"
     assert [c.head_dim for c in head_dims] == [96, 192, 256] and all(c.methods == ("flash-dma", "flex") for c in head_dims)
     assert head_dims[0] == replace(plain, head_dim=96, methods=("flash-dma", "flex")) and head_dims[0].label == "S=16384 keep=1/8 D=96"
-    assert build_cases("forms", quick=True) == [plain, softcap, deterministic]
+    assert (prefill.seqlen_q, prefill.seqlen_k, prefill.kv_layout, prefill.methods) == (
+        4096, 65536, "contiguous", ("flash-dma-kvcache", "flash-dma-nocache"))
+    assert prefill.label == "Sq=4096 Sk=65536 keep=1/8 random contiguous"
+    assert build_cases("forms", quick=True) == [plain, softcap, deterministic, prefill]
