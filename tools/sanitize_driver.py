@@ -533,6 +533,10 @@ CASES = {
         _attention("attn-summary-d96-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
                    head_dim=96, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True,
                    walk="summary", block_size=(128, 128)),
+        # A head dim of 256: the Hopper forward in tiles of 64 keys with one Q slot, the Triton backward.
+        _attention("attn-summary-d256-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
+                   head_dim=256, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True,
+                   walk="summary", block_size=(128, 128)),
         # Deterministic on Hopper: dK/dV's query chunks wait for their turns (a per-key bias the batch shares).
         _attention("attn-summary-d128-deterministic-chunks", batch=2, seqlen_q=600, seqlen_k=600, heads=4, kv_heads=2,
                    head_dim=128, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,Hkv,1,Sk", causal=True,

@@ -131,8 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtypes", type=_strings, default=("bf16", "fp16") if on_gpu else ("fp32", "fp16"))
     parser.add_argument("--head-dims", type=_ints, default=(64, 128) if on_gpu else (16, 32))
     parser.add_argument(
-        "--extra-head-dims", type=_ints, default=(96,),
-        help="head dims given one family each (default 96: the Hopper kernels' padded tiles), e.g. 72,256",
+        "--extra-head-dims", type=_ints, default=(96, 256),
+        help="head dims given one family each (default 96 and 256: the Hopper kernels' padded and wide tiles), e.g. 72",
     )
     parser.add_argument(
         "--families", type=int, default=24, help="families drawn from --head-dims (each a few compiled kernels)"

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from flash_dma.backends.triton import configs
-from flash_dma.backends.triton.hopper.common import HEAD_DIMS, TILES
+from flash_dma.backends.triton.hopper.common import FORWARD_HEAD_DIMS, HEAD_DIMS, TILES
 from flash_dma.backends.triton.layout import (
     SEQ_PACKED,
     WALK_BLOCKS,
@@ -80,15 +80,16 @@ class Route:
 
 
 _HOPPER_FORMS = dict(
-    device=("hopper",), dtype=("fp16", "bf16"), head_dim=HEAD_DIMS, mask=("none", "keys", "rows", "bits"),
-    sequences=("fixed",), split=(False,), aligned=(True,),
+    device=("hopper",), dtype=("fp16", "bf16"), mask=("none", "keys", "rows", "bits"), sequences=("fixed",), split=(False,),
+    aligned=(True,),
 )
 ROUTES = (
     # flash_dma_topk_func: keys listed per query, gathered (``topk_forward.py``, ``topk_backward.py``).
     Route(TOPK, PASSES, walk=("indices",)),
-    Route(HOPPER, ("forward", "dq"), **_HOPPER_FORMS),
+    Route(HOPPER, ("forward",), **_HOPPER_FORMS, head_dim=FORWARD_HEAD_DIMS),
+    Route(HOPPER, ("dq",), **_HOPPER_FORMS, head_dim=HEAD_DIMS),
     # A key list's columns are the Triton kernel's.
-    Route(HOPPER, ("dkdv",), **_HOPPER_FORMS, walk=("dense", "blocks")),
+    Route(HOPPER, ("dkdv",), **_HOPPER_FORMS, head_dim=HEAD_DIMS, walk=("dense", "blocks")),
     Route(TRITON, PASSES),
 )
 

@@ -58,6 +58,10 @@ CASES = [
     Case(seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=32, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
     Case(seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=96, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
     Case(seqlen_q=200, seqlen_k=300, head_dim=96, bias="B,H,Sq,Sk", window=(40, 40), softcap=2.0),
+    # Head dims of 256 (tiles of 64 keys, one Q slot) and 192 in them: the forward alone is Hopper's.
+    Case(seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=256, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
+    Case(batch=2, seqlen_q=1000, seqlen_k=1000, heads=4, kv_heads=2, head_dim=192, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
+    Case(seqlen_q=200, seqlen_k=300, head_dim=256, bias="B,H,Sq,Sk", window=(40, 40), softcap=2.0),
 ]
 
 PAIR_CASES = HOPPER_PAIR_CASES

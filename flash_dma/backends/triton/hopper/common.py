@@ -48,7 +48,8 @@ _tile_start = gluon.jit(tiles.tile_start.fn)
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
-HEAD_DIMS = (32, 64, 96, 128)
+HEAD_DIMS = (32, 64, 96, 128)  # of every Hopper kernel
+FORWARD_HEAD_DIMS = (*HEAD_DIMS, 192, 256)  # of the forward: D = 256 in tiles of 64 keys, with one Q slot
 
 
 def head_dim_tile(head_dim: int) -> int:
@@ -296,9 +297,10 @@ def pair_buffers(
 
 @gluon.jit
 def init_barriers(bufs, KV_STAGES: gl.constexpr):
-    """The barriers of the two Q slots and of the K/V ring (the forward's and the dQ kernel's):
-    the loader's copies fill a slot, and both math warpgroups release it."""
-    for i in gl.static_range(2):
+    """The barriers of the Q slots and of the K/V ring (the forward's and the dQ kernel's): the
+    loader's copies fill a slot, and both math warpgroups release it."""
+    Q_SLOTS: gl.constexpr = bufs.q.shape[0]
+    for i in gl.static_range(Q_SLOTS):
         mbarrier.init(bufs.q_ready.index(i), count=1)
         mbarrier.init(bufs.q_empty.index(i), count=2)
     for i in gl.static_range(KV_STAGES):
@@ -564,6 +566,7 @@ def load_partition(p, bufs):
     """One warp: for each work item its tile count and Q (with GRADIENT also dO, and the rows'
     LSEs in log2 units and deltas), then its key tiles (``_load_key_tile``)."""
     q_bytes: gl.constexpr = p.q_desc.block_type.nbytes * (2 if p.GRADIENT else 1)
+    Q_SLOTS: gl.constexpr = bufs.q.shape[0]  # two, so that the next item's Q loads during this one; one at D = 256
     row_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_M // 32], [32], [1], [0])
     loaded = 0  # K/V tiles so far: the ring position
     items_done = 0
@@ -572,12 +575,12 @@ def load_partition(p, bufs):
         bias_row = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, it.batch, it.head)
         mask_row = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, it.batch, it.head)
         count = tile_count(it)
-        q_slot = items_done % 2
+        q_slot = items_done % Q_SLOTS
         if p.GRADIENT:
             rows = it.row_block * p.BLOCK_M + gl.arange(0, p.BLOCK_M, row_layout)  # [BLOCK_M]
             row_offset = (it.batch * p.num_heads + it.head).to(gl.int64) * p.seqlen_q
             lse, delta = row_statistics(p, row_offset, rows, bias_row)
-        mbarrier.wait(bufs.q_empty.index(q_slot), (items_done // 2) & 1 ^ 1)
+        mbarrier.wait(bufs.q_empty.index(q_slot), (items_done // Q_SLOTS) & 1 ^ 1)
         put(bufs.counts.index(q_slot), count)
         if p.GRADIENT:
             bufs.lse.index(q_slot).store(lse)
@@ -600,14 +603,15 @@ def load_partition(p, bufs):
 @gluon.jit
 def take_rows(p, bufs, index, items_done, HALF: gl.constexpr, rows_layout: gl.constexpr):
     """Work item ``index`` for warpgroup ``HALF``, once the loader has staged its Q (slot
-    ``items_done % 2``): ``(batch, head, first_row, rows, q_slot, count)``, ``rows`` its 64 rows
-    in ``rows_layout`` and ``count`` its key tiles."""
+    ``items_done`` modulo the slots): ``(batch, head, first_row, rows, q_slot, count)``, ``rows``
+    its 64 rows in ``rows_layout`` and ``count`` its key tiles."""
     ROWS: gl.constexpr = p.BLOCK_M // 2
+    Q_SLOTS: gl.constexpr = bufs.q.shape[0]
     row_block, batch, head = _item_position(p, index)
     first_row = row_block * p.BLOCK_M + HALF * ROWS
     rows = first_row + gl.arange(0, ROWS, rows_layout)  # [ROWS]
-    q_slot = items_done % 2
-    mbarrier.wait(bufs.q_ready.index(q_slot), (items_done // 2) & 1)
+    q_slot = items_done % Q_SLOTS
+    mbarrier.wait(bufs.q_ready.index(q_slot), (items_done // Q_SLOTS) & 1)
     return batch, head, first_row, rows, q_slot, get(bufs.counts.index(q_slot))
 
 

@@ -65,9 +65,12 @@ from flash_dma.backends.triton.layout import Call
 from flash_dma.integers import cdiv
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["forward"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
+# D = 256: tiles of 64 keys (a warpgroup's 64 x 256 accumulator is 128 of its 240 registers) and one
+# Q slot, so that Q (64 KB) and two K/V stages (128 KB) fit in shared memory.
+WIDE_TILE = triton.Config(dict(BLOCK_M=TILE.kwargs["BLOCK_M"], BLOCK_N=64), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
 # K/V tiles in flight per tile head dim (``head_dim_tile``); with two Q buffers, D = 128 fills 192 KB of
 # shared memory. D = 32 takes D = 64's ring.
-KV_STAGES = {32: 3, 64: 3, 128: 2}
+KV_STAGES = {32: 3, 64: 3, 128: 2, 256: 2}
 STAGED_BIAS_KV_STAGES = 2  # D <= 64 with a per-pair bias staged beside K and V: 32 KB more per stage
 
 
@@ -238,7 +241,7 @@ def _attn_fwd_hopper_kernel(
     STAGED_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
     Out, Lse, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, items, row_blocks,
-    KV_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    KV_STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
     q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
@@ -251,18 +254,18 @@ def _attn_fwd_hopper_kernel(
     words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, KV_STAGES, BLOCK_N)
     barrier: gl.constexpr = mbarrier.MBarrierLayout()
     bufs = _Buffers(
-        gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout),
+        gl.allocate_shared_memory(q_desc.dtype, [Q_SLOTS] + q_desc.block_type.shape, q_desc.layout),
         gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout),
         gl.allocate_shared_memory(v_desc.dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout),
         words,
         bias,
-        gl.allocate_shared_memory(gl.int32, [2, 1], PLAIN),
+        gl.allocate_shared_memory(gl.int32, [Q_SLOTS, 1], PLAIN),
         gl.allocate_shared_memory(gl.int32, [2 * KV_STAGES, 1], PLAIN),  # spans: first keys, then last keys
         gl.allocate_shared_memory(gl.int32, [KV_STAGES, BLOCK_N], PLAIN),
         gl.allocate_shared_memory(gl.int32, [KV_STAGES, 1], PLAIN),
         gl.allocate_shared_memory(gl.float32, [KV_STAGES, BLOCK_N], PLAIN),
-        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
-        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
@@ -300,13 +303,15 @@ def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: 
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
     tensors = hopper_tensors(call, k, v, walk)
 
+    wide = head_dim_tile(head_dim) > 128
+
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
         stages = STAGED_BIAS_KV_STAGES if stages_pair_bias(call, walk_flag) else KV_STAGES[head_dim_tile(head_dim)]
-        own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages]
+        own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages, 1 if wide else 2]
         return [*tensors, *runtime, *flags, out, lse, *own], (q.dtype, *flags)
 
     hopper_launcher.launch(
-        signature, [*tensors, out, lse], build, lambda: [TILE],
+        signature, [*tensors, out, lse], build, lambda: [WIDE_TILE if wide else TILE],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )
