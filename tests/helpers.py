@@ -16,6 +16,12 @@ import torch
 from flash_dma.backends.reference import reference_attention, reference_topk_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def seeded_generator(label: str) -> torch.Generator:
+    """A CPU generator seeded from ``label``, the same in every process (``hash`` is salted per process)."""
+    seed = int.from_bytes(hashlib.sha256(label.encode()).digest()[:4], "little")
+    return torch.Generator(device="cpu").manual_seed(seed)
 # Marks of the tests of the Hopper (Gluon) kernels: sm90 only; elsewhere test_compiles_for_gpu compiles them.
 HOPPER_ONLY = [
     pytest.mark.gpu_only,
@@ -94,8 +100,7 @@ class Case:
         return tuple(sizes[s] for s in spec.split(","))
 
     def generator(self, salt: str = "") -> torch.Generator:
-        seed = int.from_bytes(hashlib.sha256(f"{self}{salt}".encode()).digest()[:4], "little")
-        return torch.Generator(device="cpu").manual_seed(seed)
+        return seeded_generator(f"{self}{salt}")
 
 
 # Masks and block sizes that every block-summary builder is checked on.

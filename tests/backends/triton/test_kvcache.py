@@ -9,7 +9,7 @@ import torch
 
 import flash_dma.backends.triton as triton_backend
 from flash_dma import flash_dma_with_kvcache
-from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, max_error
+from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, max_error, seeded_generator
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class CacheCase:
 
 
 def make_cache_inputs(case: CacheCase, dtype: torch.dtype) -> dict:
-    gen = torch.Generator().manual_seed(hash(str(case)) % 2**31)
+    gen = seeded_generator(str(case))
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(DEVICE, dtype)  # noqa: E731
     hkv, d = case.kv_heads, case.head_dim
     if case.page_size:

@@ -12,7 +12,9 @@ import flash_dma.backends.triton as triton_backend
 from flash_dma import build_block_mask, flash_dma_varlen_func, topk_block_mask
 from flash_dma.backends.reference import packed_attention
 from flash_dma.packed import normalize_varlen_inputs, sequence_rows
-from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, assert_close, assert_gradients_close, guarded
+from tests.helpers import (
+    DEVICE, DTYPE_IDS, KERNEL_DTYPES, assert_close, assert_gradients_close, guarded, seeded_generator,
+)
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class VarlenCase:
 
 
 def make_varlen_inputs(case: VarlenCase, dtype: torch.dtype) -> dict:
-    gen = torch.Generator().manual_seed(hash(str(case)) % 2**31)
+    gen = seeded_generator(str(case))
     tq, tk = sum(case.lens_q), sum(case.lens_k)
     q = torch.randn(tq, case.heads, case.head_dim, generator=gen)
     k, v = (torch.randn(tk, case.kv_heads, case.head_dim, generator=gen) for _ in range(2))
