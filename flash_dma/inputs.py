@@ -10,7 +10,7 @@ tensor is made.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +19,16 @@ from flash_dma.block_mask import BlockMask
 from flash_dma.memo import Memo
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# FP8 inputs (forward only): e4m3, with per-(batch, key/value head) descale factors, as
+# FlashAttention-3 takes them; the output is bfloat16.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_OUT_DTYPE = torch.bfloat16
+DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def output_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the output of inputs of ``dtype``."""
+    return FP8_OUT_DTYPE if dtype == FP8_DTYPE else dtype
 MAX_HEAD_DIM = 256
 UNBOUNDED = -1
 
@@ -47,6 +57,8 @@ class AttentionProblem:
     cu_seqlens_k: torch.Tensor | None = None  # [N + 1] int32
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # FP8 inputs: q, k and v's descale factors, [B, Hkv, 3] float32 (ones where not given).
+    descale: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -67,15 +79,19 @@ def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
-def _check_qkv(query, key, value, same_batch: bool = True) -> None:
+def _check_qkv(query, key, value, same_batch: bool = True, fp8: bool = False) -> None:
+    """``fp8``: the entry point takes FP8 inputs too (``flash_dma_func``)."""
+    dtypes, named = (FLOAT_DTYPES, "float16, bfloat16 or float32")
+    if fp8:
+        dtypes, named = (*FLOAT_DTYPES, FP8_DTYPE), "float16, bfloat16, float32 or float8_e4m3fn"
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             layout = "[B, Sq, H, D]" if name == "query" else "[B, Sk, Hkv, D]"
             raise ValueError(f"{name}: expected a 4-D tensor {layout}, got {t.dim()}-D with shape {tuple(t.shape)}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {t.dtype}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name}: expected dtype {named}, got {t.dtype}")
     for name, t in (("key", key), ("value", value)):
         if t.dtype != query.dtype:
             raise TypeError(f"{name}: expected dtype {query.dtype} (the dtype of query), got {t.dtype}")
@@ -162,11 +178,13 @@ def bias_dtypes(dtype: torch.dtype, owner: str) -> str:
 
 
 def check_bias_tensor(bias, query: torch.Tensor) -> None:
-    """``attn_bias`` must be a tensor of float32 or ``query``'s dtype, on ``query``'s device (any shape)."""
+    """``attn_bias`` must be a tensor of float32 or ``query``'s dtype (FP8: the output's), on
+    ``query``'s device (any shape)."""
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"attn_bias: expected a torch.Tensor or None, got {type(bias).__name__}")
-    if bias.dtype not in (torch.float32, query.dtype):
-        raise TypeError(f"attn_bias: expected dtype {bias_dtypes(query.dtype, 'query')}, got {bias.dtype}")
+    dtype, owner = (FP8_OUT_DTYPE, "the output of FP8 inputs") if query.dtype == FP8_DTYPE else (query.dtype, "query")
+    if bias.dtype not in (torch.float32, dtype):
+        raise TypeError(f"attn_bias: expected dtype {bias_dtypes(dtype, owner)}, got {bias.dtype}")
     if bias.device != query.device:
         raise ValueError(f"attn_bias: expected device {query.device} (the device of query), got {bias.device}")
 
@@ -259,15 +277,19 @@ def normalize_inputs(
     block_mask=None,
     deterministic=False,
     entries=None,
+    descales=None,
 ) -> AttentionProblem:
     """Validate the arguments of :func:`flash_dma.flash_dma_func` and return the problem they describe.
 
     ``entries`` ``(B, Sq, Sk, H, Hkv, D)`` is what masks, biases and summaries broadcast to, when
-    not the tensors' own shape (packed sequences: one entry per sequence).
+    not the tensors' own shape (packed sequences: one entry per sequence). ``descales``: FP8
+    inputs' ``(q_descale, k_descale, v_descale)`` (:func:`fp8_descale`), given by the entry points
+    that take FP8 inputs; None for the others.
     """
-    signature = _signature(query, key, value, attn_mask, attn_bias, block_mask, entries)
+    fp8 = descales is not None
+    signature = _signature(query, key, value, attn_mask, attn_bias, block_mask, entries, fp8)
     if signature is None or signature not in _VALIDATED:
-        _check_tensors(query, key, value, attn_mask, attn_bias, block_mask, entries)
+        _check_tensors(query, key, value, attn_mask, attn_bias, block_mask, entries, fp8)
         if signature is not None:
             _VALIDATED.remember(signature, True)
     else:
@@ -279,14 +301,61 @@ def normalize_inputs(
         attn_mask=attn_mask,
         attn_bias=attn_bias,
         block_mask=block_mask,
+        descale=fp8_descale(query, key, attn_bias, descales) if fp8 else None,
         **normalize_settings(query, softmax_scale, is_causal, window_size, softcap, deterministic),
     )
 
 
-def _check_tensors(query, key, value, attn_mask, attn_bias, block_mask, entries) -> None:
+def fp8_descale(query, key, attn_bias, descales) -> torch.Tensor | None:
+    """The ``[B, Hkv, 3]`` float32 descale factors of FP8 inputs (``q_descale``, ``k_descale``,
+    ``v_descale``: each ``[B, Hkv]`` float32 or None for ones), or None for 16- and 32-bit inputs,
+    which take none. FP8 attention has a forward only: no input may require a gradient."""
+    if query.dtype != FP8_DTYPE:
+        for name, descale in zip(DESCALES, descales):
+            if descale is not None:
+                raise ValueError(f"{name}: expected None for {query.dtype} inputs (only float8_e4m3fn inputs take one)")
+        return None
+    batch, num_kv_heads = query.shape[0], key.shape[2]
+    for name, descale in zip(DESCALES, descales):
+        if descale is None:
+            continue
+        if not isinstance(descale, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(descale).__name__}")
+        if descale.dtype != torch.float32:
+            raise TypeError(f"{name}: expected dtype float32, got {descale.dtype}")
+        if tuple(descale.shape) != (batch, num_kv_heads):
+            raise ValueError(f"{name}: expected shape [B, Hkv] = [{batch}, {num_kv_heads}], got {tuple(descale.shape)}")
+        if descale.device != query.device:
+            raise ValueError(f"{name}: expected device {query.device} (the device of query), got {descale.device}")
+    grads = torch.is_grad_enabled() and [t is not None and t.requires_grad for t in (query, key, attn_bias)]
+    if grads and any(grads):
+        name = ("query", "key", "attn_bias")[grads.index(True)]
+        raise ValueError(f"{name}: FP8 attention has a forward only; expected a tensor that does not require grad")
+    ones = torch.ones(batch, num_kv_heads, device=query.device)
+    return torch.stack([ones if d is None else d for d in descales], dim=-1)
+
+
+def dequantize(t: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """FP8 ``t`` ``[B, S, heads, D]`` as float32, times ``descale`` ``[B, Hkv]`` (query heads
+    ``[h * group, (h + 1) * group)`` take head h's)."""
+    group = t.shape[2] // descale.shape[1]
+    return t.float() * descale.repeat_interleave(group, dim=1)[:, None, :, None]
+
+
+def dequantized(problem: AttentionProblem) -> AttentionProblem:
+    """``problem`` with FP8 inputs turned to float32 (``dequantize``), for the backends and forms
+    without an FP8 kernel; their output is then cast to ``FP8_OUT_DTYPE``."""
+    q_descale, k_descale, v_descale = problem.descale.unbind(-1)
+    return replace(
+        problem, query=dequantize(problem.query, q_descale), key=dequantize(problem.key, k_descale),
+        value=dequantize(problem.value, v_descale), descale=None,
+    )
+
+
+def _check_tensors(query, key, value, attn_mask, attn_bias, block_mask, entries, fp8: bool) -> None:
     """The checks of :func:`normalize_inputs`' tensor arguments: their types, shapes, dtypes and
     devices (and the values of an integer mask)."""
-    _check_qkv(query, key, value)
+    _check_qkv(query, key, value, fp8=fp8)
     shape = (query.shape[0], query.shape[1], key.shape[1], query.shape[2], key.shape[2], query.shape[3])
     shape = shape if entries is None else entries
     if attn_mask is not None:
@@ -302,7 +371,7 @@ _VALIDATED = Memo()
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _signature(query, key, value, attn_mask, attn_bias, block_mask, entries) -> tuple | None:
+def _signature(query, key, value, attn_mask, attn_bias, block_mask, entries, fp8: bool) -> tuple | None:
     """All that :func:`_check_tensors` reads of its arguments (types, shapes, dtypes, devices; the
     values of an integer mask are read on every call), or None where the checks must run: arguments
     of other types, and tracing under torch.compile, whose own guards cover the shapes."""
@@ -322,7 +391,7 @@ def _signature(query, key, value, attn_mask, attn_bias, block_mask, entries) -> 
     return (
         types, query.shape, query.dtype, query.device, key.shape, key.dtype, key.device, value.shape, value.dtype,
         value.device, mask, None if attn_bias is None else (attn_bias.shape, attn_bias.dtype, attn_bias.device),
-        None if block_mask is None else (block_mask.mask_shape, block_mask.device, block_mask.needs_mask), entries,
+        None if block_mask is None else (block_mask.mask_shape, block_mask.device, block_mask.needs_mask), entries, fp8,
     )
 
 

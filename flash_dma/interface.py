@@ -29,6 +29,9 @@ def flash_dma_func(
     deterministic: bool = False,
     return_lse: bool = False,
     backend: str | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Dynamic-mask attention with a trainable additive bias.
 
@@ -37,13 +40,15 @@ def flash_dma_func(
     Tiles of the attention matrix whose mask is all false are skipped.
 
     Args:
-        query: ``[B, Sq, H, D]``, float16, bfloat16 or float32; D from 1 to 256.
+        query: ``[B, Sq, H, D]``, float16, bfloat16 or float32, or float8_e4m3fn (forward only, with
+            the descales below); D from 1 to 256.
         key: ``[B, Sk, Hkv, D]``, same dtype and device; ``H % Hkv == 0`` (GQA/MQA).
         value: ``[B, Sk, Hkv, D]``.
         attn_mask: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` bool (True = attend) or 0/1 integer, or None.
             A head dimension of Hkv is shared by the query heads of each group.
-        attn_bias: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` float32 or ``query.dtype``, or None. It receives a
-            gradient of its own shape (summed over its broadcast dimensions).
+        attn_bias: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` float32 or ``query.dtype`` (bfloat16 for FP8
+            inputs), or None. It receives a gradient of its own shape (summed over its broadcast
+            dimensions).
         softmax_scale: multiplies ``q @ k^T``; defaults to ``D ** -0.5``.
         is_causal: key j is visible to query i iff ``j <= i + Sk - Sq`` (bottom-right aligned).
         window_size: ``(left, right)``: query i sees keys ``i + Sk - Sq - left`` to
@@ -56,11 +61,14 @@ def flash_dma_func(
         return_lse: also return the log-sum-exp of the scores.
         backend: ``"triton"``, ``"flex"`` (PyTorch FlexAttention, CUDA), ``"reference"`` or None (Triton
             on CUDA, reference elsewhere).
+        q_descale, k_descale, v_descale: FP8 inputs only: ``[B, Hkv]`` float32 factors that the
+            inputs of each (batch, key/value head) are multiplied by (None: 1), as in
+            FlashAttention-3; query heads take their group's.
 
     Returns:
-        ``out`` ``[B, Sq, H, D]`` in ``query.dtype``; with ``return_lse`` also ``lse`` ``[B, H, Sq]``
-        float32 (natural log, not differentiable). A query row with no visible key gets
-        ``out = 0``, ``lse = -inf`` and zero gradients.
+        ``out`` ``[B, Sq, H, D]`` in ``query.dtype`` (bfloat16 for FP8 inputs); with ``return_lse``
+        also ``lse`` ``[B, H, Sq]`` float32 (natural log, not differentiable). A query row with no
+        visible key gets ``out = 0``, ``lse = -inf`` and zero gradients.
     """
     problem = normalize_inputs(
         query,
@@ -74,6 +82,7 @@ def flash_dma_func(
         softcap=softcap,
         block_mask=block_mask,
         deterministic=deterministic,
+        descales=(q_descale, k_descale, v_descale),
     )
     implementation = resolve_backend(backend, query.device)
     if query.numel() == 0 or key.shape[1] == 0:

@@ -177,6 +177,23 @@ def make_inputs(case: Case, dtype: torch.dtype, device=DEVICE, requires_grad: bo
     }
 
 
+def make_fp8_inputs(case: Case, device=DEVICE) -> tuple[dict, dict, torch.Tensor]:
+    """``(fp8_inputs, dequantized, descale)``: ``case``'s inputs quantized to e4m3 with random
+    descale factors ``[B, Hkv, 3]`` (a bias in bfloat16, or float32), and their exact float32 values."""
+    from flash_dma.inputs import FP8_DTYPE, dequantize
+
+    inputs = make_inputs(case, torch.float32, device)
+    descale = (0.5 + 1.5 * torch.rand(case.batch, case.kv_heads, 3, generator=case.generator("descale"))).to(device)
+    quantized, exact = dict(inputs), dict(inputs)
+    for i, name in enumerate(("query", "key", "value")):
+        per_head = descale[..., i].repeat_interleave(inputs[name].shape[2] // case.kv_heads, 1)[:, None, :, None]
+        quantized[name] = (inputs[name] / per_head).to(FP8_DTYPE)
+        exact[name] = dequantize(quantized[name], descale[..., i])
+    if inputs["attn_bias"] is not None and not case.bias_fp32:
+        quantized["attn_bias"] = exact["attn_bias"] = inputs["attn_bias"].to(torch.bfloat16)
+    return quantized, exact, descale
+
+
 def call_kwargs(case: Case) -> dict:
     return {"is_causal": case.causal, "window_size": case.window, "softcap": case.softcap}
 
@@ -236,7 +253,7 @@ def kernel_call(
         mask, summary = mask.words, mask.summary
     call = Call(
         inputs["query"], inputs["key"], inputs["value"], None if key_list is not None else mask, inputs["attn_bias"],
-        None, None, key_list, None, None, 0, 0, softmax_scale, *window, softcap, deterministic, 0, 0, bits,
+        None, None, key_list, None, None, None, 0, 0, softmax_scale, *window, softcap, deterministic, 0, 0, bits,
     )
     if summary is None:
         return call

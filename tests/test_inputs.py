@@ -27,6 +27,10 @@ def _mask(*shape, dtype=torch.bool):
     return torch.ones(shape, dtype=dtype, device=DEVICE)
 
 
+FP8 = torch.float8_e4m3fn
+_FP8_QKV = dict(query=torch.randn(B, SQ, H, D).to(FP8), key=torch.randn(B, SK, HKV, D).to(FP8), value=torch.randn(B, SK, HKV, D).to(FP8))
+
+
 BAD_INPUTS = [
     ("query-rank", dict(query=torch.randn(B, SQ, H * D)), ValueError, r"query: expected a 4-D tensor .* got 3-D"),
     ("key-rank", dict(key=torch.randn(B, SK, D)), ValueError, r"key: expected a 4-D tensor"),
@@ -43,7 +47,7 @@ BAD_INPUTS = [
     ("mixed-dtypes", dict(key=torch.randn(B, SK, HKV, D, dtype=torch.float16)), TypeError,
      r"key: expected dtype torch.float32 \(the dtype of query\), got torch.float16"),
     ("float64", dict(query=torch.randn(B, SQ, H, D, dtype=torch.float64)), TypeError,
-     r"query: expected dtype float16, bfloat16 or float32, got torch.float64"),
+     r"query: expected dtype float16, bfloat16, float32 or float8_e4m3fn, got torch.float64"),
     ("mask-rank", dict(attn_mask=_mask(B, SK)), ValueError, r"attn_mask: expected a 4-D tensor .*mask\[:, None, None, :\]"),
     ("mask-batch", dict(attn_mask=_mask(3, 1, 1, SK)), ValueError, r"attn_mask: dimension 0 \(batch\) must be 1 or 2, got 3"),
     ("mask-heads", dict(attn_mask=_mask(B, 3, SQ, SK)), ValueError,
@@ -76,6 +80,19 @@ BAD_INPUTS = [
      r"block_mask: it was built for a mask of shape \(2, 4, 8, 20\), whose key length must be 1 or 12 for this call, got 20"),
     ("block-mask-without-mask", dict(block_mask=build_block_mask(_mask(B, H, SQ, SK))), ValueError,
      r"block_mask: it was built from an element-wise mask .* pass that mask as attn_mask too"),
+    # FP8 inputs: descales [B, Hkv] float32, for FP8 only; a forward only; a bias of the output's dtype.
+    ("fp8-mixed", dict(_FP8_QKV, value=torch.randn(B, SK, HKV, D, dtype=torch.bfloat16)), TypeError,
+     r"value: expected dtype torch.float8_e4m3fn \(the dtype of query\), got torch.bfloat16"),
+    ("descale-without-fp8", dict(k_descale=torch.ones(B, HKV)), ValueError,
+     r"k_descale: expected None for torch.float32 inputs \(only float8_e4m3fn inputs take one\)"),
+    ("descale-shape", dict(_FP8_QKV, q_descale=torch.ones(B, H)), ValueError, r"q_descale: expected shape \[B, Hkv\] = \[2, 2\], got \(2, 4\)"),
+    ("descale-dtype", dict(_FP8_QKV, v_descale=torch.ones(B, HKV, dtype=torch.float16)), TypeError,
+     r"v_descale: expected dtype float32, got torch.float16"),
+    ("descale-type", dict(_FP8_QKV, q_descale=1.0), TypeError, r"q_descale: expected a torch.Tensor or None, got float"),
+    ("fp8-bias-dtype", dict(_FP8_QKV, attn_bias=torch.zeros(B, H, SQ, SK, dtype=torch.float16)), TypeError,
+     r"attn_bias: expected dtype float32 or torch.bfloat16 \(the dtype of the output of FP8 inputs\), got torch.float16"),
+    ("fp8-bias-grad", dict(_FP8_QKV, attn_bias=torch.zeros(B, H, SQ, SK, requires_grad=True)), ValueError,
+     r"attn_bias: FP8 attention has a forward only; expected a tensor that does not require grad"),
 ]
 
 

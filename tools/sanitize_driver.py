@@ -48,11 +48,12 @@ from flash_dma import (
 from flash_dma.backends.triton import backward as triton_backward
 from flash_dma.backends.triton.block_summary import block_lists, block_state
 from flash_dma.backends.triton.key_list import build_key_list
+from flash_dma.inputs import DESCALES, FP8_DTYPE
 
 MARK = "[sanitize-driver]"
 # Largest error allowed against the float32 reference, relative to max(1, |reference|): loose,
 # since the point is to catch garbage (a race, an out-of-bounds read), not to grade precision.
-TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 2e-2, torch.float32: 2e-3}
+TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 2e-2, torch.float32: 2e-3, FP8_DTYPE: 1e-1}
 Results = dict[str, torch.Tensor]
 
 
@@ -199,6 +200,40 @@ class Attention:
                 block_mask=block_mask, deterministic=self.deterministic, return_lse=True, backend=target.backend,
             )
             return {"out": out, "lse": lse, **_gradients(out, leaves, target, gen)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8:
+    """``flash_dma_func``'s FP8 forward: e4m3 inputs with descales per (batch, key/value head) drawn
+    in [0.5, 2], a float32 bias; the reference dequantizes the same inputs. Mask and bias shapes as
+    :class:`Attention`'s; ``walk`` "auto" or "summary" (``build_block_mask`` of ``block_size``)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = FP8_DTYPE
+    mask: str | None = None
+    bias: str | None = None
+    causal: bool = False
+    walk: str = "auto"
+    block_size: tuple[int, int] = (128, 128)
+
+    def run(self, target: Target, gen: torch.Generator) -> Results:
+        dims = Attention(self.batch, self.seqlen_q, self.seqlen_k, self.heads, self.kv_heads, self.head_dim)._dims
+        shape_q = (self.batch, self.seqlen_q, self.heads, self.head_dim)
+        shape_kv = (self.batch, self.seqlen_k, self.kv_heads, self.head_dim)
+        q, k, v = (torch.randn(shape, generator=gen).to(target.device, FP8_DTYPE) for shape in (shape_q, shape_kv, shape_kv))
+        descales = {name: target.floats(0.5 + 1.5 * torch.rand(self.batch, self.kv_heads, generator=gen), fp32=True) for name in DESCALES}
+        bias = target.floats(torch.randn(dims(self.bias), generator=gen), fp32=True) if self.bias else None
+        mask = target.ints(_keep(dims(self.mask), "blocks", gen)) if self.mask else None
+        block_mask = build_block_mask(mask, block_size=self.block_size) if self.walk == "summary" else None
+        out, lse = flash_dma_func(
+            q, k, v, mask, bias, is_causal=self.causal, block_mask=block_mask, return_lse=True, backend=target.backend, **descales,
+        )
+        return {"out": out, "lse": lse}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,6 +510,11 @@ def _attention(name: str, **spec) -> Case:
     return Case(name, attention.run, attention.dtype)
 
 
+def _fp8(name: str, **spec) -> Case:
+    fp8 = Fp8(**spec)
+    return Case(name, fp8.run, fp8.dtype)
+
+
 def _varlen(name: str, **spec) -> Case:
     varlen = Varlen(**spec)
     return Case(name, varlen.run, varlen.dtype)
@@ -541,6 +581,10 @@ CASES = {
         _attention("attn-summary-d128-deterministic-chunks", batch=2, seqlen_q=600, seqlen_k=600, heads=4, kv_heads=2,
                    head_dim=128, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,Hkv,1,Sk", causal=True,
                    walk="summary", block_size=(128, 128), deterministic=True, query_chunks=3),
+        # FP8 inputs: the Hopper forward (V copied transposed, P rounded to e4m3), D = 64 and 256.
+        _fp8("fp8-summary-d64-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=64,
+             mask="B,Hkv,1,Sk", bias="B,H,Sq,Sk", causal=True, walk="summary"),
+        _fp8("fp8-dense-d256", batch=1, seqlen_q=130, seqlen_k=199, heads=4, kv_heads=1, head_dim=256, bias="1,H,1,Sk"),
         _attention("attn-query-chunks", batch=1, seqlen_q=90, seqlen_k=70, heads=4, kv_heads=2, head_dim=64,
                    mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,1,1,Sk", causal=True, walk="summary",
                    block_size=(16, 16), query_chunks=2),

@@ -264,6 +264,8 @@ def _flex_block_mask(problem):
 def _check_supported(problem) -> None:
     if problem.cu_seqlens_q is not None:
         raise ValueError("backend: 'flex' does not take packed sequences; use backend='triton' or 'reference'")
+    if problem.descale is not None:
+        raise ValueError("backend: 'flex' does not take FP8 inputs; use backend='triton' or 'reference'")
     head_dim = problem.shape[5]
     if problem.query.is_cuda and head_dim < MIN_HEAD_DIM:
         raise ValueError(

@@ -14,6 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from flash_dma.block_mask import BlockMask, effective_mask_rows
+from flash_dma.inputs import FP8_OUT_DTYPE, dequantized
 from flash_dma.kv_cache import cached_keys
 
 # Scores materialised per chunk (elements): bounds the memory of one chunk.
@@ -77,7 +78,7 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor):
     return probs, denom, lse
 
 
-def _attend_chunk(q, k, v, mask, bias, *, row_start, seqlen_q, softmax_scale, window, softcap):
+def _attend_chunk(q, k, v, mask, bias, *, row_start, seqlen_q, softmax_scale, window, softcap, probs_dtype=None):
     """Attention of one chunk of queries. q: [B, c, H, D]; k, v: [B, Hkv, 1, Sk, D]."""
     batch, rows, num_heads, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[3]
@@ -90,6 +91,8 @@ def _attend_chunk(q, k, v, mask, bias, *, row_start, seqlen_q, softmax_scale, wi
     if mask is not None:
         visible = visible & mask
     probs, denom, lse = _masked_softmax(scores, visible)
+    if probs_dtype is not None:  # as a kernel whose P V takes P in probs_dtype (the FP8 forward)
+        probs = probs.to(probs_dtype).to(denom.dtype)
     out = (probs @ v) / denom
     out = out.permute(0, 3, 1, 2, 4).reshape(batch, rows, num_heads, head_dim)
     return out, lse.reshape(batch, num_heads, rows)
@@ -108,6 +111,7 @@ def reference_attention(
     block_mask: BlockMask | None = None,
     compute_dtype: torch.dtype = torch.float32,
     chunk_size: int | None = None,
+    probs_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention as the contract defines it, differentiable in every float input.
 
@@ -122,6 +126,9 @@ def reference_attention(
         block_mask: applied as described in ``_effective_mask_rows``.
         compute_dtype: arithmetic dtype (float32 by default).
         chunk_size: queries per chunk; by default about 16M scores per chunk.
+        probs_dtype: round the probabilities (``exp(s - rowmax)``, in [0, 1]) to this dtype before
+            ``P V``, as a kernel does whose product takes them so (the FP8 forward: the baseline of
+            its tests).
 
     Returns:
         ``out`` ``[B, Sq, H, D]`` in ``query.dtype`` and ``lse`` ``[B, H, Sq]`` (natural log,
@@ -138,7 +145,7 @@ def reference_attention(
     k = key.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
     v = value.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
     attend = functools.partial(
-        _attend_chunk, seqlen_q=seqlen_q, softmax_scale=softmax_scale, window=window, softcap=softcap
+        _attend_chunk, seqlen_q=seqlen_q, softmax_scale=softmax_scale, window=window, softcap=softcap, probs_dtype=probs_dtype
     )
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_bias)
@@ -351,7 +358,11 @@ def _attention(problem, query, key, value, bias) -> tuple[torch.Tensor, torch.Te
 
 
 def attention(problem) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backend entry point: ``(out, lse)`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
+    """Backend entry point: ``(out, lse)`` for a validated :class:`~flash_dma.inputs.AttentionProblem`
+    (FP8 inputs dequantized to float32 first)."""
+    if problem.descale is not None:
+        out, lse = attention(dequantized(problem))
+        return out.to(FP8_OUT_DTYPE), lse
     if problem.cu_seqlens_q is not None:
         out, lse = packed_attention(problem)
     else:

@@ -30,6 +30,7 @@ from flash_dma.benchmark.inputs import DTYPE, CacheInputs, Inputs, TokenInputs, 
 from flash_dma.benchmark.suites import Case
 from flash_dma.bit_mask import WORD_BITS, BitMask, pack_words
 from flash_dma.block_mask import EMPTY, FULL
+from flash_dma.inputs import FP8_DTYPE
 from flash_dma.summaries import bit_mask_from_words
 
 # Dynamo keeps one compiled entry per shape (dynamic=False) and per score_mod; a full run needs up
@@ -427,6 +428,44 @@ class FlashDmaKvcache(Method):
         return Prepared(forward, ())
 
 
+def quantized_fp8(t: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t8, descale)``: ``t`` ``[B, S, heads, D]`` in float8_e4m3fn, scaled per (batch, key/value
+    head) so that its largest magnitude is e4m3's largest (448), and the ``[B, Hkv]`` float32 factors
+    that undo the scaling (``flash_dma_func``'s ``*_descale``)."""
+    batch, length, heads, head_dim = t.shape
+    grouped = t.detach().float().view(batch, length, num_kv_heads, heads // num_kv_heads, head_dim)
+    descale = grouped.abs().amax(dim=(1, 3, 4)).clamp_min(1e-12) / torch.finfo(FP8_DTYPE).max  # [B, Hkv]
+    return (grouped / descale[:, None, :, None, None]).to(FP8_DTYPE).view(t.shape), descale
+
+
+class FlashDmaFp8(Method):
+    name = "flash-dma-fp8"
+    description = (
+        "the `flash-dma` call on FP8 inputs: q, k and v in float8_e4m3fn, each scaled per (batch, key/value "
+        "head) to e4m3's range, with the factors that undo it as `q_descale`, `k_descale`, `v_descale` "
+        "`[B, Hkv]` (quantized outside the timed region), the bias in bfloat16; the forward only"
+    )
+
+    def skip_reason(self, case: Case, mode: str, options: MethodOptions) -> str | None:
+        return "FP8 attention has a forward only" if mode != "fwd" else None
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        num_kv_heads = inputs.key.shape[2]
+        (q, q_descale), (k, k_descale), (v, v_descale) = (
+            quantized_fp8(t, num_kv_heads) for t in (inputs.query, inputs.key, inputs.value)
+        )
+        block_mask = build_block_mask(inputs.mask) if case.mask == "block" else inputs.block_mask
+        bias = None if inputs.bias is None else inputs.bias.detach()
+
+        def forward() -> torch.Tensor:
+            return flash_dma_func(
+                q, k, v, attn_mask=inputs.mask, attn_bias=bias, is_causal=True, softcap=case.softcap, block_mask=block_mask,
+                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+            )
+
+        return Prepared(forward, ())
+
+
 class FlashDmaNoCache(Method):
     name = "flash-dma-nocache"
     description = (
@@ -690,6 +729,7 @@ METHODS: dict[str, Method] = {
         FlashDmaPadded(),
         FlashDmaKvcache(),
         FlashDmaNoCache(),
-        FlashDmaTopk(),  # last: the plots' colours follow this order
+        FlashDmaTopk(),
+        FlashDmaFp8(),  # new methods last: the plots' colours follow this order
     )
 }

@@ -571,13 +571,16 @@ def kvcache_cases(quick: bool = False) -> list[Case]:
 
 
 def forms_cases(quick: bool = False) -> list[Case]:
-    """The plain llm call at 16K keep 1/8, then the same call in each other form, a chunk of
-    prefill over a KV cache against the same problem without one, and the llm call at other head
-    dims against Flex; ``quick`` leaves out the head dims (a Flex compilation each)."""
+    """The plain llm call at 16K keep 1/8 (and its FP8 forward, also at keep 1), then the same call
+    in each other form, a chunk of prefill over a KV cache against the same problem without one,
+    and the llm call at other head dims against Flex; ``quick`` leaves out the head dims (a Flex
+    compilation each)."""
     plain = Case("forms", "prefill", **LLM_SHAPE, seqlen_q=FORMS_LENGTH, seqlen_k=FORMS_LENGTH, keep=FORMS_KEEP,
-                 methods=("flash-dma",), modes=MODES)
+                 methods=("flash-dma", "flash-dma-fp8"), modes=MODES)
+    single = replace(plain, methods=("flash-dma",))
     forms = [
-        plain, replace(plain, softcap=FORMS_SOFTCAP), replace(plain, deterministic=True, modes=("fwdbwd",)),
+        plain, replace(plain, keep=1, modes=("fwd",)),
+        replace(single, softcap=FORMS_SOFTCAP), replace(single, deterministic=True, modes=("fwdbwd",)),
         Case("forms", "prefill", **LLM_SHAPE, seqlen_q=FORMS_PREFILL_QUERIES, seqlen_k=FORMS_CACHE_LENGTH, keep=FORMS_KEEP,
              methods=("flash-dma-kvcache", "flash-dma-nocache"), modes=("fwd",), mask="random", kv_layout="contiguous"),
     ]

@@ -24,6 +24,7 @@ from flash_dma.benchmark.suites import (
     DOGE_LENGTHS,
     FORMS_CACHE_LENGTH,
     FORMS_HEAD_DIMS,
+    FORMS_KEEP,
     FORMS_SOFTCAP,
     LAYER_LENGTH,
     LLAMA_LENGTHS,
@@ -413,12 +414,19 @@ TARGETS = (
         Target(f"forms S=16K keep 1/8 {MODE_LABELS[mode]}: flash-dma {form} / plain time", "<=", 1.15,
                _time_ratio(_pick("flash-dma", mode, suite="forms", **fields),
                            _pick("flash-dma", mode, suite="forms", softcap=0.0, deterministic=False,
-                                 head_dim=LLM_SHAPE["head_dim"])))
+                                 head_dim=LLM_SHAPE["head_dim"], keep=FORMS_KEEP)))
         for form, fields, modes in (
             (f"softcap={FORMS_SOFTCAP:g}", dict(softcap=FORMS_SOFTCAP), MODES),
             ("deterministic", dict(deterministic=True), ("fwdbwd",)),
         )
         for mode in modes
+    ),
+    # FP8 (issue 31): at least 1.5x the bfloat16 forward's speed.
+    *(
+        Target(f"forms S=16K keep {format_fraction(keep)} fwd: flash-dma-fp8 / flash-dma time", "<=", 1 / 1.5,
+               _time_ratio(_pick("flash-dma-fp8", "fwd", suite="forms", keep=keep),
+                           _pick("flash-dma", "fwd", suite="forms", keep=keep, softcap=0.0, head_dim=LLM_SHAPE["head_dim"])))
+        for keep in (1, FORMS_KEEP)
     ),
     Target(f"forms cache prefill Sq=4K Sk=64K keep 1/8 fwd: flash-dma-kvcache / flash-dma-nocache time", "<=", 1.1,
            _time_ratio(*(_pick(m, "fwd", suite="forms", seqlen_k=FORMS_CACHE_LENGTH)

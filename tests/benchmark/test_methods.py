@@ -23,8 +23,10 @@ from flash_dma.benchmark.methods import (
     flex_score_mod,
     float_mask_gib,
     padded_document_inputs,
+    quantized_fp8,
 )
 from flash_dma.benchmark.suites import Case
+from flash_dma.inputs import dequantize
 from tests.helpers import DEVICE
 
 CASES = {
@@ -385,6 +387,24 @@ def test_layer_methods_run_the_stack_and_its_selection(monkeypatch):
         assert prepared.leaves and all(p.grad is not None for p in prepared.leaves)
     selection = METHODS["layer-select"].prepare(replace(case, kind="select", modes=("fwd",)), ids)
     assert selection.leaves == () and selection.forward().shape == (1, 2, 1, 128 // 16)
+
+
+def test_fp8_method_quantizes_to_e4m3_range_and_matches_the_bf16_call():
+    """flash-dma-fp8: per (batch, key/value head) scaled to e4m3's largest magnitude; close to flash-dma."""
+    t = torch.randn(2, 9, 4, 16)
+    t8, descale = quantized_fp8(t, 2)
+    assert t8.dtype == torch.float8_e4m3fn and descale.shape == (2, 2)
+    grouped = t8.float().view(2, 9, 2, 2, 16).abs().amax(dim=(1, 3, 4))
+    assert torch.equal(grouped, torch.full((2, 2), 448.0))
+    torch.testing.assert_close(dequantize(t8, descale), t, rtol=0.07, atol=1e-6)  # e4m3: 3 mantissa bits
+    case = _case("gqa-prefill")
+    inputs = make_inputs(case, "cpu")
+    assert METHODS["flash-dma-fp8"].skip_reason(case, "fwdbwd", MethodOptions()) is not None
+    fp8 = METHODS["flash-dma-fp8"].prepare(case, inputs)
+    assert fp8.leaves == ()
+    out, reference = fp8.forward(), METHODS["flash-dma"].prepare(case, inputs).forward()
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - reference.float()).norm() <= 0.06 * reference.float().norm()  # e4m3: 3 mantissa bits
 
 
 def test_kvcache_prefill_matches_the_same_call_without_a_cache():

@@ -161,7 +161,7 @@ def test_quick_is_a_small_subset_of_the_full_run():
     full, quick = build_cases(), build_cases(quick=True)
     assert set(quick) <= set(full)
     assert {c.suite for c in quick} == set(SUITES)
-    assert count_rows(quick) <= 120 < count_rows(full)
+    assert count_rows(quick) <= 125 < count_rows(full)
 
 
 def test_all_runs_every_suite_in_order_and_each_suite_runs_alone():
@@ -246,9 +246,10 @@ def test_kvcache_suite_decodes_over_full_caches():
 
 
 def test_forms_suite_is_the_plain_call_then_each_form():
-    plain, softcap, deterministic, prefill, *head_dims = build_cases("forms")
+    plain, keep_all, softcap, deterministic, prefill, *head_dims = build_cases("forms")
     assert (plain.seqlen_k, plain.keep, plain.softcap, plain.deterministic) == (16384, 1 / 8, 0.0, False)
-    assert softcap == replace(plain, softcap=30.0) and softcap.label == "S=16384 keep=1/8 softcap=30"
+    assert plain.methods == ("flash-dma", "flash-dma-fp8") and keep_all == replace(plain, keep=1, modes=("fwd",))
+    assert softcap == replace(plain, softcap=30.0, methods=("flash-dma",)) and softcap.label == "S=16384 keep=1/8 softcap=30"
     assert deterministic.deterministic and deterministic.modes == ("fwdbwd",)
     assert deterministic.label == "S=16384 keep=1/8 deterministic"
     assert [c.head_dim for c in head_dims] == [96, 192, 256] and all(c.methods == ("flash-dma", "flex") for c in head_dims)
@@ -256,4 +257,4 @@ def test_forms_suite_is_the_plain_call_then_each_form():
     assert (prefill.seqlen_q, prefill.seqlen_k, prefill.kv_layout, prefill.methods) == (
         4096, 65536, "contiguous", ("flash-dma-kvcache", "flash-dma-nocache"))
     assert prefill.label == "Sq=4096 Sk=65536 keep=1/8 random contiguous"
-    assert build_cases("forms", quick=True) == [plain, softcap, deterministic, prefill]
+    assert build_cases("forms", quick=True) == [plain, keep_all, softcap, deterministic, prefill]

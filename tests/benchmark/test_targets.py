@@ -15,9 +15,9 @@ def _by_name(checks):
 
 def test_every_target_passes_on_good_numbers():
     checks = evaluate(passing_results())
-    assert len(checks) == len(TARGETS) == 86
-    assert len({c.name for c in checks}) == 86
-    assert [c.status for c in checks] == ["PASS"] * 86, [c for c in checks if c.status != "PASS"]
+    assert len(checks) == len(TARGETS) == 88
+    assert len({c.name for c in checks}) == 88
+    assert [c.status for c in checks] == ["PASS"] * 88, [c for c in checks if c.status != "PASS"]
     values = _by_name(checks)
     assert values["llm keep 1/8 S=16K fwd: flash-dma / flex time"].value == 0.5
     assert values["llm keep 1/8 S=128K fwd+bwd: flash-dma / flex time"].value == 0.25
@@ -35,6 +35,8 @@ def test_every_target_passes_on_good_numbers():
     assert values["llm keep 1/8 fwd S>=4K: flash-dma-percall / flash-dma time (worst S)"].value == 0.52 / 0.5
     assert values["forms S=16K keep 1/8 fwd+bwd: flash-dma softcap=30 / plain time"].value == pytest.approx(1.1)
     assert values["forms S=16K keep 1/8 fwd+bwd: flash-dma deterministic / plain time"].value == pytest.approx(1.12)
+    assert values["forms S=16K keep 1 fwd: flash-dma-fp8 / flash-dma time"].value == pytest.approx(1 / 1.6)
+    assert values["forms S=16K keep 1/8 fwd: flash-dma-fp8 / flash-dma time"].value == pytest.approx(1 / 1.6)
 
 
 def test_absolute_targets_keep_their_unit():

@@ -25,12 +25,14 @@ from flash_dma import BitMask, BlockMask, build_block_mask, pack_mask
 from flash_dma.backends.reference import reference_attention, reference_topk_attention, valid_indices, visible_positions
 from flash_dma.backends.triton import backward as triton_backward
 from flash_dma.block_mask import effective_mask_rows
+from flash_dma.inputs import FP8_DTYPE, FP8_OUT_DTYPE, dequantize, output_dtype
 from flash_dma.masks import topk_block_mask
 from flash_dma.memo import forget_memos
 from tests.fuzz.configs import INDICES, Trial
 from tests.helpers import Case, assert_close, poisoned_empty, reference_outputs, topk_reference_outputs, triton_call
 
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": FP8_DTYPE}
+_DESCALES = ("q_descale", "k_descale", "v_descale")
 _MASK_DTYPES = {"bool": torch.bool, "uint8": torch.uint8, "int64": torch.int64}
 _GUARD = 4096  # elements before and after each input; a multiple of 16 bytes keeps pointers aligned
 _GRADIENTS = ("query", "key", "value", "attn_bias")
@@ -107,11 +109,14 @@ def make_inputs(trial: Trial, device) -> tuple[dict, BlockMask | None, torch.Ten
     """``(inputs, block_mask, dout)``: inputs in ``flash_dma_func``'s argument names, seeded by the trial."""
     gen = torch.Generator(device=device).manual_seed(trial.data_seed)
     dtype = TORCH_DTYPES[trial.dtype]
+    fp8 = dtype == FP8_DTYPE  # forward only: e4m3 inputs with descales, nothing requires a gradient
     randn = lambda *size: torch.randn(size, generator=gen, device=device)  # noqa: E731
     b, sq, sk, d = trial.batch, trial.seqlen_q, trial.seqlen_k, trial.head_dim
+    descale = 0.5 + 1.5 * torch.rand(b, trial.kv_heads, 3, generator=gen, device=device)
     q, k, v = (
-        _stored(randn(b, s, h, d).to(dtype), trial.padded, float("nan")).requires_grad_(trial.grad_qkv)
-        for s, h in ((sq, trial.heads), (sk, trial.kv_heads), (sk, trial.kv_heads))
+        _stored((randn(b, s, h, d) / _per_head(descale[..., i], h) if fp8 else randn(b, s, h, d)).to(dtype), trial.padded, float("nan"))
+        .requires_grad_(trial.grad_qkv and not fp8)
+        for i, (s, h) in enumerate(((sq, trial.heads), (sk, trial.kv_heads), (sk, trial.kv_heads)))
     )
     mask = None if trial.mask is None else _mask(trial, gen, device)
     if trial.walk == INDICES:
@@ -121,8 +126,8 @@ def make_inputs(trial: Trial, device) -> tuple[dict, BlockMask | None, torch.Ten
         shape = trial.dims(trial.bias)
         values = randn(*shape) * trial.bias_scale
         values = values.masked_fill(torch.rand(shape, generator=gen, device=device) < trial.bias_neg_inf, float("-inf"))
-        bias_dtype = torch.float32 if trial.bias_fp32 else dtype
-        bias = _stored(values.to(bias_dtype), trial.padded, float("nan")).requires_grad_()
+        bias_dtype = torch.float32 if trial.bias_fp32 else output_dtype(dtype)
+        bias = _stored(values.to(bias_dtype), trial.padded, float("nan")).requires_grad_(not fp8)
     block_mask = None
     if trial.walk == "summary" and trial.packed:
         mask = pack_mask(mask, block_size=trial.block_size)  # its own summary: no block_mask
@@ -141,8 +146,23 @@ def make_inputs(trial: Trial, device) -> tuple[dict, BlockMask | None, torch.Ten
     inputs = {"query": q, "key": k, "value": v, "attn_mask": mask, "attn_bias": bias}
     if trial.walk == INDICES:
         inputs["indices"] = inputs.pop("attn_mask")
-    dout = randn(b, sq, trial.heads, d).to(dtype)
+    if fp8:
+        inputs.update(zip(_DESCALES, descale.unbind(-1)))
+    dout = None if fp8 else randn(b, sq, trial.heads, d).to(dtype)
     return inputs, block_mask, dout
+
+
+def _per_head(descale: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, Hkv]`` descale factors broadcast over ``[B, S, heads, D]`` (query heads take their group's)."""
+    return descale.repeat_interleave(heads // descale.shape[1], 1)[:, None, :, None]
+
+
+def _dequantized(inputs: dict) -> dict:
+    """FP8 ``inputs`` as the float32 values they stand for, without their descales (what the reference reads)."""
+    exact = {name: t for name, t in inputs.items() if name not in _DESCALES}
+    for name, descale in zip(("query", "key", "value"), _DESCALES):
+        exact[name] = dequantize(inputs[name], inputs[descale])
+    return exact
 
 
 def _case(trial: Trial) -> Case:
@@ -269,8 +289,15 @@ def _compare(trial: Trial, inputs: dict, block_mask, dout, out, lse, grads: dict
     dtype = TORCH_DTYPES[trial.dtype]
     case = _case(trial)
     kwargs = {"softmax_scale": trial.softmax_scale, "block_mask": block_mask}
-    oracle_out, oracle_lse, oracle_grads = reference_outputs(case, inputs, dout, torch.float64, **kwargs)
-    baseline_out, baseline_lse, baseline_grads = reference_outputs(case, inputs, dout, dtype, **kwargs)
+    if dtype == FP8_DTYPE:
+        # The values the inputs stand for; the baseline rounds P to e4m3 for P V, as the Hopper forward does.
+        inputs = _dequantized(inputs)
+        oracle_out, oracle_lse, oracle_grads = reference_outputs(case, inputs, None, torch.float64, **kwargs)
+        baseline_out, baseline_lse, baseline_grads = reference_outputs(case, inputs, None, torch.float32, probs_dtype=dtype, **kwargs)
+        baseline_out = baseline_out.to(FP8_OUT_DTYPE)
+    else:
+        oracle_out, oracle_lse, oracle_grads = reference_outputs(case, inputs, dout, torch.float64, **kwargs)
+        baseline_out, baseline_lse, baseline_grads = reference_outputs(case, inputs, dout, dtype, **kwargs)
     # Gradients may also be off by their dtype's rounding unit at their magnitude, as FlashAttention's
     # tests allow (dq_atol = 2 * (dq_ref + 0.3 - 0.3 - dq_ref).abs().max()).
     grad_floor = max(1e-5, torch.finfo(dtype).eps)
@@ -280,7 +307,7 @@ def _compare(trial: Trial, inputs: dict, block_mask, dout, out, lse, grads: dict
         if name == "attn_bias" and grad.shape == inputs[name].shape and grad.shape[3] > 1:
             grad = grad.double() - _output_rounding(trial, inputs, block_mask, dout, out, oracle_out)
         results.append((name, grad, oracle_grads[name], baseline_grads[name], grad_floor))
-    _check_results(results, inputs, grads, out, dtype, problems)
+    _check_results(results, inputs, grads, out, output_dtype(dtype), problems)
     outcome.empty_rows = bool((oracle_lse == float("-inf")).any())
     shapes = [(out, oracle_out), (lse, oracle_lse), *((g, inputs[n]) for n, g in grads.items())]
     if all(actual.shape == expected.shape for actual, expected in shapes):
@@ -422,8 +449,10 @@ def run_trial(trial: Trial, device) -> Outcome:
                     deterministic=trial.deterministic, return_lse=True,
                 )
             stage = "backward"
-            grads = dict(zip(leaves, torch.autograd.grad(out, tensors, dout, retain_graph=trial.repeat_backward)))
-            again = torch.autograd.grad(out, tensors, dout) if trial.repeat_backward else ()
+            grads, again = {}, ()
+            if leaves:  # none for FP8 inputs
+                grads = dict(zip(leaves, torch.autograd.grad(out, tensors, dout, retain_graph=trial.repeat_backward)))
+                again = torch.autograd.grad(out, tensors, dout) if trial.repeat_backward else ()
         stage = "compare"
         for name, grad in zip(leaves, again):
             # dQ, dK and dV never use atomics; the bias gradient does unless deterministic (never for top-k).

@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trials", type=int, default=10000 if on_gpu else 20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start", type=int, default=0, help="index of the first trial (to split a run)")
-    parser.add_argument("--dtypes", type=_strings, default=("bf16", "fp16") if on_gpu else ("fp32", "fp16"))
+    parser.add_argument("--dtypes", type=_strings, default=("bf16", "fp16", "fp8") if on_gpu else ("fp32", "fp16", "fp8"))
     parser.add_argument("--head-dims", type=_ints, default=(64, 128) if on_gpu else (16, 32))
     parser.add_argument(
         "--extra-head-dims", type=_ints, default=(96, 256),

@@ -16,10 +16,10 @@ from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES
 
 # Small enough for the interpreter: about 0.3 s a trial on one core.
 CI_SPACE = Space(
-    dtypes=tuple(DTYPE_IDS[d] for d in KERNEL_DTYPES), head_dims=(16, 32), families=12,
+    dtypes=(*(DTYPE_IDS[d] for d in KERNEL_DTYPES), "fp8"), head_dims=(16, 32), families=12,
     max_seqlen=40, max_seqlen_k_long=0, max_heads=4,
 )
-CI_TRIALS = 50
+CI_TRIALS = 64
 
 
 def test_fuzz_trials_match_the_reference():

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from tools.sanitize import EXCLUDE_MANGLED, Run, parse_log, sanitizer_command
-from tools.sanitize_driver import CASES, Attention, Decode, Topk, Varlen
+from tools.sanitize_driver import CASES, Attention, Decode, Fp8, Topk, Varlen
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,6 +110,8 @@ def test_the_cases_cover_odd_shapes():
     topk = [spec for spec in specs if isinstance(spec, Topk)]
     assert {spec.bias.count(",") for spec in topk} == {2, 3} and any(spec.hot for spec in topk)  # per key and per pair; shared keys
     assert {spec.walk for spec in topk} == {"indices", "packed"}
+    fp8 = [spec for spec in specs if isinstance(spec, Fp8)]
+    assert {spec.head_dim for spec in fp8} == {64, 256} and any(spec.walk == "summary" for spec in fp8)
 
 
 def test_list_shows_every_case():

@@ -84,7 +84,7 @@ def _call(problem) -> Call:
     left, right = problem.window
     call = Call(
         problem.query, problem.key, problem.value, mask, problem.attn_bias, None, None, None,
-        problem.cu_seqlens_q, problem.cu_seqlens_k, 0, 0, problem.softmax_scale, left, right,
+        problem.cu_seqlens_q, problem.cu_seqlens_k, problem.descale, 0, 0, problem.softmax_scale, left, right,
         problem.softcap, problem.deterministic, problem.max_seqlen_q, problem.max_seqlen_k, bits,
     )
     if summary is not None:

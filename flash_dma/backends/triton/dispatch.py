@@ -31,18 +31,19 @@ from flash_dma.backends.triton.layout import (
     tma_aligned,
     walk_kind,
 )
+from flash_dma.inputs import FP8_DTYPE
 
 HOPPER, TRITON, TOPK = "hopper", "triton", "topk"
 PASSES = ("forward", "dq", "dkdv")
 _WALKS = {WALK_DENSE: "dense", WALK_BLOCKS: "blocks"}
-_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", FP8_DTYPE: "fp8"}
 
 
 class Form(NamedTuple):
     """What the choice of kernel for one pass depends on."""
 
     device: str  # "hopper" (sm90, FLASH_DMA_HOPPER not 0), "cuda" (other GPUs, or Hopper turned off), "interpreter"
-    dtype: str  # "fp16" | "bf16" | "fp32"
+    dtype: str  # "fp16" | "bf16" | "fp32" | "fp8" (e4m3, forward only)
     head_dim: int
     mask: str  # "none" | "keys" [., ., 1, Sk|1] | "rows" [., ., Sq, 1] | "pairs" (bool per pair) | "bits" (a BitMask's words)
     bias: str  # "none" | "keys" [., ., 1, Sk|1] | "rows" [., ., Sq, 1] | "pairs" [., ., Sq, Sk]
@@ -90,6 +91,7 @@ ROUTES = (
     Route(HOPPER, ("dq",), **_HOPPER_FORMS, head_dim=HEAD_DIMS),
     # A key list's columns are the Triton kernel's.
     Route(HOPPER, ("dkdv",), **_HOPPER_FORMS, head_dim=HEAD_DIMS, walk=("dense", "blocks")),
+    # FP8 (forward only) is dequantized to float32 for the Triton kernel (``forward.attention_forward``).
     Route(TRITON, PASSES),
 )
 

@@ -61,6 +61,7 @@ from flash_dma.backends.triton.tiles import (
     tile_start,
     walk_position,
 )
+from flash_dma.inputs import FP8_OUT_DTYPE, dequantize, output_dtype
 from flash_dma.integers import cdiv
 from flash_dma.memo import Memo
 
@@ -345,7 +346,12 @@ def attention_forward(
     if plan is None:
         plan = _PLANS.remember(signature, _plan(call, sequences, num_splits))
     q, k, key_list, kv_lists = call.q, call.k, call.key_list, call.kv_lists
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if call.descale is not None and not plan.hopper:  # FP8 without a kernel of its own: dequantized
+        q_descale, k_descale, v_descale = call.descale.unbind(-1)
+        dequantized = call._replace(q=dequantize(q, q_descale), k=dequantize(k, k_descale), v=dequantize(call.v, v_descale), descale=None)
+        out, lse = attention_forward(dequantized, num_splits, sequences, cache)
+        return out.to(FP8_OUT_DTYPE), lse
+    out = torch.empty(q.shape, dtype=output_dtype(q.dtype), device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
     if plan.hopper:
         hopper_forward(call, out, lse, signature)

@@ -141,7 +141,8 @@ class Call(NamedTuple):
     words of a ``BitMask`` (``bit_mask.py``) ``[Bm, Hm, Sq, W]``, per query and key; with a key
     list, None. ``kv_lists``/``q_lists``: a block summary's lists (``block_mask.py``);
     ``key_list``: a per-key mask's kept keys (``key_list.py``); ``cu_seqlens_q``/``cu_seqlens_k``
-    and the two longest lengths: packed sequences (varlen), else None and 0.
+    and the two longest lengths: packed sequences (varlen), else None and 0; ``descale``: FP8
+    inputs' descale factors ``[B, Hkv, 3]`` float32 (q, k, v), else None.
     """
 
     q: torch.Tensor
@@ -154,6 +155,7 @@ class Call(NamedTuple):
     key_list: torch.Tensor | None
     cu_seqlens_q: torch.Tensor | None
     cu_seqlens_k: torch.Tensor | None
+    descale: torch.Tensor | None
     list_block_q: int
     list_block_k: int
     softmax_scale: float

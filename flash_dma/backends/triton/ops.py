@@ -31,6 +31,7 @@ from flash_dma.backends.triton.layout import (
 )
 from flash_dma.backends.triton.topk_backward import topk_backward
 from flash_dma.backends.triton.topk_forward import topk_forward
+from flash_dma.inputs import output_dtype
 
 
 @torch.library.custom_op("flash_dma::key_list", mutates_args=())
@@ -132,7 +133,8 @@ forward_op = torch.library.custom_op(
 @forward_op.register_fake
 def _forward_fake(q, *_):
     batch, seqlen_q, num_heads, head_dim = q.shape
-    return q.new_empty(batch, seqlen_q, num_heads, head_dim), q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
+    out = q.new_empty(batch, seqlen_q, num_heads, head_dim, dtype=output_dtype(q.dtype))
+    return out, q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
 
 
 def _backward(dout, *fields_out_lse_and_flag) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -208,7 +210,7 @@ def _kvcache_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` over cached keys (``flash_dma_with_kvcache``); ``num_splits`` 0 chooses."""
     call = Call(
-        q, k, v, mask, bias, None, None, key_list, None, None, 0, 0, softmax_scale, window_left, window_right, softcap,
+        q, k, v, mask, bias, None, None, key_list, None, None, None, 0, 0, softmax_scale, window_left, window_right, softcap,
         False, 0, 0, False,
     )
     return attention_forward(

@@ -44,7 +44,7 @@ _POINTER_TYPES = {
     "Mask": "*u8", "Walk": "*i32", "Lse": "*fp32", "Delta": "*fp32", "DBias": "*fp32",
     "ScratchK": "*fp32", "ScratchV": "*fp32", "Turns": "*i32", "State": "*i8", "KeyList": "*i32", "Lists": "*i32",
     "SeqQ": "*i32", "SeqK": "*i32", "Queue": "*i32", "CacheRows": "*i32", "BlockTable": "*i32", "Counts": "*i32",
-    "Indices": "*i32", "Order": "*i64", "Starts": "*i64",
+    "Indices": "*i32", "Order": "*i64", "Starts": "*i64", "Descale": "*fp32",
 }
 _FLOAT_SCALARS = ("scale", "scale_log2", "softcap_log2", "scale_over_cap")
 
@@ -112,6 +112,8 @@ _HOPPER_DKDV_PAIRS = dict(
 
 
 _WORDS = {"Mask": "*i32"}
+# FP8 inputs (e4m3) and their bfloat16 output (the Hopper forward).
+_FP8 = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16", "Bias": "*bf16"}
 # Top-k index attention (topk_forward.py, topk_backward.py): a GQA group of 4 heads padded to 16 rows.
 _TOPK_PAIRS = dict(HAS_BIAS=True, BIAS_PER_KEY=False, SOFTCAP=False, DOT_PRECISION="tf32", BLOCK_D=128)
 _TOPK_KEYS = dict(_TOPK_PAIRS, BIAS_PER_KEY=True, SOFTCAP=True)
@@ -125,7 +127,8 @@ def _gluon_variants(prefix: str, launcher, tile, *named_flags: tuple[str, dict])
         Variant(
             f"{prefix}-{name}", launcher, tile.num_warps, tile.num_stages, {**flags, **tile.kwargs}, tile.maxnreg,
             {**(_WORDS if flags["MASK"] == MASK_BITS.value else {}),
-             **({"DBias": "*{dtype}"} if flags.get("DBIAS") == DBIAS_FULL and not flags["DBIAS_ATOMIC"] else {})},
+             **({"DBias": "*{dtype}"} if flags.get("DBIAS") == DBIAS_FULL and not flags["DBIAS_ATOMIC"] else {}),
+             **(_FP8 if flags.get("FP8") else {})},
         )
         for name, flags in named_flags
     ]
@@ -153,7 +156,7 @@ VARIANTS = [
     Variant("forward-bits", forward_launcher, 8, 2, {**_BITS, **_FORWARD}, pointers=_WORDS),
     *_gluon_variants(
         "forward-hopper", hopper_forward.hopper_launcher, hopper_forward.TILE,
-        *((name, {**flags, "Q_SLOTS": 2}) for name, flags in (
+        *((name, {"FP8": False, **flags, "Q_SLOTS": 2}) for name, flags in (
             ("per-key-blocks", _HOPPER),
             ("key-list", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_KEYS)),
             ("dense-d64", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, COLUMNS=64, KV_STAGES=3)),
@@ -164,12 +167,15 @@ VARIANTS = [
             ("rows", _HOPPER_ROWS),
             ("per-key-blocks-softcap", dict(_HOPPER, SOFTCAP=True)),
             ("per-key-blocks-d96", dict(_HOPPER, COLUMNS=96)),
+            ("per-key-blocks-fp8", dict(_HOPPER, FP8=True, KV_STAGES=3)),
+            ("pairs-d64-fp8", dict(_HOPPER_PAIRS, FP8=True)),
         )),
     ),
     *_gluon_variants(
         "forward-hopper", hopper_forward.hopper_launcher, hopper_forward.WIDE_TILE,
-        ("per-key-blocks-d256", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, Q_SLOTS=1)),
-        ("per-key-blocks-d192", dict(_HOPPER, HEAD_DIM=256, COLUMNS=192, Q_SLOTS=1)),
+        ("per-key-blocks-d256", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, Q_SLOTS=1, FP8=False)),
+        ("per-key-blocks-d192", dict(_HOPPER, HEAD_DIM=256, COLUMNS=192, Q_SLOTS=1, FP8=False)),
+        ("per-key-blocks-d256-fp8", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, Q_SLOTS=1, FP8=True)),
     ),
     Variant("dkdv-key-list", dkdv_launcher, 4, 3, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
     Variant("dkdv-per-key-blocks", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "DBIAS": DBIAS_PER_KEY}),

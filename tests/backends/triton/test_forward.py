@@ -14,6 +14,7 @@ from tests.helpers import (
     broadcast_cases,
     kernel_call,
     listed_variants,
+    make_fp8_inputs,
     make_inputs,
     packed_variants,
     reference_outputs,
@@ -147,6 +148,32 @@ def test_long_sequences(case, poison_outputs):
     oracle_out, oracle_lse, _ = reference_outputs(case, inputs, None, torch.float64)
     baseline_out, baseline_lse, _ = reference_outputs(case, inputs, None, dtype)
     assert_close("out", out, oracle_out, baseline_out)
+    assert_close("lse", lse, oracle_lse, baseline_lse)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(seqlen_q=70, seqlen_k=90, heads=4, kv_heads=2, head_dim=32, mask="B,Hkv,1,Sk", bias="B,H,Sq,Sk", causal=True),
+        Case(seqlen_q=1, seqlen_k=300, heads=4, kv_heads=1, head_dim=64, bias="1,H,1,Sk", bias_fp32=True),  # decode: split
+    ],
+    ids=str,
+)
+def test_fp8_inputs_match_reference(case, poison_outputs):
+    """FP8 inputs through ``flash_dma_func``: the Hopper forward where it serves them, else the
+    float32 kernel on their dequantized values. Oracle: float64 on the dequantized inputs; baseline:
+    float32 with the probabilities rounded to e4m3 for ``P V`` (as the Hopper forward's product
+    takes them), output in bfloat16."""
+    quantized, exact, descale = make_fp8_inputs(case)
+    descales = dict(zip(("q_descale", "k_descale", "v_descale"), descale.unbind(-1)))
+    out, lse = flash_dma_func(
+        quantized["query"], quantized["key"], quantized["value"], quantized["attn_mask"], quantized["attn_bias"],
+        is_causal=case.causal, return_lse=True, backend="triton", **descales,
+    )
+    oracle_out, oracle_lse, _ = reference_outputs(case, exact, None, torch.float64)
+    baseline_out, baseline_lse, _ = reference_outputs(case, exact, None, torch.float32, probs_dtype=torch.float8_e4m3fn)
+    assert out.dtype == torch.bfloat16
+    assert_close("out", out, oracle_out, baseline_out.to(torch.bfloat16))
     assert_close("lse", lse, oracle_lse, baseline_lse)
 
 

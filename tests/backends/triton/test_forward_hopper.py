@@ -15,6 +15,7 @@ from flash_dma.backends.triton.hopper.common import stages_pair_bias
 from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.key_list import build_key_list
 from flash_dma.backends.triton.layout import call_signature
+from flash_dma.inputs import FP8_DTYPE as FP8
 from tests.helpers import (
     DTYPE_IDS,
     HOPPER_ONLY,
@@ -23,6 +24,7 @@ from tests.helpers import (
     Case,
     assert_close,
     kernel_call,
+    make_fp8_inputs,
     make_inputs,
     reference_outputs,
 )
@@ -173,3 +175,26 @@ def test_forward_dispatch(monkeypatch):
 
 def _walk(summary) -> dict:
     return dict(kv_lists=summary.kv_lists, q_lists=summary.q_lists, list_block_q=summary.block_size[0], list_block_k=summary.block_size[1])
+
+
+# FP8 inputs (e4m3, descales per (batch, key/value head)): the forms of CASES and PAIR_CASES that
+# change how the kernel reads them: summaries and per-key inputs, GQA, the dense walk, softcap, head
+# dims of 32, 96 and 256, a per-pair bias staged by TMA (D = 64) and one read by the math warpgroups.
+FP8_CASES = [CASES[1], CASES[2], CASES[5], CASES[7], CASES[14], CASES[16], CASES[17], CASES[19], CASES[21], PAIR_CASES[0], PAIR_CASES[3]]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=str)
+def test_hopper_fp8_forward_matches_reference(case):
+    """Against the float64 reference on the dequantized inputs; the baseline is the float32 reference
+    with the probabilities rounded to e4m3 before ``P V``, as the kernel's product takes them, and its
+    output rounded to bfloat16."""
+    quantized, exact, descale = make_fp8_inputs(case)
+    call = _call(case, quantized)._replace(descale=descale)
+    q = quantized["query"]
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
+    hopper_forward(call, out, lse, call_signature(call))
+    oracle_out, oracle_lse, _ = reference_outputs(case, exact, None, torch.float64)
+    baseline_out, baseline_lse, _ = reference_outputs(case, exact, None, torch.float32, probs_dtype=FP8)
+    assert_close("out", out, oracle_out, baseline_out.to(torch.bfloat16))
+    assert_close("lse", lse, oracle_lse, baseline_lse)

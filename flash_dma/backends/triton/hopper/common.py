@@ -52,6 +52,17 @@ HEAD_DIMS = (32, 64, 96, 128)  # of every Hopper kernel
 FORWARD_HEAD_DIMS = (*HEAD_DIMS, 192, 256)  # of the forward: D = 256 in tiles of 64 keys, with one Q slot
 
 
+def transposed_values(v: torch.Tensor) -> torch.Tensor:
+    """``v`` ``[B, Sk, Hkv, D]`` as ``[B, Hkv, D, Sk']``, keys contiguous (``Sk'``: Sk rounded up
+    to 16 keys, the TMA's row alignment). FP8 products read both operands along their reduction
+    axis (wgmma takes no transposed 8-bit operand), and for ``P V`` that is the keys: the forward
+    copies V's tiles from this layout (docs/design-notes.md, "FP8 forward")."""
+    batch, seqlen_k, num_kv_heads, head_dim = v.shape
+    vt = torch.empty(batch, num_kv_heads, head_dim, -(-seqlen_k // 16) * 16, dtype=v.dtype, device=v.device)
+    vt[..., :seqlen_k].copy_(v.permute(0, 2, 3, 1))
+    return vt
+
+
 def head_dim_tile(head_dim: int) -> int:
     """The head dim of the kernels' tiles (their HEAD_DIM): ``head_dim`` rounded up to a power of
     two. The TMA copies fill the columns past ``head_dim`` with zeros, which add nothing to the
@@ -173,7 +184,9 @@ def walked_keys(call: Call, pass_walk: torch.Tensor | None) -> tuple:
 class Problem:
     """What every partition of the kernels that own query rows reads (the forward, and the dQ
     kernel: its output is ``Out``, ``o_desc`` the descriptor of one warpgroup's rows of it, and
-    with GRADIENT its loader also reads ``do_desc`` and ``Delta``)."""
+    with GRADIENT its loader also reads ``do_desc`` and ``Delta``). With FP8 (the forward), ``v_desc``
+    copies tiles of V transposed (``transposed_values``) and ``Descale`` holds the inputs' descale
+    factors ``[B, Hkv, 3]``."""
 
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
@@ -188,6 +201,7 @@ class Problem:
     Mask: gl.tensor
     Bias: gl.tensor
     Walk: gl.tensor
+    Descale: gl.tensor
     stride_ob: gl.tensor
     stride_os: gl.tensor
     stride_oh: gl.tensor
@@ -233,6 +247,7 @@ class Problem:
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     GRADIENT: gl.constexpr
+    FP8: gl.constexpr
 
 
 @record
@@ -558,7 +573,11 @@ def _load_key_tile(p, bufs, it, j, loaded, bias_row, mask_row, kv_head):
         tma_load(p.bias_desc, [row, tile * p.BLOCK_N], bufs.k_ready.index(stage), bufs.bias.index(stage))
     mbarrier.wait(bufs.v_empty.index(stage), phase)
     mbarrier.expect(bufs.v_ready.index(stage), kv_bytes)
-    tma_load(p.v_desc, [it.batch, tile * p.BLOCK_N, kv_head, 0], bufs.v_ready.index(stage), bufs.v.index(stage))
+    if p.FP8:  # V transposed: [B * Hkv, D, Sk]
+        v_tile = [it.batch * (p.num_heads // p.group) + kv_head, 0, tile * p.BLOCK_N]
+    else:
+        v_tile = [it.batch, tile * p.BLOCK_N, kv_head, 0]
+    tma_load(p.v_desc, v_tile, bufs.v_ready.index(stage), bufs.v.index(stage))
 
 
 @gluon.jit
@@ -632,7 +651,7 @@ def store_rows(p, bufs, q_slot, HALF: gl.constexpr, batch, first_row, head, valu
         fence_async_shared()
         tma_store(p.o_desc, [batch, first_row, head, 0], q_tile.slice(HALF * ROWS, ROWS, dim=1))
         tma.store_wait(0)
-    else:  # float32 (a dQ summed over several calls): too wide for Q's tile
+    else:  # float32 (a dQ summed over several calls), or FP8 inputs' bfloat16: wider than Q's tile
         layout: gl.constexpr = values.type.layout
         rows = first_row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
         cols = gl.arange(0, p.HEAD_DIM, gl.SliceLayout(0, layout))

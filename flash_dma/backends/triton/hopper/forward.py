@@ -20,6 +20,10 @@ The grid is persistent: one program per multiprocessor takes work items (row blo
 head) in turn, the last row blocks first (under a causal band they hold the most tiles).
 Outputs are those of ``forward.attention_forward``, so the backward is shared; which calls
 come here is ``dispatch.py``'s table.
+
+With ``FP8`` the inputs are e4m3 with descale factors: V is read from a keys-contiguous copy
+(``common.transposed_values``), P is rounded to e4m3 for ``P V`` and the output is bfloat16
+(docs/design-notes.md, "FP8 forward": not yet routed, its GPU tests have not run).
 """
 
 # No `from __future__ import annotations`: the records below need their field types as objects.
@@ -27,7 +31,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from flash_dma.backends.triton import configs, tiles
 from flash_dma.backends.triton.hopper.common import (
@@ -56,12 +60,13 @@ from flash_dma.backends.triton.hopper.common import (
     store_rows,
     take_rows,
     tile_descriptor,
+    transposed_values,
     visible_scores,
     wait_for_scores,
     walked_keys,
 )
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import Call
+from flash_dma.backends.triton.layout import Call, placeholder
 from flash_dma.integers import cdiv
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["forward"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
@@ -145,6 +150,38 @@ def _finish_rows(p, acc, m_i, l_i, batch, head, rows, rows_of_o: gl.constexpr):
 
 
 @gluon.jit
+def _descales(p, batch, head):
+    """``(qk_descale, v_descale)`` of (``batch``, query ``head``): FP8 inputs' factors (their
+    ``[B, Hkv, 3]`` record), 1 for others."""
+    qk_descale = 1.0
+    v_descale = 1.0
+    if p.FP8:
+        factors = p.Descale + (batch * (p.num_heads // p.group) + head // p.group).to(gl.int64) * 3
+        qk_descale = gl.load(factors) * gl.load(factors + 1)
+        v_descale = gl.load(factors + 2)
+    return qk_descale, v_descale
+
+
+@gluon.jit
+def _descaled(p, x, descale):
+    """``x`` times ``descale`` (FP8), or ``x`` itself."""
+    if p.FP8:
+        x = x * descale
+    return x
+
+
+@gluon.jit
+def _value_tile(p, bufs, stage):
+    """The V tile at ring position ``stage`` as ``P V``'s operand ``[BLOCK_N, D]`` (FP8: a view of
+    its transposed copy, keys contiguous)."""
+    if p.FP8:
+        v = bufs.v.index(stage).reshape([p.HEAD_DIM, p.BLOCK_N]).permute((1, 0))
+    else:
+        v = bufs.v.index(stage).reshape([p.BLOCK_N, p.HEAD_DIM])
+    return v
+
+
+@gluon.jit
 def _softmax_rows(p, bufs, HALF: gl.constexpr):
     """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program.
 
@@ -156,13 +193,15 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
     """
     ROWS: gl.constexpr = p.BLOCK_M // 2
     D: gl.constexpr = p.HEAD_DIM
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, p.BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = p.q_desc.dtype
+    # wgmma's reduction step is 32 bytes: 16 elements of 16 bits, 32 of FP8 (each register of P holds k_width).
+    MMA_K: gl.constexpr = 32 if p.FP8 else 16
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, p.BLOCK_N, MMA_K])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, MMA_K])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=MMA_K // 8)
     rows_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     keys_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_of_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = p.q_desc.dtype
     # Whether a tile's staged keys are read before its product is waited for (their shared-memory
     # latency then overlaps it), chosen by measurement (llm shape, keep 1/8): 3.6% faster at D = 64
     # (16K); 4-6% slower at D = 128 (16K-128K), where ptxas issues the loads between the two products.
@@ -173,6 +212,7 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
         batch, head, first_row, rows, q_slot, count = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
         q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
+        qk_descale, v_descale = _descales(p, batch, head)
 
         m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_of_s)
         l_i = _thread_row_sums(gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout))  # zeros, in the sums' layout
@@ -183,7 +223,7 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
             k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
             qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             qk, staged = wait_for_scores(p, bufs, qk, 0, stage, keys_of_s, READ_KEYS_EARLY)
-            s = visible_scores(p, bufs, qk, staged, stage, batch, head, first_row, rows, keys_of_s, ROWS, HALF)
+            s = visible_scores(p, bufs, _descaled(p, qk, qk_descale), staged, stage, batch, head, first_row, rows, keys_of_s, ROWS, HALF)
             mbarrier.arrive(bufs.k_empty.index(stage), count=1)
             probs, m_i, _, l_i = _online_softmax(s, m_i, l_i)
             for _ in range(1, count):
@@ -192,11 +232,10 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
                 k = bufs.k.index(following).reshape([p.BLOCK_N, D])
                 qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
                 mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
-                v = bufs.v.index(stage).reshape([p.BLOCK_N, D])
-                acc = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), v, acc, is_async=True)
+                acc = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), _value_tile(p, bufs, stage), acc, is_async=True)
                 # The product of the next tile; P V may still run.
                 qk, staged = wait_for_scores(p, bufs, qk, 1, following, keys_of_s, READ_KEYS_EARLY)
-                s = visible_scores(p, bufs, qk, staged, following, batch, head, first_row, rows, keys_of_s, ROWS, HALF)  # [ROWS, BLOCK_N]
+                s = visible_scores(p, bufs, _descaled(p, qk, qk_descale), staged, following, batch, head, first_row, rows, keys_of_s, ROWS, HALF)  # [ROWS, BLOCK_N]
                 mbarrier.arrive(bufs.k_empty.index(following), count=1)
                 probs, m_i, alpha, l_i = _online_softmax(s, m_i, l_i)
                 acc = warpgroup_mma_wait(0, deps=[acc])
@@ -205,13 +244,12 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
                 consumed += 1
                 stage = following
             mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
-            v = bufs.v.index(stage).reshape([p.BLOCK_N, D])
-            acc = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), v, acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), _value_tile(p, bufs, stage), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(bufs.v_empty.index(stage), count=1)
             consumed += 1
 
-        out, lse = _finish_rows(p, acc, m_i, l_i, batch, head, rows, rows_of_o)
+        out, lse = _finish_rows(p, _descaled(p, acc, v_descale), m_i, l_i, batch, head, rows, rows_of_o)
         store_rows(p, bufs, q_slot, HALF, batch, first_row, head, out)
         lse_row = p.Lse + batch.to(gl.int64) * p.stride_lse_b + head.to(gl.int64) * p.stride_lse_h
         gl.store(lse_row + rows, lse, mask=rows < p.seqlen_q)
@@ -230,7 +268,7 @@ def _softmax_upper(p, bufs):
 
 @jit_with_runtime_scalars
 def _attn_fwd_hopper_kernel(
-    Q, K, V, Mask, Bias, Walk,
+    Q, K, V, Mask, Bias, Walk, Descale,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
     stride_wb, stride_wh, stride_wr, walk_width, mask_rows, mask_cols, bias_rows, bias_cols,
@@ -241,12 +279,18 @@ def _attn_fwd_hopper_kernel(
     STAGED_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
     Out, Lse, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, items, row_blocks,
-    KV_STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    KV_STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr,
 ):
     # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
     q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
     k_desc = tile_descriptor(K, batch, seqlen_k, num_kv_heads, COLUMNS, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
-    v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, COLUMNS, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    if FP8:  # V transposed (``transposed_values``): [B * Hkv, COLUMNS, Sk], strides of one head and one column
+        v_desc = tma.make_tensor_descriptor(
+            V, [batch * num_kv_heads, COLUMNS, seqlen_k], [stride_vs, stride_vh, 1], [1, HEAD_DIM, BLOCK_N],
+            gl.NVMMASharedLayout.get_default_for([1, HEAD_DIM, BLOCK_N], V.dtype.element_ty),
+        )
+    else:
+        v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, COLUMNS, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
     o_desc = tile_descriptor(Out, batch, seqlen_q, num_heads, COLUMNS, stride_ob, stride_os, stride_oh, BLOCK_M // 2, BLOCK_M, HEAD_DIM)
     words_desc, bias_desc = pair_descriptors(
         Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, STAGED_BIAS, BLOCK_M, BLOCK_N,
@@ -273,14 +317,14 @@ def _attn_fwd_hopper_kernel(
     )
     init_barriers(bufs, KV_STAGES)
     p = Problem(
-        q_desc, k_desc, v_desc, q_desc, o_desc, words_desc, bias_desc, Out, Lse, Lse, Mask, Bias, Walk,  # no dO, no delta
+        q_desc, k_desc, v_desc, q_desc, o_desc, words_desc, bias_desc, Out, Lse, Lse, Mask, Bias, Walk, Descale,  # no dO, no delta
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
         stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
         stride_wb, stride_wh, stride_wr, walk_width,
         seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
-        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, False,
+        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, False, FP8,
     )
     gl.warp_specialize(
         [(_softmax_lower, (p, bufs)), (_softmax_upper, (p, bufs)), (load_partition, (p, bufs))],
@@ -288,7 +332,7 @@ def _attn_fwd_hopper_kernel(
     )
 
 
-hopper_launcher = Launcher(_attn_fwd_hopper_kernel, tensors=(*COMMON_TENSORS, "Out", "Lse"), specialized=())
+hopper_launcher = Launcher(_attn_fwd_hopper_kernel, tensors=(*COMMON_TENSORS, "Descale", "Out", "Lse"), specialized=())
 
 
 def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: tuple) -> None:
@@ -301,17 +345,23 @@ def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: 
     row_blocks = cdiv(seqlen_q, TILE.kwargs["BLOCK_M"])
     items = row_blocks * batch * num_heads
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
+    fp8 = call.descale is not None
+    if fp8:
+        v = transposed_values(v)
     tensors = hopper_tensors(call, k, v, walk)
+    descale = call.descale if fp8 else placeholder(q.device, torch.float32)
 
     wide = head_dim_tile(head_dim) > 128
+    # FP8 rows are half as wide: a ring of D-column FP8 tiles is that of D / 2 16-bit ones.
+    row_width = max(32, head_dim_tile(head_dim) * q.element_size() // 2)
 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
-        stages = STAGED_BIAS_KV_STAGES if stages_pair_bias(call, walk_flag) else KV_STAGES[head_dim_tile(head_dim)]
+        stages = STAGED_BIAS_KV_STAGES if stages_pair_bias(call, walk_flag) else KV_STAGES[row_width]
         own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages, 1 if wide else 2]
-        return [*tensors, *runtime, *flags, out, lse, *own], (q.dtype, *flags)
+        return [*tensors, descale, *runtime, *flags, out, lse, *own, fp8], (q.dtype, *flags)
 
     hopper_launcher.launch(
-        signature, [*tensors, out, lse], build, lambda: [WIDE_TILE if wide else TILE],
+        signature, [*tensors, descale, out, lse], build, lambda: [WIDE_TILE if wide else TILE],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )
