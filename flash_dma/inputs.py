@@ -301,12 +301,12 @@ def normalize_inputs(
         attn_mask=attn_mask,
         attn_bias=attn_bias,
         block_mask=block_mask,
-        descale=fp8_descale(query, key, attn_bias, descales) if fp8 else None,
+        descale=fp8_descale(query, key, value, attn_bias, descales) if fp8 else None,
         **normalize_settings(query, softmax_scale, is_causal, window_size, softcap, deterministic),
     )
 
 
-def fp8_descale(query, key, attn_bias, descales) -> torch.Tensor | None:
+def fp8_descale(query, key, value, attn_bias, descales) -> torch.Tensor | None:
     """The ``[B, Hkv, 3]`` float32 descale factors of FP8 inputs (``q_descale``, ``k_descale``,
     ``v_descale``: each ``[B, Hkv]`` float32 or None for ones), or None for 16- and 32-bit inputs,
     which take none. FP8 attention has a forward only: no input may require a gradient."""
@@ -327,11 +327,11 @@ def fp8_descale(query, key, attn_bias, descales) -> torch.Tensor | None:
             raise ValueError(f"{name}: expected shape [B, Hkv] = [{batch}, {num_kv_heads}], got {tuple(descale.shape)}")
         if descale.device != query.device:
             raise ValueError(f"{name}: expected device {query.device} (the device of query), got {descale.device}")
-    grads = torch.is_grad_enabled() and [t is not None and t.requires_grad for t in (query, key, attn_bias)]
+    names = ("query", "key", "value", "attn_bias")
+    grads = torch.is_grad_enabled() and [t is not None and t.requires_grad for t in (query, key, value, attn_bias)]
     if grads and any(grads):
-        name = ("query", "key", "attn_bias")[grads.index(True)]
-        raise ValueError(f"{name}: FP8 attention has a forward only; expected a tensor that does not require grad")
-    ones = torch.ones(batch, num_kv_heads, device=query.device)
+        raise ValueError(f"{names[grads.index(True)]}: FP8 attention has a forward only; expected a tensor that does not require grad")
+    ones = torch.ones(batch, num_kv_heads, dtype=torch.float32, device=query.device)
     return torch.stack([ones if d is None else d for d in descales], dim=-1)
 
 

@@ -116,14 +116,23 @@ def _thread_row_sums(x):
     return gl.sum(gl.sum(x.reshape([ROWS, N // 8, 4, 2]), 3), 1)
 
 
+# FP8: the probabilities are scaled by 2^8 (at most 256, below e4m3's 448) before they are rounded to
+# e4m3 for P V, so that those under 2^-10 of their row's largest are not lost to e4m3's underflow; the
+# row sums carry the same factor, and the LSE takes it back out (``_finish_rows``).
+FP8_PROBS_LOG2_SCALE = gl.constexpr(8.0)
+
+
 @gluon.jit
-def _online_softmax(s, m_i, l_i):
+def _online_softmax(p, s, m_i, l_i):
     """One tile of the online softmax: ``(probs, m_new, alpha, l_new)``, with ``l`` the rows'
-    sums per thread (``_thread_row_sums``)."""
+    sums per thread (``_thread_row_sums``); FP8 probabilities scaled by ``FP8_PROBS_LOG2_SCALE``."""
     m_new = gl.maximum(m_i, gl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead, so p = 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-    probs = gl.exp2(s - m_shift[:, None])
+    if p.FP8:
+        probs = gl.exp2(s - (m_shift - FP8_PROBS_LOG2_SCALE)[:, None])
+    else:
+        probs = gl.exp2(s - m_shift[:, None])
     alpha = gl.exp2(m_i - m_shift)
     return probs, m_new, alpha, l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + _thread_row_sums(probs)
 
@@ -137,7 +146,10 @@ def _finish_rows(p, acc, m_i, l_i, batch, head, rows, rows_of_o: gl.constexpr):
     l_i = gl.convert_layout(gl.sum(l_i, 1), rows_of_s)
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     out = acc / gl.convert_layout(l_safe, rows_of_o)[:, None]
-    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * tiles.LN2)
+    log2_sum = gl.log2(l_safe)
+    if p.FP8:
+        log2_sum = log2_sum - FP8_PROBS_LOG2_SCALE
+    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + log2_sum) * tiles.LN2)
     if p.MASK == MASK_ROWS:
         mask_row = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, batch, head)
         kept = row_values(p, mask_row, p.stride_mq, rows, 0) != 0
@@ -170,15 +182,39 @@ def _descaled(p, x, descale):
     return x
 
 
+@gluon.constexpr_function
+def _fresh_value_products(FP8, HEAD_DIM):
+    """Whether each tile's ``P V`` goes to a fresh accumulator, added to the running one in fp32:
+    FP8 products sum into their accumulator at reduced precision (about 13 mantissa bits on
+    Hopper, as SageAttention2 and DeepGEMM measured), an error that grows with every key tile. At
+    D = 256 a second 64 x 256 fp32 accumulator does not fit the registers: those sum in place."""
+    return FP8 and HEAD_DIM <= 128
+
+
 @gluon.jit
-def _value_tile(p, bufs, stage):
-    """The V tile at ring position ``stage`` as ``P V``'s operand ``[BLOCK_N, D]`` (FP8: a view of
-    its transposed copy, keys contiguous)."""
+def _issue_value_product(p, bufs, stage, probs, acc):
+    """Issue ``P V`` for the V tile at ring position ``stage`` (``probs`` in the operand's layout),
+    asynchronously: into ``acc`` itself, or into a fresh accumulator (``_fresh_value_products``).
+    FP8's V tile is a view of its transposed copy, keys contiguous."""
     if p.FP8:
-        v = bufs.v.index(stage).reshape([p.HEAD_DIM, p.BLOCK_N]).permute((1, 0))
+        v = bufs.v.index(stage).reshape([p.HEAD_DIM, p.BLOCK_N]).permute((1, 0))  # [BLOCK_N, D]
     else:
-        v = bufs.v.index(stage).reshape([p.BLOCK_N, p.HEAD_DIM])
-    return v
+        v = bufs.v.index(stage).reshape([p.BLOCK_N, p.HEAD_DIM])  # [BLOCK_N, D]
+    if _fresh_value_products(p.FP8, p.HEAD_DIM):
+        product = warpgroup_mma(probs, v, gl.zeros_like(acc), use_acc=False, is_async=True)
+    else:
+        product = warpgroup_mma(probs, v, acc, is_async=True)
+    return product
+
+
+@gluon.jit
+def _accumulated(p, acc, product):
+    """The running accumulator once ``_issue_value_product``'s ``product`` is done."""
+    if _fresh_value_products(p.FP8, p.HEAD_DIM):
+        acc = acc + product
+    else:
+        acc = product
+    return acc
 
 
 @gluon.jit
@@ -225,27 +261,27 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
             qk, staged = wait_for_scores(p, bufs, qk, 0, stage, keys_of_s, READ_KEYS_EARLY)
             s = visible_scores(p, bufs, _descaled(p, qk, qk_descale), staged, stage, batch, head, first_row, rows, keys_of_s, ROWS, HALF)
             mbarrier.arrive(bufs.k_empty.index(stage), count=1)
-            probs, m_i, _, l_i = _online_softmax(s, m_i, l_i)
+            probs, m_i, _, l_i = _online_softmax(p, s, m_i, l_i)
             for _ in range(1, count):
                 following = (consumed + 1) % p.KV_STAGES
                 mbarrier.wait(bufs.k_ready.index(following), ((consumed + 1) // p.KV_STAGES) & 1)
                 k = bufs.k.index(following).reshape([p.BLOCK_N, D])
                 qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
                 mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
-                acc = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), _value_tile(p, bufs, stage), acc, is_async=True)
+                pv = _issue_value_product(p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc)
                 # The product of the next tile; P V may still run.
                 qk, staged = wait_for_scores(p, bufs, qk, 1, following, keys_of_s, READ_KEYS_EARLY)
                 s = visible_scores(p, bufs, _descaled(p, qk, qk_descale), staged, following, batch, head, first_row, rows, keys_of_s, ROWS, HALF)  # [ROWS, BLOCK_N]
                 mbarrier.arrive(bufs.k_empty.index(following), count=1)
-                probs, m_i, alpha, l_i = _online_softmax(s, m_i, l_i)
-                acc = warpgroup_mma_wait(0, deps=[acc])
+                probs, m_i, alpha, l_i = _online_softmax(p, s, m_i, l_i)
+                acc = _accumulated(p, acc, warpgroup_mma_wait(0, deps=[pv]))
                 mbarrier.arrive(bufs.v_empty.index(stage), count=1)
                 acc = acc * gl.convert_layout(alpha, rows_of_o)[:, None]
                 consumed += 1
                 stage = following
             mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(probs.to(dtype), p_layout), _value_tile(p, bufs, stage), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
+            pv = _issue_value_product(p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc)
+            acc = _accumulated(p, acc, warpgroup_mma_wait(0, deps=[pv]))
             mbarrier.arrive(bufs.v_empty.index(stage), count=1)
             consumed += 1
 
@@ -279,7 +315,7 @@ def _attn_fwd_hopper_kernel(
     STAGED_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
     Out, Lse, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, items, row_blocks,
-    KV_STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr,
+    KV_STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
     q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
@@ -358,8 +394,8 @@ def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
         stages = STAGED_BIAS_KV_STAGES if stages_pair_bias(call, walk_flag) else KV_STAGES[row_width]
-        own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages, 1 if wide else 2]
-        return [*tensors, descale, *runtime, *flags, out, lse, *own, fp8], (q.dtype, *flags)
+        own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages, 1 if wide else 2, fp8]
+        return [*tensors, descale, *runtime, *flags, out, lse, *own], (q.dtype, *flags)
 
     hopper_launcher.launch(
         signature, [*tensors, descale, out, lse], build, lambda: [WIDE_TILE if wide else TILE],

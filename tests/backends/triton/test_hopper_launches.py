@@ -1,0 +1,85 @@
+"""The Hopper kernels' launches, checked on the CPU: routed as on an H100, every launch's arguments
+bind to its kernel's parameters, one value each, with the tile configuration's as the trailing ones
+(``launch.Launcher`` passes them by position on a GPU).
+
+The Gluon kernels do not run under the interpreter, and ``tools/compile_report.py`` compiles them
+with their flags named: a positional argument out of place shows up only here, or on the GPU.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+from flash_dma import build_block_mask, flash_dma_func, pack_mask
+from flash_dma.backends.triton import dispatch, launch
+from flash_dma.backends.triton.hopper.forward import hopper_forward
+from flash_dma.backends.triton.layout import call_signature
+from tests.helpers import Case, kernel_call, make_fp8_inputs, make_inputs
+
+PER_KEY = "B,Hkv,1,Sk"
+
+
+@pytest.fixture
+def bound_launches(monkeypatch):
+    """Route as on a Hopper and replace every launch by a check of its arguments; yields the names
+    of the kernels launched."""
+    launched = []
+
+    def check(prepared, tensors, addresses):
+        args = prepared.template.copy()
+        for slot, tensor in zip(prepared.slots, tensors):
+            args[slot] = tensor
+        fn = prepared.kernel.fn
+        parameters = list(inspect.signature(fn).parameters)
+        config = {name: value for name, value in prepared.options.items() if name in parameters}
+        inspect.signature(fn).bind(*args, **config)  # one value per parameter, none missing
+        assert parameters[len(args):] == list(config), f"{fn.__name__}: the configuration's parameters are not the last ones"
+        launched.append(fn.__name__)
+
+    monkeypatch.setattr(launch.Prepared, "run", check)
+    monkeypatch.setattr(dispatch, "device_kind", lambda device: "hopper")
+    dispatch.route.cache_clear()
+    launch.forget_choices()
+    yield launched
+    dispatch.route.cache_clear()
+    launch.forget_choices()
+
+
+CASES = [
+    Case(seqlen_q=256, seqlen_k=256, heads=4, kv_heads=2, head_dim=64, mask=PER_KEY, bias=PER_KEY, causal=True, block_size=(128, 128)),
+    Case(seqlen_q=256, seqlen_k=256, heads=4, kv_heads=2, head_dim=128, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", causal=True,
+         packed=True, block_size=(128, 128)),
+    Case(seqlen_q=256, seqlen_k=256, heads=2, kv_heads=1, head_dim=256, bias="1,H,1,Sk", softcap=5.0),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_hopper_launches_bind_to_their_kernels(case, deterministic, bound_launches):
+    inputs = make_inputs(case, torch.float16, requires_grad=True)
+    mask, block_mask = inputs.pop("attn_mask"), None
+    if case.packed:
+        mask = pack_mask(mask, block_size=case.block_size)
+    elif case.block_size is not None:
+        block_mask = build_block_mask(mask, block_size=case.block_size)
+    out = flash_dma_func(
+        **inputs, attn_mask=mask, block_mask=block_mask, is_causal=case.causal, softcap=case.softcap,
+        deterministic=deterministic, backend="triton",
+    )
+    out.sum().backward()
+    assert "_attn_fwd_hopper_kernel" in bound_launches
+    if case.head_dim <= 128:
+        assert {"_dq_hopper_kernel", "_dkdv_hopper_kernel"} <= set(bound_launches), bound_launches
+
+
+def test_the_fp8_forward_launch_binds_to_its_kernel(bound_launches):
+    case = CASES[0]
+    quantized, _, descale = make_fp8_inputs(case)
+    call = kernel_call(quantized, build_block_mask(quantized["attn_mask"], block_size=case.block_size), softmax_scale=0.125)
+    call = call._replace(descale=descale)
+    q = quantized["query"]
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
+    hopper_forward(call, out, lse, call_signature(call))
+    assert bound_launches == ["_attn_fwd_hopper_kernel"]
