@@ -5,6 +5,11 @@ variant: whether wgmma is used, shared memory, registers and spills (from ptxas)
 
     python tools/compile_report.py            # sm90, a representative set of variants
     python tools/compile_report.py --arch 80
+    python tools/compile_report.py --only hopper --ptx-dir /tmp/before   # keep each variant's PTX
+
+``--same-as DIR`` says, per variant, whether its PTX holds the same instructions as the one in
+DIR (registers renumbered, parameters renamed, the order and debug lines ignored): a refactor
+that should change nothing for the forms a GPU verified can be checked so without a GPU.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import re
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import triton
@@ -38,7 +44,8 @@ def _ptxas_report(kernel, arch: int) -> str:
     return f"regs={registers.group(1) if registers else '?'} spill_stores={spills.group(1) if spills else '?'}"
 
 
-def compile_variant(variant: Variant, arch: int, dtype: str) -> str:
+def compile_variant(variant: Variant, arch: int, dtype: str):
+    """``(compiled, seconds)``: ``variant`` compiled for ``arch`` with inputs of ``dtype``."""
     kernel = variant.kernel
     source = (GluonASTSource if kernel.is_gluon() else ASTSource)(
         kernel,
@@ -51,17 +58,54 @@ def compile_variant(variant: Variant, arch: int, dtype: str) -> str:
     if variant.maxnreg is not None:
         options["maxnreg"] = variant.maxnreg
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    seconds = time.time() - start
+    return compiled, time.time() - start
+
+
+def report(compiled, seconds: float, arch: int) -> str:
+    """A compiled variant's line: compile time, whether it uses the tensor cores, shared memory, ptxas's counts."""
     mma = "wgmma" if "wgmma" in compiled.asm["ptx"] else "mma" if "mma.sync" in compiled.asm["ptx"] else "no-mma"
     return f"{seconds:5.1f}s {mma:6} smem={compiled.metadata.shared:6d} {_ptxas_report(compiled, arch)}"
+
+
+_SKIPPED = ("//", ".loc", ".file", "$L__", ".b8", ".b16", ".b32", ".b64", ".param", "{", "}")
+
+
+def instructions(ptx: str) -> Counter:
+    """The instructions of a kernel's PTX as a multiset: registers renumbered and parameters renamed
+    away, labels, declarations and debug sections left out."""
+    body = ptx.split(".section")[0]
+    lines = (line.strip() for line in body.splitlines())
+    return Counter(
+        re.sub(r"_param_\d+", "_param", re.sub(r"%([a-z]+)\d+", r"%\1", line))
+        for line in lines if line and not line.startswith(_SKIPPED)
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--only", action="append", help="variants whose name holds this (repeatable); default: all")
+    parser.add_argument("--ptx-dir", type=Path, help="write each variant's PTX to DIR/<name>.ptx")
+    parser.add_argument("--same-as", type=Path, help="compare each variant's instructions with DIR/<name>.ptx")
     args = parser.parse_args()
+    if args.ptx_dir:
+        args.ptx_dir.mkdir(parents=True, exist_ok=True)
     for variant in VARIANTS:
-        print(f"{variant.name:24s} {compile_variant(variant, args.arch, 'bf16')}", flush=True)
+        if args.only and not any(part in variant.name for part in args.only):
+            continue
+        compiled, seconds = compile_variant(variant, args.arch, "bf16")
+        line = f"{variant.name:24s} {report(compiled, seconds, args.arch)}"
+        ptx = compiled.asm["ptx"]
+        if args.ptx_dir:
+            (args.ptx_dir / f"{variant.name}.ptx").write_text(ptx)
+        if args.same_as:
+            before = args.same_as / f"{variant.name}.ptx"
+            if not before.exists():
+                line += " new"
+            else:
+                old, new = instructions(before.read_text()), instructions(ptx)
+                line += " same" if old == new else f" differs: -{sum((old - new).values())} +{sum((new - old).values())} instructions"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ VARIANTS = [
     Variant("forward-bits", forward_launcher, 8, 2, {**_BITS, **_FORWARD}, pointers=_WORDS),
     *_gluon_variants(
         "forward-hopper", hopper_forward.hopper_launcher, hopper_forward.TILE,
-        *((name, {"FP8": False, **flags, "Q_SLOTS": 2}) for name, flags in (
+        *((name, {"FP8": False, "SEQ": SEQ_FIXED, **flags, "Q_SLOTS": 2}) for name, flags in (
             ("per-key-blocks", _HOPPER),
             ("key-list", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_KEYS)),
             ("dense-d64", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, COLUMNS=64, KV_STAGES=3)),
@@ -169,13 +169,14 @@ VARIANTS = [
             ("per-key-blocks-d96", dict(_HOPPER, COLUMNS=96)),
             ("per-key-blocks-fp8", dict(_HOPPER, FP8=True, KV_STAGES=3)),
             ("pairs-d64-fp8", dict(_HOPPER_PAIRS, FP8=True)),
+            ("per-key-blocks-varlen", dict(_HOPPER, SEQ=SEQ_PACKED)),
         )),
     ),
     *_gluon_variants(
         "forward-hopper", hopper_forward.hopper_launcher, hopper_forward.WIDE_TILE,
-        ("per-key-blocks-d256", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, Q_SLOTS=1, FP8=False)),
-        ("per-key-blocks-d192", dict(_HOPPER, HEAD_DIM=256, COLUMNS=192, Q_SLOTS=1, FP8=False)),
-        ("per-key-blocks-d256-fp8", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, Q_SLOTS=1, FP8=True)),
+        ("per-key-blocks-d256", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, Q_SLOTS=1, FP8=False, SEQ=SEQ_FIXED)),
+        ("per-key-blocks-d192", dict(_HOPPER, HEAD_DIM=256, COLUMNS=192, Q_SLOTS=1, FP8=False, SEQ=SEQ_FIXED)),
+        ("per-key-blocks-d256-fp8", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, Q_SLOTS=1, FP8=True, SEQ=SEQ_FIXED)),
     ),
     Variant("dkdv-key-list", dkdv_launcher, 4, 3, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
     Variant("dkdv-per-key-blocks", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "DBIAS": DBIAS_PER_KEY}),

@@ -7,15 +7,18 @@ Cases reach the kernel directly (``hopper_forward``), whatever the dispatch woul
 import pytest
 import torch
 
-from flash_dma import build_block_mask, pack_mask
+from flash_dma import build_block_mask, flash_dma_varlen_func, pack_mask
 from flash_dma.backends.triton import forward as forward_module
 from flash_dma.backends.triton.dispatch import HOPPER, form_of, route
 from flash_dma.backends.triton.forward import attention_forward
 from flash_dma.backends.triton.hopper.common import stages_pair_bias
 from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.key_list import build_key_list
+from flash_dma.backends.triton.launch import forget_choices
 from flash_dma.backends.triton.layout import call_signature
 from flash_dma.inputs import FP8_DTYPE as FP8
+from tests.backends.triton.test_varlen import VarlenCase, make_varlen_inputs, reference_varlen
+from tests.backends.triton.test_varlen import settings as varlen_settings
 from tests.helpers import (
     DTYPE_IDS,
     HOPPER_ONLY,
@@ -198,3 +201,49 @@ def test_hopper_fp8_forward_matches_reference(case):
     baseline_out, baseline_lse, _ = reference_outputs(case, exact, None, torch.float32, probs_dtype=FP8)
     assert_close("out", out, oracle_out, baseline_out.to(torch.bfloat16))
     assert_close("lse", lse, oracle_lse, baseline_lse)
+
+
+# Packed sequences (varlen): each work item a row block of one sequence, its keys and band its own.
+# Lengths off the tiles, an empty sequence, Sq != Sk per sequence (the band on each one's diagonal),
+# a sequence's last rows followed by the next's (stored from registers, not by TMA).
+VARLEN_CASES = [
+    VarlenCase(lens_q=(300, 0, 129, 1000), lens_k=(300, 5, 129, 1000), head_dim=128, mask="sequence", bias="packed", causal=True, walk="summary"),
+    VarlenCase(lens_q=(200, 77, 640), lens_k=(450, 77, 700), heads=4, kv_heads=1, head_dim=64, bias="sequence", causal=True),
+    VarlenCase(lens_q=(513, 128), lens_k=(513, 128), heads=2, kv_heads=2, head_dim=128, mask="packed", bias="packed", window=(100, 20), walk="summary"),
+]
+
+
+@pytest.fixture
+def hopper_packed_forward(monkeypatch):
+    """The routing table, with packed sequences' forward on the Hopper kernel wherever it takes the
+    same form with fixed lengths (the table does not route them there until these tests pass on a GPU)."""
+    routed = []
+
+    def packed_too(pass_, form):
+        kernel = route(pass_, form._replace(sequences="fixed") if form.sequences == "packed" and form.walk != "keys" else form)
+        routed.append((form.sequences, kernel))
+        return kernel
+
+    monkeypatch.setattr(forward_module, "route", packed_too)
+    forget_choices()
+    yield routed
+    forget_choices()
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_hopper_forward_of_packed_sequences_matches_reference(case, dtype, hopper_packed_forward, poison_outputs):
+    inputs = make_varlen_inputs(case, dtype)
+    block_mask = None
+    if case.walk == "summary":
+        block_mask = build_block_mask(
+            inputs["attn_mask"], cu_seqlens_k=inputs["cu_seqlens_k"], max_seqlen_k=inputs["max_seqlen_k"], block_size=(128, 128),
+        )
+    with torch.no_grad():
+        out, lse = flash_dma_varlen_func(**inputs, **varlen_settings(case), block_mask=block_mask, return_lse=True, backend="triton")
+    assert ("packed", HOPPER) in hopper_packed_forward
+    dout = torch.zeros_like(out)
+    oracle_out, oracle_lse, _ = reference_varlen(case, inputs, block_mask, dout, torch.float64)
+    base_out, base_lse, _ = reference_varlen(case, inputs, block_mask, dout, dtype)
+    assert_close("out", out, oracle_out, base_out)
+    assert_close("lse", lse, oracle_lse, base_lse)

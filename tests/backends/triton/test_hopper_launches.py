@@ -11,10 +11,12 @@ import inspect
 import pytest
 import torch
 
-from flash_dma import build_block_mask, flash_dma_func, pack_mask
+from flash_dma import build_block_mask, flash_dma_func, flash_dma_varlen_func, pack_mask
 from flash_dma.backends.triton import dispatch, launch
+from flash_dma.backends.triton import forward as forward_module
 from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.layout import call_signature
+from tests.backends.triton.test_varlen import VarlenCase, make_varlen_inputs
 from tests.helpers import Case, kernel_call, make_fp8_inputs, make_inputs
 
 PER_KEY = "B,Hkv,1,Sk"
@@ -83,3 +85,19 @@ def test_the_fp8_forward_launch_binds_to_its_kernel(bound_launches):
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
     hopper_forward(call, out, lse, call_signature(call))
     assert bound_launches == ["_attn_fwd_hopper_kernel"]
+
+
+def test_the_packed_forward_launch_binds_to_its_kernel(bound_launches, monkeypatch):
+    """Packed sequences (varlen) routed to the Hopper forward, as ``test_forward_hopper``'s packed tests route them."""
+    def packed_too(pass_, form):
+        return dispatch.route(pass_, form._replace(sequences="fixed"))
+
+    monkeypatch.setattr(forward_module, "route", packed_too)
+    case = VarlenCase(lens_q=(300, 0, 129), lens_k=(300, 5, 129), head_dim=64, mask="sequence", bias="packed", causal=True)
+    inputs = make_varlen_inputs(case, torch.float16)
+    block_mask = build_block_mask(
+        inputs["attn_mask"], cu_seqlens_k=inputs["cu_seqlens_k"], max_seqlen_k=inputs["max_seqlen_k"], block_size=(128, 128),
+    )
+    with torch.no_grad():
+        flash_dma_varlen_func(**inputs, is_causal=True, block_mask=block_mask, backend="triton")
+    assert bound_launches[-1] == "_attn_fwd_hopper_kernel"

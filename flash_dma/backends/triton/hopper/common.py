@@ -30,6 +30,7 @@ from flash_dma.backends.triton.key_list import gather_kept_keys
 from flash_dma.backends.triton.layout import (
     WALK_KEYS,
     Call,
+    band,
     broadcast_strides,
     diagonal_band,
     head_divisor,
@@ -41,6 +42,7 @@ from flash_dma.backends.triton.layout import (
 
 # The walk's index arithmetic is shared with the Triton kernels: scalar code runs as Gluon as is.
 key_walk = gluon.jit(tiles.key_walk.fn)
+sequence_span = gluon.jit(tiles.sequence_span.fn)
 summary_row = gluon.jit(tiles.summary_row.fn)
 _summary_list = gluon.jit(tiles.summary_list.fn)
 _tile_start = gluon.jit(tiles.tile_start.fn)
@@ -147,7 +149,7 @@ def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.T
     ``runtime`` are their strides (mask and bias as ``b, h, q, k``, zero where broadcast), the
     rows (all but the last axis) and columns of mask and bias,
     ``batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group``, the head divisors of mask,
-    bias and walk, the summary's block sizes, the band on the bottom-right diagonal and
+    bias and walk, the summary's block sizes, the band (``_launch_band``) and
     ``scale, scale_log2``; ``constexprs`` ``MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP``.
     """
     q, mask, bias = call.q, call.mask, call.bias
@@ -160,7 +162,7 @@ def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.T
         *((0, 0) if bias is None else (bias.numel() // bias.shape[-1], bias.shape[-1])),
         batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, num_heads // num_kv_heads,
         head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(walk, num_heads),
-        call.list_block_q, call.list_block_k, *diagonal_band(call.window_left, call.window_right, seqlen_q, seqlen_k),
+        call.list_block_q, call.list_block_k, *_launch_band(call, seqlen_q, seqlen_k),
         call.softmax_scale, call.softmax_scale * tiles.LOG2E.value,
         call.softcap * tiles.LOG2E.value, call.softmax_scale / call.softcap if call.softcap > 0 else 0.0,
     ]
@@ -169,6 +171,15 @@ def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.T
         stages_pair_bias(call, walk_flag), call.softcap > 0,
     ]
     return runtime, constexprs
+
+
+def _launch_band(call: Call, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """The band the kernels get: on the bottom-right diagonal of the whole tensors, or for packed
+    sequences on none (each sequence moves it onto its own: ``entry_span``), its unbounded sides
+    out of the longest sequences' reach."""
+    if call.cu_seqlens_q is None:
+        return diagonal_band(call.window_left, call.window_right, seqlen_q, seqlen_k)
+    return band(call.window_left, call.window_right, call.max_seqlen_q, call.max_seqlen_k)
 
 
 def walked_keys(call: Call, pass_walk: torch.Tensor | None) -> tuple:
@@ -202,6 +213,8 @@ class Problem:
     Bias: gl.tensor
     Walk: gl.tensor
     Descale: gl.tensor
+    SeqQ: gl.tensor
+    SeqK: gl.tensor
     stride_ob: gl.tensor
     stride_os: gl.tensor
     stride_oh: gl.tensor
@@ -248,6 +261,35 @@ class Problem:
     BLOCK_N: gl.constexpr
     GRADIENT: gl.constexpr
     FP8: gl.constexpr
+    SEQ: gl.constexpr  # ``tiles.SEQ_FIXED`` or ``SEQ_PACKED`` (varlen: ``SeqQ`` and ``SeqK`` its cu_seqlens)
+
+
+@record
+class Span:
+    """Where a batch entry lies (``tiles.sequence_span``): ``tokens`` indexes the batch axis of the
+    token tensors (Q, K, V, O, LSE), whose rows of the entry start at ``q_start`` and ``k_start``;
+    its lengths, and the band of visible offsets ``key - query`` on its own bottom-right diagonal."""
+
+    tokens: gl.tensor
+    q_start: gl.tensor
+    seqlen_q: gl.tensor
+    k_start: gl.tensor
+    seqlen_k: gl.tensor
+    band_lo: gl.tensor
+    band_hi: gl.tensor
+
+
+@gluon.jit
+def entry_span(p, batch):
+    """The :class:`Span` of batch entry ``batch``: the whole tensors, or one packed sequence, whose
+    band the kernel moves onto its diagonal (the launch's is on none: ``hopper_arguments``)."""
+    tokens, q_start, seqlen_q, k_start, seqlen_k = sequence_span(p.SeqQ, p.SeqK, batch, p.seqlen_q, p.seqlen_k, p.SEQ)
+    band_lo = p.band_lo
+    band_hi = p.band_hi
+    if p.SEQ == tiles.SEQ_PACKED:
+        band_lo += seqlen_k - seqlen_q
+        band_hi += seqlen_k - seqlen_q
+    return Span(tokens, q_start, seqlen_q, k_start, seqlen_k, band_lo, band_hi)
 
 
 @record
@@ -488,16 +530,21 @@ def _item_position(p, index):
 
 @gluon.jit
 def _item(p, index):
-    """Work item ``index`` and its walk (the Triton forward's ``tiles.key_walk``, one split)."""
+    """Work item ``index`` and its walk (the Triton forward's ``tiles.key_walk``, one split): ``(item, span)``."""
     row_block, batch, head = _item_position(p, index)
+    span = entry_span(p, batch)
     q_lo = row_block * p.BLOCK_M
     walk = input_base(p.Walk, p.stride_wb, p.stride_wh, p.walk_head_div, batch, head)
     row_offset = summary_row(row_block, p.list_block_q, p.BLOCK_M).to(gl.int64) * p.stride_wr
     lists, tiles_per_block, key_limit, partial_lo, partial_hi, lo, _, _, hi = key_walk(
-        walk, p.walk_width, row_offset, p.seqlen_k, q_lo, gl.minimum(q_lo + p.BLOCK_M, p.seqlen_q) - 1,
-        p.band_lo, p.band_hi, p.list_block_k, 0, 1, p.WALK, p.BLOCK_N,
+        walk, p.walk_width, row_offset, span.seqlen_k, q_lo, gl.minimum(q_lo + p.BLOCK_M, span.seqlen_q) - 1,
+        span.band_lo, span.band_hi, p.list_block_k, 0, 1, p.WALK, p.BLOCK_N,
     )
-    return Item(row_block, batch, head, lists, tiles_per_block, key_limit, partial_lo, partial_hi, lo, hi)
+    if p.SEQ == tiles.SEQ_PACKED:  # a row block past its sequence's end (the items span the longest): no tiles
+        past = q_lo >= span.seqlen_q
+        partial_hi = gl.where(past, partial_lo, partial_hi)
+        hi = gl.where(past, lo, hi)
+    return Item(row_block, batch, head, lists, tiles_per_block, key_limit, partial_lo, partial_hi, lo, hi), span
 
 
 @gluon.jit
@@ -521,7 +568,7 @@ def tile_at(p, it, j):
 
 
 @gluon.jit
-def _load_key_tile(p, bufs, it, j, loaded, bias_row, mask_row, kv_head):
+def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head):
     """The j-th key tile of work item ``it`` into ring position ``loaded``: the span of its keys'
     positions (with a key list also the positions), whether its pair bits are read, its key scores
     (bias per key in log2 units, -inf for keys masked out or past the end), K and V."""
@@ -532,11 +579,11 @@ def _load_key_tile(p, bufs, it, j, loaded, bias_row, mask_row, kv_head):
     first_key = tile * p.BLOCK_N
     if SCORED:  # read before waiting for the buffer: the loads overlap the wait
         keys = first_key + gl.arange(0, p.BLOCK_N, key_layout)  # [BLOCK_N]
-        key_ok = keys < p.seqlen_k
+        key_ok = keys < span.seqlen_k
         if KEYS:  # slots of the key list: kept positions (ascending) up to its kept count
             key_ok = keys < it.key_limit
             keys = gl.load(it.lists + keys, mask=key_ok, other=0)
-            first_key = gl.min(gl.where(key_ok, keys, p.seqlen_k), 0)
+            first_key = gl.min(gl.where(key_ok, keys, span.seqlen_k), 0)
         scores = gl.full([p.BLOCK_N], 0.0, gl.float32, key_layout)
         if p.BIAS == BIAS_KEYS:
             scores = gl.load(bias_row + keys * p.stride_bk, mask=key_ok, other=0.0).to(gl.float32) * tiles.LOG2E
@@ -563,7 +610,8 @@ def _load_key_tile(p, bufs, it, j, loaded, bias_row, mask_row, kv_head):
     bias_bytes: gl.constexpr = p.bias_desc.block_type.nbytes if p.STAGED_BIAS else 0
     k_bytes: gl.constexpr = kv_bytes + words_bytes + bias_bytes
     mbarrier.expect(bufs.k_ready.index(stage), k_bytes)
-    tma_load(p.k_desc, [it.batch, tile * p.BLOCK_N, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage))
+    key_row = span.k_start + tile * p.BLOCK_N
+    tma_load(p.k_desc, [span.tokens, key_row, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage))
     first_row = it.row_block * p.BLOCK_M
     if words_staged(p.MASK, p.BLOCK_N):
         row = staged_pair_row(p.Mask, p.stride_mb, p.stride_mh, p.stride_mq, p.mask_head_div, it.batch, it.head, first_row)
@@ -574,9 +622,9 @@ def _load_key_tile(p, bufs, it, j, loaded, bias_row, mask_row, kv_head):
     mbarrier.wait(bufs.v_empty.index(stage), phase)
     mbarrier.expect(bufs.v_ready.index(stage), kv_bytes)
     if p.FP8:  # V transposed: [B * Hkv, D, Sk]
-        v_tile = [it.batch * (p.num_heads // p.group) + kv_head, 0, tile * p.BLOCK_N]
+        v_tile = [span.tokens * (p.num_heads // p.group) + kv_head, 0, key_row]
     else:
-        v_tile = [it.batch, tile * p.BLOCK_N, kv_head, 0]
+        v_tile = [span.tokens, key_row, kv_head, 0]
     tma_load(p.v_desc, v_tile, bufs.v_ready.index(stage), bufs.v.index(stage))
 
 
@@ -590,7 +638,7 @@ def load_partition(p, bufs):
     loaded = 0  # K/V tiles so far: the ring position
     items_done = 0
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
-        it = _item(p, index)
+        it, span = _item(p, index)
         bias_row = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, it.batch, it.head)
         mask_row = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, it.batch, it.head)
         count = tile_count(it)
@@ -605,13 +653,13 @@ def load_partition(p, bufs):
             bufs.lse.index(q_slot).store(lse)
             bufs.delta.index(q_slot).store(delta)
         mbarrier.expect(bufs.q_ready.index(q_slot), q_bytes)
-        row_tile = [it.batch, it.row_block * p.BLOCK_M, it.head, 0]
+        row_tile = [span.tokens, span.q_start + it.row_block * p.BLOCK_M, it.head, 0]
         tma_load(p.q_desc, row_tile, bufs.q_ready.index(q_slot), bufs.q.index(q_slot))
         if p.GRADIENT:
             tma_load(p.do_desc, row_tile, bufs.q_ready.index(q_slot), bufs.do.index(q_slot))
         kv_head = it.head // p.group
         for j in range(count):
-            _load_key_tile(p, bufs, it, j, loaded, bias_row, mask_row, kv_head)
+            _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head)
             loaded += 1
         items_done += 1
 
@@ -622,45 +670,69 @@ def load_partition(p, bufs):
 @gluon.jit
 def take_rows(p, bufs, index, items_done, HALF: gl.constexpr, rows_layout: gl.constexpr):
     """Work item ``index`` for warpgroup ``HALF``, once the loader has staged its Q (slot
-    ``items_done`` modulo the slots): ``(batch, head, first_row, rows, q_slot, count)``, ``rows``
-    its 64 rows in ``rows_layout`` and ``count`` its key tiles."""
+    ``items_done`` modulo the slots): ``(batch, head, first_row, rows, q_slot, count, span)``,
+    ``rows`` its 64 rows in ``rows_layout`` (positions in the entry), ``count`` its key tiles and
+    ``span`` its entry's :class:`Span`."""
     ROWS: gl.constexpr = p.BLOCK_M // 2
     Q_SLOTS: gl.constexpr = bufs.q.shape[0]
     row_block, batch, head = _item_position(p, index)
+    span = entry_span(p, batch)
     first_row = row_block * p.BLOCK_M + HALF * ROWS
     rows = first_row + gl.arange(0, ROWS, rows_layout)  # [ROWS]
     q_slot = items_done % Q_SLOTS
     mbarrier.wait(bufs.q_ready.index(q_slot), (items_done // Q_SLOTS) & 1)
-    return batch, head, first_row, rows, q_slot, get(bufs.counts.index(q_slot))
+    return batch, head, first_row, rows, q_slot, get(bufs.counts.index(q_slot)), span
 
 
 @gluon.jit
-def store_rows(p, bufs, q_slot, HALF: gl.constexpr, batch, first_row, head, values):
-    """A warpgroup's output rows, ``values`` ``[ROWS, D]`` from ``first_row`` on, into ``p.Out``
-    ``[B, Sq, H, D]`` (rows past Sq are clipped), then its half of Q slot ``q_slot`` released.
+def store_rows(p, bufs, q_slot, HALF: gl.constexpr, span, first_row, head, values):
+    """A warpgroup's output rows, ``values`` ``[ROWS, D]`` from its entry's row ``first_row`` on,
+    into ``p.Out`` ``[B, Sq, H, D]`` (rows past the entry's end are left alone), then its half of Q
+    slot ``q_slot`` released.
 
     They leave through that half of the Q tile, whose last product is done, and a TMA store:
     stored from registers, the rows took about 4 us per work item at D = 128, a fifth of a
     16K keep-1/8 item (docs/design-notes.md, "Hopper forward"). The loader refills the slot once
-    the store has read it.
+    the store has read it. The TMA store clips rows only at the tensor's end: a packed sequence's
+    last rows, which the next sequence follows, are stored from registers.
     """
     ROWS: gl.constexpr = p.BLOCK_M // 2
     if p.Out.dtype.element_ty == p.q_desc.dtype:
-        q_tile = bufs.q.index(q_slot)  # [1, BLOCK_M, 1, D]
-        q_tile.reshape([p.BLOCK_M, p.HEAD_DIM]).slice(HALF * ROWS, ROWS).store(values.to(p.q_desc.dtype))
-        fence_async_shared()
-        tma_store(p.o_desc, [batch, first_row, head, 0], q_tile.slice(HALF * ROWS, ROWS, dim=1))
-        tma.store_wait(0)
+        if p.SEQ == tiles.SEQ_PACKED:
+            if first_row + ROWS <= span.seqlen_q:
+                _store_rows_tma(p, bufs, q_slot, HALF, span, first_row, head, values)
+            else:
+                _store_rows_registers(p, span, first_row, head, values)
+        else:
+            _store_rows_tma(p, bufs, q_slot, HALF, span, first_row, head, values)
     else:  # float32 (a dQ summed over several calls), or FP8 inputs' bfloat16: wider than Q's tile
-        layout: gl.constexpr = values.type.layout
-        rows = first_row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
-        cols = gl.arange(0, p.HEAD_DIM, gl.SliceLayout(0, layout))
-        ptrs = (
-            p.Out + batch.to(gl.int64) * p.stride_ob + head.to(gl.int64) * p.stride_oh
-            + (rows.to(gl.int64) * p.stride_os)[:, None] + cols[None, :]
-        )
-        gl.store(ptrs, values.to(p.Out.dtype.element_ty), mask=(rows < p.seqlen_q)[:, None] & (cols < p.COLUMNS)[None, :])
+        _store_rows_registers(p, span, first_row, head, values)
     mbarrier.arrive(bufs.q_empty.index(q_slot), count=1)
+
+
+@gluon.jit
+def _store_rows_tma(p, bufs, q_slot, HALF: gl.constexpr, span, first_row, head, values):
+    """``store_rows`` through the warpgroup's half of the Q tile and a TMA store."""
+    ROWS: gl.constexpr = p.BLOCK_M // 2
+    q_tile = bufs.q.index(q_slot)  # [1, BLOCK_M, 1, D]
+    q_tile.reshape([p.BLOCK_M, p.HEAD_DIM]).slice(HALF * ROWS, ROWS).store(values.to(p.q_desc.dtype))
+    fence_async_shared()
+    tma_store(p.o_desc, [span.tokens, span.q_start + first_row, head, 0], q_tile.slice(HALF * ROWS, ROWS, dim=1))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _store_rows_registers(p, span, first_row, head, values):
+    """``store_rows`` from registers, rows past the entry's end and columns past the head dim left out."""
+    ROWS: gl.constexpr = p.BLOCK_M // 2
+    layout: gl.constexpr = values.type.layout
+    rows = first_row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, p.HEAD_DIM, gl.SliceLayout(0, layout))
+    ptrs = (
+        p.Out + span.tokens.to(gl.int64) * p.stride_ob + head.to(gl.int64) * p.stride_oh
+        + ((span.q_start + rows).to(gl.int64) * p.stride_os)[:, None] + cols[None, :]
+    )
+    gl.store(ptrs, values.to(p.Out.dtype.element_ty), mask=(rows < span.seqlen_q)[:, None] & (cols < p.COLUMNS)[None, :])
 
 
 @gluon.jit
@@ -738,10 +810,11 @@ def softcap_slope(p, qk):
 
 @gluon.jit
 def visible_scores(
-    p, bufs, qk, staged, stage, batch, head, first_row, rows, keys_layout: gl.constexpr, ROWS: gl.constexpr, HALF: gl.constexpr,
+    p, bufs, qk, staged, stage, batch, head, span, first_row, rows, keys_layout: gl.constexpr, ROWS: gl.constexpr,
+    HALF: gl.constexpr,
 ):
     """Log2-domain scores of (``batch``, ``head``)'s product tile ``qk`` ``[ROWS, BLOCK_N]``, rows
-    ``HALF`` of the work item's two halves: the tile's staged key scores added, a per-pair bias
+    ``HALF`` of the work item's two halves (of an entry whose :class:`Span` is ``span``): the tile's staged key scores added, a per-pair bias
     added (staged by the loader, or loaded here) and a BitMask's bits applied (only on the tiles
     the loader marked), and -inf where the band or the end of the keys cuts it (only edge tiles
     are checked: those whose span of key positions the band or the end cuts). ``staged`` is
@@ -765,14 +838,14 @@ def visible_scores(
             if words_staged(p.MASK, p.BLOCK_N):
                 words = bufs.words.index(stage).slice(HALF * ROWS, ROWS)
             s = kept_by_bits(p, s, words, batch, head, first_row, first_key, False)
-    edge = (first_key - first_row - ROWS + 1 < p.band_lo) | (last_key - first_row > p.band_hi) | (last_key >= p.seqlen_k)
+    edge = (first_key - first_row - ROWS + 1 < span.band_lo) | (last_key - first_row > span.band_hi) | (last_key >= span.seqlen_k)
     if edge:
         if KEYS:
             keys = bufs.positions.index(stage).load(keys_layout)  # [BLOCK_N]
         else:
             keys = first_key + gl.arange(0, p.BLOCK_N, keys_layout)
         offset = keys[None, :] - rows[:, None]
-        visible = (keys < p.seqlen_k)[None, :] & (offset >= p.band_lo) & (offset <= p.band_hi)
+        visible = (keys < span.seqlen_k)[None, :] & (offset >= span.band_lo) & (offset <= span.band_hi)
         s = gl.where(visible, s, float("-inf"))
     return s
 

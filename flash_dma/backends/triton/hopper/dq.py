@@ -98,7 +98,7 @@ def _dq_rows(p, bufs, HALF: gl.constexpr):
     consumed = 0  # K/V tiles so far: the ring position, as in the loader
     items_done = 0
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
-        batch, head, first_row, rows, q_slot, count = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
+        batch, head, first_row, rows, q_slot, count, span = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
         q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
         do = bufs.do.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)
         lse2 = bufs.lse.index(q_slot).slice(HALF * ROWS, ROWS).load(rows_of_s)  # [ROWS]
@@ -114,7 +114,7 @@ def _dq_rows(p, bufs, HALF: gl.constexpr):
             mbarrier.wait(bufs.v_ready.index(stage), phase)
             dp = warpgroup_mma(do, bufs.v.index(stage).reshape([p.BLOCK_N, D]).permute((1, 0)), zeros, use_acc=False, is_async=True)
             qk, staged = wait_for_scores(p, bufs, qk, 1, stage, keys_of_s, READ_KEYS_EARLY)
-            s = visible_scores(p, bufs, qk, staged, stage, batch, head, first_row, rows, keys_of_s, ROWS, HALF)  # [ROWS, BLOCK_N]
+            s = visible_scores(p, bufs, qk, staged, stage, batch, head, span, first_row, rows, keys_of_s, ROWS, HALF)  # [ROWS, BLOCK_N]
             probs = gl.exp2(s - lse2[:, None])
             dp = warpgroup_mma_wait(0, deps=[dp])
             mbarrier.arrive(bufs.v_empty.index(stage), count=1)
@@ -125,7 +125,7 @@ def _dq_rows(p, bufs, HALF: gl.constexpr):
             dq = warpgroup_mma_wait(0, deps=[dq])
             mbarrier.arrive(bufs.k_empty.index(stage), count=1)
             consumed += 1
-        store_rows(p, bufs, q_slot, HALF, batch, first_row, head, dq * p.scale)  # dS is the gradient of scale * q.k
+        store_rows(p, bufs, q_slot, HALF, span, first_row, head, dq * p.scale)  # dS is the gradient of scale * q.k
         items_done += 1
 
 
@@ -187,14 +187,14 @@ def _dq_hopper_kernel(
     )
     init_barriers(bufs, KV_STAGES)
     p = Problem(
-        q_desc, k_desc, v_desc, do_desc, dq_desc, words_desc, bias_desc, DQ, Delta, Lse, Mask, Bias, Walk, Lse,  # no descale
+        q_desc, k_desc, v_desc, do_desc, dq_desc, words_desc, bias_desc, DQ, Delta, Lse, Mask, Bias, Walk, Lse, Walk, Walk,  # no descale, no cu_seqlens
         stride_dqb, stride_dqs, stride_dqh,
         seqlen_q * num_heads, seqlen_q, stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
         stride_wb, stride_wh, stride_wr, walk_width,
         seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
-        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, True, False,
+        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, True, False, tiles.SEQ_FIXED,
     )
     gl.warp_specialize(
         [(_dq_lower, (p, bufs)), (_dq_upper, (p, bufs)), (load_partition, (p, bufs))],

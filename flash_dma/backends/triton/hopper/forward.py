@@ -66,7 +66,7 @@ from flash_dma.backends.triton.hopper.common import (
     walked_keys,
 )
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import Call, placeholder
+from flash_dma.backends.triton.layout import SEQ_FIXED, SEQ_PACKED, Call, placeholder
 from flash_dma.integers import cdiv
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["forward"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
@@ -246,7 +246,7 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
     consumed = 0  # K/V tiles so far: the ring position, as in the loader
     items_done = 0
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
-        batch, head, first_row, rows, q_slot, count = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
+        batch, head, first_row, rows, q_slot, count, span = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
         q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
         qk_descale, v_descale = _descales(p, batch, head)
 
@@ -259,7 +259,7 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
             k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
             qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             qk, staged = wait_for_scores(p, bufs, qk, 0, stage, keys_of_s, READ_KEYS_EARLY)
-            s = visible_scores(p, bufs, _descaled(p, qk, qk_descale), staged, stage, batch, head, first_row, rows, keys_of_s, ROWS, HALF)
+            s = visible_scores(p, bufs, _descaled(p, qk, qk_descale), staged, stage, batch, head, span, first_row, rows, keys_of_s, ROWS, HALF)
             mbarrier.arrive(bufs.k_empty.index(stage), count=1)
             probs, m_i, _, l_i = _online_softmax(p, s, m_i, l_i)
             for _ in range(1, count):
@@ -271,7 +271,9 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
                 pv = _issue_value_product(p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc)
                 # The product of the next tile; P V may still run.
                 qk, staged = wait_for_scores(p, bufs, qk, 1, following, keys_of_s, READ_KEYS_EARLY)
-                s = visible_scores(p, bufs, _descaled(p, qk, qk_descale), staged, following, batch, head, first_row, rows, keys_of_s, ROWS, HALF)  # [ROWS, BLOCK_N]
+                s = visible_scores(  # [ROWS, BLOCK_N]
+                    p, bufs, _descaled(p, qk, qk_descale), staged, following, batch, head, span, first_row, rows, keys_of_s, ROWS, HALF,
+                )
                 mbarrier.arrive(bufs.k_empty.index(following), count=1)
                 probs, m_i, alpha, l_i = _online_softmax(p, s, m_i, l_i)
                 acc = _accumulated(p, acc, warpgroup_mma_wait(0, deps=[pv]))
@@ -286,9 +288,9 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
             consumed += 1
 
         out, lse = _finish_rows(p, _descaled(p, acc, v_descale), m_i, l_i, batch, head, rows, rows_of_o)
-        store_rows(p, bufs, q_slot, HALF, batch, first_row, head, out)
-        lse_row = p.Lse + batch.to(gl.int64) * p.stride_lse_b + head.to(gl.int64) * p.stride_lse_h
-        gl.store(lse_row + rows, lse, mask=rows < p.seqlen_q)
+        store_rows(p, bufs, q_slot, HALF, span, first_row, head, out)
+        lse_row = p.Lse + span.tokens.to(gl.int64) * p.stride_lse_b + head.to(gl.int64) * p.stride_lse_h + span.q_start
+        gl.store(lse_row + rows, lse, mask=rows < span.seqlen_q)
         items_done += 1
 
 
@@ -304,7 +306,7 @@ def _softmax_upper(p, bufs):
 
 @jit_with_runtime_scalars
 def _attn_fwd_hopper_kernel(
-    Q, K, V, Mask, Bias, Walk, Descale,
+    Q, K, V, Mask, Bias, Walk, Descale, SeqQ, SeqK,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
     stride_wb, stride_wh, stride_wr, walk_width, mask_rows, mask_cols, bias_rows, bias_cols,
@@ -315,7 +317,8 @@ def _attn_fwd_hopper_kernel(
     STAGED_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
     Out, Lse, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, items, row_blocks,
-    KV_STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    KV_STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, FP8: gl.constexpr, SEQ: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
 ):
     # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
     q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
@@ -353,14 +356,14 @@ def _attn_fwd_hopper_kernel(
     )
     init_barriers(bufs, KV_STAGES)
     p = Problem(
-        q_desc, k_desc, v_desc, q_desc, o_desc, words_desc, bias_desc, Out, Lse, Lse, Mask, Bias, Walk, Descale,  # no dO, no delta
+        q_desc, k_desc, v_desc, q_desc, o_desc, words_desc, bias_desc, Out, Lse, Lse, Mask, Bias, Walk, Descale, SeqQ, SeqK,  # no dO, no delta
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
         stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
         stride_wb, stride_wh, stride_wr, walk_width,
         seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
-        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, False, FP8,
+        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, False, FP8, SEQ,
     )
     gl.warp_specialize(
         [(_softmax_lower, (p, bufs)), (_softmax_upper, (p, bufs)), (load_partition, (p, bufs))],
@@ -368,18 +371,26 @@ def _attn_fwd_hopper_kernel(
     )
 
 
-hopper_launcher = Launcher(_attn_fwd_hopper_kernel, tensors=(*COMMON_TENSORS, "Descale", "Out", "Lse"), specialized=())
+hopper_launcher = Launcher(
+    _attn_fwd_hopper_kernel, tensors=(*COMMON_TENSORS, "Descale", "SeqQ", "SeqK", "Out", "Lse"), specialized=(),
+)
 
 
 def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: tuple) -> None:
     """Write ``out`` ``[B, Sq, H, D]`` and ``lse`` ``[B, H, Sq]`` float32 of ``call``, as
-    ``forward.attention_forward`` would (its kv_lists or key list walked). ``signature`` holds the
-    call's layout (``layout.call_signature``), which fixes those of ``out`` and ``lse`` too: the
-    launch is prepared once per signature."""
+    ``forward.attention_forward`` would (its kv_lists or key list walked; packed sequences are
+    ``[1, total, ...]`` and ``[1, H, total]``). ``signature`` holds the call's layout
+    (``layout.call_signature``), which fixes those of ``out`` and ``lse`` too: the launch is
+    prepared once per signature."""
     q = call.q
     batch, seqlen_q, num_heads, head_dim = q.shape
-    row_blocks = cdiv(seqlen_q, TILE.kwargs["BLOCK_M"])
-    items = row_blocks * batch * num_heads
+    packed = call.cu_seqlens_q is not None
+    # Work items are the row blocks of each entry; packed sequences get those of the longest, and
+    # the blocks past a shorter one's end have no tiles (``common._item``).
+    entries, rows = (call.cu_seqlens_q.shape[0] - 1, call.max_seqlen_q) if packed else (batch, seqlen_q)
+    row_blocks = cdiv(rows, TILE.kwargs["BLOCK_M"])
+    items = row_blocks * entries * num_heads
+    sequences = [call.cu_seqlens_q, call.cu_seqlens_k] if packed else [placeholder(q.device, torch.int32)] * 2
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
     fp8 = call.descale is not None
     if fp8:
@@ -394,10 +405,10 @@ def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
         stages = STAGED_BIAS_KV_STAGES if stages_pair_bias(call, walk_flag) else KV_STAGES[row_width]
-        own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages, 1 if wide else 2, fp8]
-        return [*tensors, descale, *runtime, *flags, out, lse, *own], (q.dtype, *flags)
+        own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages, 1 if wide else 2, fp8, SEQ_PACKED if packed else SEQ_FIXED]
+        return [*tensors, descale, *sequences, *runtime, *flags, out, lse, *own], (q.dtype, *flags)
 
     hopper_launcher.launch(
-        signature, [*tensors, descale, out, lse], build, lambda: [WIDE_TILE if wide else TILE],
+        signature, [*tensors, descale, *sequences, out, lse], build, lambda: [WIDE_TILE if wide else TILE],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )

@@ -1,0 +1,34 @@
+"""tools/compile_report.py: PTX kept per variant, and compared instruction by instruction."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_instructions_ignore_register_numbers_parameter_names_and_debug_lines():
+    from tools.compile_report import instructions
+
+    ptx = "ld.param.u64 %rd1, [k_param_0];\n.loc 1 2 3\nadd.s32 %r5, %r3, 1;\n$L__BB0_1:\n// note\n.section .debug_info {"
+    renumbered = "ld.param.u64 %rd7, [k_param_4];\nadd.s32 %r9, %r2, 1;\n"
+    assert instructions(ptx) == instructions(renumbered)
+    assert instructions(ptx) != instructions(renumbered.replace("add.s32", "sub.s32"))
+
+
+def test_a_variant_compared_with_its_own_ptx_is_the_same(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+
+    def report(*options: str) -> str:
+        command = [sys.executable, "-m", "tools.compile_report", "--only", "forward-key-list", *options]
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=600).stdout
+
+    report("--ptx-dir", str(tmp_path))
+    assert [path.name for path in tmp_path.iterdir()] == ["forward-key-list.ptx"]
+    (line,) = report("--same-as", str(tmp_path)).splitlines()
+    assert line.startswith("forward-key-list ") and line.endswith(" same")
