@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flash_dma import build_block_mask, flash_dma_varlen_func, pack_mask
+from flash_dma.backends.triton import backward as backward_module
 from flash_dma.backends.triton import forward as forward_module
 from flash_dma.backends.triton.dispatch import HOPPER, form_of, route
 from flash_dma.backends.triton.forward import attention_forward
@@ -26,6 +27,7 @@ from tests.helpers import (
     KERNEL_DTYPES,
     Case,
     assert_close,
+    assert_gradients_close,
     kernel_call,
     make_fp8_inputs,
     make_inputs,
@@ -214,36 +216,44 @@ VARLEN_CASES = [
 
 
 @pytest.fixture
-def hopper_packed_forward(monkeypatch):
-    """The routing table, with packed sequences' forward on the Hopper kernel wherever it takes the
-    same form with fixed lengths (the table does not route them there until these tests pass on a GPU)."""
-    routed = []
+def hopper_packed(monkeypatch):
+    """The routing table, with packed sequences' forward and dQ on the Hopper kernels wherever they
+    take the same form with fixed lengths (the table does not route them there until these tests
+    pass on a GPU); dK/dV stays on the Triton kernel. Yields the passes the Hopper kernels took."""
+    taken = []
 
     def packed_too(pass_, form):
-        kernel = route(pass_, form._replace(sequences="fixed") if form.sequences == "packed" and form.walk != "keys" else form)
-        routed.append((form.sequences, kernel))
-        return kernel
+        if form.sequences == "packed" and pass_ != "dkdv" and form.walk != "keys":
+            kernel = route(pass_, form._replace(sequences="fixed"))
+            if kernel == HOPPER:
+                taken.append(pass_)
+            return kernel
+        return route(pass_, form)
 
     monkeypatch.setattr(forward_module, "route", packed_too)
+    monkeypatch.setattr(backward_module, "route", packed_too)
     forget_choices()
-    yield routed
+    yield taken
     forget_choices()
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
-def test_hopper_forward_of_packed_sequences_matches_reference(case, dtype, hopper_packed_forward, poison_outputs):
+def test_hopper_forward_and_dq_of_packed_sequences_match_reference(case, dtype, hopper_packed, poison_outputs):
+    """The forward (``hopper/forward.py``) and dQ (``hopper/dq.py``) of packed sequences; dK/dV and
+    the bias gradient from the Triton kernel, checked too (they read the Hopper forward's LSE)."""
     inputs = make_varlen_inputs(case, dtype)
     block_mask = None
     if case.walk == "summary":
         block_mask = build_block_mask(
             inputs["attn_mask"], cu_seqlens_k=inputs["cu_seqlens_k"], max_seqlen_k=inputs["max_seqlen_k"], block_size=(128, 128),
         )
-    with torch.no_grad():
-        out, lse = flash_dma_varlen_func(**inputs, **varlen_settings(case), block_mask=block_mask, return_lse=True, backend="triton")
-    assert ("packed", HOPPER) in hopper_packed_forward
-    dout = torch.zeros_like(out)
-    oracle_out, oracle_lse, _ = reference_varlen(case, inputs, block_mask, dout, torch.float64)
-    base_out, base_lse, _ = reference_varlen(case, inputs, block_mask, dout, dtype)
+    out, lse = flash_dma_varlen_func(**inputs, **varlen_settings(case), block_mask=block_mask, return_lse=True, backend="triton")
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
+    out.backward(dout)
+    assert hopper_packed == ["forward", "dq"]
+    oracle_out, oracle_lse, oracle = reference_varlen(case, inputs, block_mask, dout, torch.float64)
+    base_out, base_lse, baseline = reference_varlen(case, inputs, block_mask, dout, dtype)
     assert_close("out", out, oracle_out, base_out)
     assert_close("lse", lse, oracle_lse, base_lse)
+    assert_gradients_close(inputs, oracle, baseline)

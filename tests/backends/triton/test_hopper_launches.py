@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flash_dma import build_block_mask, flash_dma_func, flash_dma_varlen_func, pack_mask
+from flash_dma.backends.triton import backward as backward_module
 from flash_dma.backends.triton import dispatch, launch
 from flash_dma.backends.triton import forward as forward_module
 from flash_dma.backends.triton.hopper.forward import hopper_forward
@@ -87,17 +88,18 @@ def test_the_fp8_forward_launch_binds_to_its_kernel(bound_launches):
     assert bound_launches == ["_attn_fwd_hopper_kernel"]
 
 
-def test_the_packed_forward_launch_binds_to_its_kernel(bound_launches, monkeypatch):
-    """Packed sequences (varlen) routed to the Hopper forward, as ``test_forward_hopper``'s packed tests route them."""
+def test_the_packed_forward_and_dq_launches_bind_to_their_kernels(bound_launches, monkeypatch):
+    """Packed sequences (varlen) routed to the Hopper forward and dQ, as ``test_forward_hopper``'s packed tests route them."""
     def packed_too(pass_, form):
-        return dispatch.route(pass_, form._replace(sequences="fixed"))
+        return dispatch.route(pass_, form._replace(sequences="fixed") if pass_ != "dkdv" else form)
 
     monkeypatch.setattr(forward_module, "route", packed_too)
+    monkeypatch.setattr(backward_module, "route", packed_too)
     case = VarlenCase(lens_q=(300, 0, 129), lens_k=(300, 5, 129), head_dim=64, mask="sequence", bias="packed", causal=True)
     inputs = make_varlen_inputs(case, torch.float16)
     block_mask = build_block_mask(
         inputs["attn_mask"], cu_seqlens_k=inputs["cu_seqlens_k"], max_seqlen_k=inputs["max_seqlen_k"], block_size=(128, 128),
     )
-    with torch.no_grad():
-        flash_dma_varlen_func(**inputs, is_causal=True, block_mask=block_mask, backend="triton")
-    assert bound_launches[-1] == "_attn_fwd_hopper_kernel"
+    out = flash_dma_varlen_func(**inputs, is_causal=True, block_mask=block_mask, backend="triton")
+    out.sum().backward()
+    assert {"_attn_fwd_hopper_kernel", "_dq_hopper_kernel"} <= set(bound_launches), bound_launches

@@ -28,6 +28,8 @@ from triton.language.core import _aggregate as aggregate
 from flash_dma.backends.triton import tiles
 from flash_dma.backends.triton.key_list import gather_kept_keys
 from flash_dma.backends.triton.layout import (
+    SEQ_FIXED,
+    SEQ_PACKED,
     WALK_KEYS,
     Call,
     band,
@@ -39,6 +41,7 @@ from flash_dma.backends.triton.layout import (
     placeholder,
     walk_kind,
 )
+from flash_dma.integers import cdiv
 
 # The walk's index arithmetic is shared with the Triton kernels: scalar code runs as Gluon as is.
 key_walk = gluon.jit(tiles.key_walk.fn)
@@ -180,6 +183,22 @@ def _launch_band(call: Call, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
     if call.cu_seqlens_q is None:
         return diagonal_band(call.window_left, call.window_right, seqlen_q, seqlen_k)
     return band(call.window_left, call.window_right, call.max_seqlen_q, call.max_seqlen_k)
+
+
+def work_items(call: Call, block_m: int) -> tuple[int, int, list, int]:
+    """``(row_blocks, items, sequences, SEQ)`` of the kernels that own query rows: work items are
+    the row blocks of each (entry, head); packed sequences get those of the longest, and the blocks
+    past a shorter one's end have no tiles (``_item``). ``sequences``: the ``SeqQ, SeqK`` pointers
+    (cu_seqlens, or placeholders)."""
+    q = call.q
+    if call.cu_seqlens_q is None:
+        entries, rows, seq = q.shape[0], q.shape[1], SEQ_FIXED
+        sequences = [placeholder(q.device, torch.int32)] * 2
+    else:
+        entries, rows, seq = call.cu_seqlens_q.shape[0] - 1, call.max_seqlen_q, SEQ_PACKED
+        sequences = [call.cu_seqlens_q, call.cu_seqlens_k]
+    row_blocks = cdiv(rows, block_m)
+    return row_blocks, row_blocks * entries * q.shape[2], sequences, seq
 
 
 def walked_keys(call: Call, pass_walk: torch.Tensor | None) -> tuple:
@@ -505,11 +524,11 @@ def row_values(p, T, stride_q, rows, other):
 
 
 @gluon.jit
-def row_statistics(p, row_offset, rows, bias_base):
-    """LSEs (log2 units; +inf for rows that see no key, or past the end: their gradients are 0)
-    and deltas of query rows ``rows`` of one (batch, head), for the backward kernels. A bias per
-    query row is taken back out of the LSE: the kernels' scores leave it out."""
-    row_ok = rows < p.seqlen_q
+def row_statistics(p, row_offset, rows, bias_base, seqlen_q):
+    """LSEs (log2 units; +inf for rows that see no key, or past the entry's ``seqlen_q``: their
+    gradients are 0) and deltas of query rows ``rows`` of one (batch, head), for the backward
+    kernels. A bias per query row is taken back out of the LSE: the kernels' scores leave it out."""
+    row_ok = rows < seqlen_q
     lse = gl.load(p.Lse + row_offset + rows, mask=row_ok, other=float("inf"))
     sees_nothing = lse == float("-inf")  # tested first: a row bias of -inf would make it NaN
     if p.BIAS == BIAS_ROWS:
@@ -645,8 +664,9 @@ def load_partition(p, bufs):
         q_slot = items_done % Q_SLOTS
         if p.GRADIENT:
             rows = it.row_block * p.BLOCK_M + gl.arange(0, p.BLOCK_M, row_layout)  # [BLOCK_M]
-            row_offset = (it.batch * p.num_heads + it.head).to(gl.int64) * p.seqlen_q
-            lse, delta = row_statistics(p, row_offset, rows, bias_row)
+            # LSE and delta are [B, H, Sq] (packed: [1, H, total]); the entry's rows start at q_start.
+            row_offset = (span.tokens * p.num_heads + it.head).to(gl.int64) * p.seqlen_q + span.q_start
+            lse, delta = row_statistics(p, row_offset, rows, bias_row, span.seqlen_q)
         mbarrier.wait(bufs.q_empty.index(q_slot), (items_done // Q_SLOTS) & 1 ^ 1)
         put(bufs.counts.index(q_slot), count)
         if p.GRADIENT:

@@ -273,7 +273,7 @@ def _load_query_tile(p, bufs, loaded, batch, head, g, key_tile, tile, partial, r
     row_offset = (batch * p.num_heads + head).to(gl.int64) * p.seqlen_q
     bias_base = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, batch, head)
     # Read before waiting for the buffer: the loads overlap the wait.
-    lse, delta = row_statistics(p, row_offset, tile * p.BLOCK_M + gl.arange(0, p.BLOCK_M, row_layout), bias_base)
+    lse, delta = row_statistics(p, row_offset, tile * p.BLOCK_M + gl.arange(0, p.BLOCK_M, row_layout), bias_base, p.seqlen_q)
     stage = loaded % p.Q_STAGES
     mbarrier.wait(bufs.q_empty.index(stage), (loaded // p.Q_STAGES) & 1 ^ 1)
     put(bufs.tiles.index(stage), tile)

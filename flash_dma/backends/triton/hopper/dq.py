@@ -42,10 +42,10 @@ from flash_dma.backends.triton.hopper.common import (
     visible_scores,
     wait_for_scores,
     walked_keys,
+    work_items,
 )
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import Call
-from flash_dma.integers import cdiv
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dq"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
 KV_STAGES = {32: 3, 64: 3, 128: 2}  # per tile head dim; with two Q/dO buffers, D = 128 fills 192 KB
@@ -141,7 +141,7 @@ def _dq_upper(p, bufs):
 
 @jit_with_runtime_scalars
 def _dq_hopper_kernel(
-    Q, K, V, Mask, Bias, Walk,
+    Q, K, V, Mask, Bias, Walk, SeqQ, SeqK,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
     stride_wb, stride_wh, stride_wr, walk_width, mask_rows, mask_cols, bias_rows, bias_cols,
@@ -152,7 +152,7 @@ def _dq_hopper_kernel(
     STAGED_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
     DO, Lse, Delta, DQ, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, items, row_blocks,
-    KV_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    KV_STAGES: gl.constexpr, SEQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
     do_desc = tile_descriptor(DO, batch, seqlen_q, num_heads, COLUMNS, stride_dob, stride_dos, stride_doh, BLOCK_M, BLOCK_M, HEAD_DIM)
@@ -187,14 +187,14 @@ def _dq_hopper_kernel(
     )
     init_barriers(bufs, KV_STAGES)
     p = Problem(
-        q_desc, k_desc, v_desc, do_desc, dq_desc, words_desc, bias_desc, DQ, Delta, Lse, Mask, Bias, Walk, Lse, Walk, Walk,  # no descale, no cu_seqlens
+        q_desc, k_desc, v_desc, do_desc, dq_desc, words_desc, bias_desc, DQ, Delta, Lse, Mask, Bias, Walk, Lse, SeqQ, SeqK,  # no descale
         stride_dqb, stride_dqs, stride_dqh,
         seqlen_q * num_heads, seqlen_q, stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
         stride_wb, stride_wh, stride_wr, walk_width,
         seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
-        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, True, False, tiles.SEQ_FIXED,
+        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, True, False, SEQ,
     )
     gl.warp_specialize(
         [(_dq_lower, (p, bufs)), (_dq_upper, (p, bufs)), (load_partition, (p, bufs))],
@@ -202,29 +202,29 @@ def _dq_hopper_kernel(
     )
 
 
-hopper_dq_launcher = Launcher(_dq_hopper_kernel, tensors=(*COMMON_TENSORS, "DO", "Lse", "Delta", "DQ"), specialized=())
+hopper_dq_launcher = Launcher(_dq_hopper_kernel, tensors=(*COMMON_TENSORS, "SeqQ", "SeqK", "DO", "Lse", "Delta", "DQ"), specialized=())
 
 
 def hopper_dq(
     call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, signature: tuple,
 ) -> None:
     """Write ``dq`` ``[B, Sq, H, D]`` of ``call`` as the Triton dQ kernel would; ``dout`` ``[B,
-    Sq, H, D]``, ``lse`` and ``delta`` ``[B, H, Sq]`` float32, contiguous. ``signature`` holds the
-    layouts of the call, of ``dout`` and of ``dq`` (``backward.attention_backward``'s): the launch
-    is prepared once per signature."""
+    Sq, H, D]``, ``lse`` and ``delta`` ``[B, H, Sq]`` float32, contiguous (packed sequences:
+    ``[1, total, ...]`` and ``[1, H, total]``). ``signature`` holds the layouts of the call, of
+    ``dout`` and of ``dq`` (``backward.attention_backward``'s): the launch is prepared once per
+    signature."""
     q = call.q
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    row_blocks = cdiv(seqlen_q, TILE.kwargs["BLOCK_M"])
-    items = row_blocks * batch * num_heads
+    num_heads, head_dim = q.shape[2], q.shape[3]
+    row_blocks, items, sequences, seq = work_items(call, TILE.kwargs["BLOCK_M"])
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
     tensors = hopper_tensors(call, k, v, walk)
 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
-        own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, KV_STAGES[head_dim_tile(head_dim)]]
-        return [*tensors, *runtime, *flags, dout, lse, delta, dq, *own], (q.dtype, dq.dtype, *flags)
+        own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, KV_STAGES[head_dim_tile(head_dim)], seq]
+        return [*tensors, *sequences, *runtime, *flags, dout, lse, delta, dq, *own], (q.dtype, dq.dtype, *flags)
 
     hopper_dq_launcher.launch(
-        signature, [*tensors, dout, lse, delta, dq], build, lambda: [TILE],
+        signature, [*tensors, *sequences, dout, lse, delta, dq], build, lambda: [TILE],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )

@@ -62,12 +62,12 @@ from flash_dma.backends.triton.hopper.common import (
     tile_descriptor,
     transposed_values,
     visible_scores,
+    work_items,
     wait_for_scores,
     walked_keys,
 )
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import SEQ_FIXED, SEQ_PACKED, Call, placeholder
-from flash_dma.integers import cdiv
+from flash_dma.backends.triton.layout import Call, placeholder
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["forward"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
 # D = 256: tiles of 64 keys (a warpgroup's 64 x 256 accumulator is 128 of its 240 registers) and one
@@ -383,14 +383,8 @@ def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: 
     (``layout.call_signature``), which fixes those of ``out`` and ``lse`` too: the launch is
     prepared once per signature."""
     q = call.q
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    packed = call.cu_seqlens_q is not None
-    # Work items are the row blocks of each entry; packed sequences get those of the longest, and
-    # the blocks past a shorter one's end have no tiles (``common._item``).
-    entries, rows = (call.cu_seqlens_q.shape[0] - 1, call.max_seqlen_q) if packed else (batch, seqlen_q)
-    row_blocks = cdiv(rows, TILE.kwargs["BLOCK_M"])
-    items = row_blocks * entries * num_heads
-    sequences = [call.cu_seqlens_q, call.cu_seqlens_k] if packed else [placeholder(q.device, torch.int32)] * 2
+    head_dim = q.shape[3]
+    row_blocks, items, sequences, seq = work_items(call, TILE.kwargs["BLOCK_M"])
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
     fp8 = call.descale is not None
     if fp8:
@@ -405,7 +399,7 @@ def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
         stages = STAGED_BIAS_KV_STAGES if stages_pair_bias(call, walk_flag) else KV_STAGES[row_width]
-        own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages, 1 if wide else 2, fp8, SEQ_PACKED if packed else SEQ_FIXED]
+        own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages, 1 if wide else 2, fp8, seq]
         return [*tensors, descale, *sequences, *runtime, *flags, out, lse, *own], (q.dtype, *flags)
 
     hopper_launcher.launch(
