@@ -104,7 +104,7 @@ _HOPPER_PAIRS = dict(_HOPPER, MASK=MASK_BITS.value, BIAS=BIAS_PAIRS.value, HEAD_
 _HOPPER_ROWS = dict(_HOPPER, MASK=MASK_ROWS.value, BIAS=BIAS_ROWS.value, WALK=WALK_DENSE)
 _HOPPER_DKDV = dict(
     MASK=MASK_KEYS.value, BIAS=BIAS_KEYS.value, WALK=WALK_BLOCKS, HEAD_DIM=128, COLUMNS=128, STAGED_BIAS=False, SOFTCAP=False,
-    DBIAS=DBIAS_PER_KEY, DBIAS_ATOMIC=False, DBIAS_HEAD_SHARED=True, SLICES=False, Q_STAGES=2,
+    DBIAS=DBIAS_PER_KEY, DBIAS_ATOMIC=False, DBIAS_HEAD_SHARED=True, SLICES=False, Q_STAGES=2, SEQ=SEQ_FIXED,
 )
 _HOPPER_DKDV_PAIRS = dict(
     _HOPPER_DKDV, MASK=MASK_BITS.value, BIAS=BIAS_PAIRS.value, HEAD_DIM=64, COLUMNS=64, Q_STAGES=3, DBIAS=DBIAS_FULL,
@@ -198,6 +198,7 @@ VARIANTS = [
         ("per-key-blocks-softcap", dict(_HOPPER_DKDV, SOFTCAP=True)),
         ("per-key-blocks-slices", dict(_HOPPER_DKDV, SLICES=True)),
         ("per-key-blocks-d96", dict(_HOPPER_DKDV, COLUMNS=96)),
+        ("per-key-blocks-varlen", dict(_HOPPER_DKDV, SEQ=SEQ_PACKED)),
     ),
     *_gluon_variants(
         "dq-hopper", hopper_dq.hopper_dq_launcher, hopper_dq.TILE,

@@ -88,10 +88,10 @@ def test_the_fp8_forward_launch_binds_to_its_kernel(bound_launches):
     assert bound_launches == ["_attn_fwd_hopper_kernel"]
 
 
-def test_the_packed_forward_and_dq_launches_bind_to_their_kernels(bound_launches, monkeypatch):
-    """Packed sequences (varlen) routed to the Hopper forward and dQ, as ``test_forward_hopper``'s packed tests route them."""
+def test_the_packed_launches_bind_to_their_kernels(bound_launches, monkeypatch):
+    """Packed sequences (varlen) routed to the Hopper kernels, as ``test_forward_hopper``'s packed tests route them."""
     def packed_too(pass_, form):
-        return dispatch.route(pass_, form._replace(sequences="fixed") if pass_ != "dkdv" else form)
+        return dispatch.route(pass_, form._replace(sequences="fixed"))
 
     monkeypatch.setattr(forward_module, "route", packed_too)
     monkeypatch.setattr(backward_module, "route", packed_too)
@@ -102,4 +102,4 @@ def test_the_packed_forward_and_dq_launches_bind_to_their_kernels(bound_launches
     )
     out = flash_dma_varlen_func(**inputs, is_causal=True, block_mask=block_mask, backend="triton")
     out.sum().backward()
-    assert {"_attn_fwd_hopper_kernel", "_dq_hopper_kernel"} <= set(bound_launches), bound_launches
+    assert {"_attn_fwd_hopper_kernel", "_dq_hopper_kernel", "_dkdv_hopper_kernel"} <= set(bound_launches), bound_launches

@@ -55,6 +55,7 @@ from flash_dma.backends.triton.hopper.common import (
     head_dim_tile,
     hopper_arguments,
     hopper_tensors,
+    entry_span,
     input_base,
     jit_with_runtime_scalars,
     kept_by_bits,
@@ -82,6 +83,8 @@ from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
     DBIAS_FULL,
     DBIAS_PER_KEY,
+    SEQ_FIXED,
+    SEQ_PACKED,
     WALK_BLOCKS,
     WALK_DENSE,
     Call,
@@ -119,6 +122,8 @@ class _Problem:
     ScratchV: gl.tensor
     DBias: gl.tensor
     Queue: gl.tensor
+    SeqQ: gl.tensor
+    SeqK: gl.tensor
     stride_mb: gl.tensor
     stride_mh: gl.tensor
     stride_mq: gl.tensor
@@ -147,6 +152,7 @@ class _Problem:
     group: gl.tensor
     chunks: gl.tensor
     items: gl.tensor
+    entries: gl.tensor  # packed sequences: how many (``batch`` is then the token tensors', 1)
     mask_head_div: gl.tensor
     bias_head_div: gl.tensor
     walk_head_div: gl.tensor
@@ -173,6 +179,7 @@ class _Problem:
     SOFTCAP: gl.constexpr
     SLICES: gl.constexpr
     Q_STAGES: gl.constexpr
+    SEQ: gl.constexpr  # ``tiles.SEQ_FIXED`` or ``SEQ_PACKED`` (``SeqQ`` and ``SeqK`` its cu_seqlens)
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
 
@@ -209,34 +216,42 @@ class _Buffers:
 @gluon.jit
 def _column_position(p, index):
     """``(key_tile, chunk, batch, kv_head)`` of work item ``index``: key tiles from the first,
-    then the chunks of one column side by side."""
-    per_tile = p.chunks * p.batch * p.num_kv_heads
+    then the chunks of one column side by side (``batch``: the entry, a sequence when packed)."""
+    if p.SEQ == tiles.SEQ_PACKED:
+        entries = p.entries
+    else:
+        entries = p.batch
+    per_tile = p.chunks * entries * p.num_kv_heads
     rest = index % per_tile
     batch_head = rest // p.chunks
     return index // per_tile, rest % p.chunks, batch_head // p.num_kv_heads, batch_head % p.num_kv_heads
 
 
 @gluon.jit
-def _head_walk(p, key_tile, chunk, batch, head):
+def _head_walk(p, key_tile, chunk, batch, head, span):
     """The query tiles that see key tile ``key_tile`` for query head ``head``, chunk ``chunk`` of
     them: ``tiles.key_walk`` along the other axis (``key - query`` in the band: ``query - key``
-    in its negation), over the transposed summary."""
+    in its negation), over the transposed summary, within the entry's ``span``."""
     k_first = key_tile * p.BLOCK_N
     walk = input_base(p.Walk, p.stride_wb, p.stride_wh, p.walk_head_div, batch, head)
     row_offset = summary_row(key_tile, p.list_block_k, p.BLOCK_N).to(gl.int64) * p.stride_wr
     lists, tiles_per_block, query_limit, partial_lo, partial_hi, lo, _, _, hi = key_walk(
-        walk, p.walk_width, row_offset, p.seqlen_q, k_first, gl.minimum(k_first + p.BLOCK_N, p.seqlen_k) - 1,
-        -p.band_hi, -p.band_lo, p.list_block_q, chunk, p.chunks, p.WALK, p.BLOCK_M,
+        walk, p.walk_width, row_offset, span.seqlen_q, k_first, gl.minimum(k_first + p.BLOCK_N, span.seqlen_k) - 1,
+        -span.band_hi, -span.band_lo, p.list_block_q, chunk, p.chunks, p.WALK, p.BLOCK_M,
     )
+    if p.SEQ == tiles.SEQ_PACKED:  # a key tile past its sequence's keys (the items span the longest): no tiles
+        past = k_first >= span.seqlen_k
+        partial_hi = gl.where(past, partial_lo, partial_hi)
+        hi = gl.where(past, lo, hi)
     return Item(key_tile, batch, head, lists, tiles_per_block, query_limit, partial_lo, partial_hi, lo, hi)
 
 
 @gluon.jit
-def _item_tiles(p, key_tile, chunk, batch, kv_head):
+def _item_tiles(p, key_tile, chunk, batch, kv_head, span):
     """Query tiles of a work item over the group's heads."""
     count = 0
     for g in range(p.group):
-        count += tile_count(_head_walk(p, key_tile, chunk, batch, kv_head * p.group + g))
+        count += tile_count(_head_walk(p, key_tile, chunk, batch, kv_head * p.group + g, span))
     return count
 
 
@@ -262,7 +277,7 @@ def _take(bufs, taken):
 
 
 @gluon.jit
-def _load_query_tile(p, bufs, loaded, batch, head, g, key_tile, tile, partial, row_layout: gl.constexpr):
+def _load_query_tile(p, bufs, loaded, batch, head, g, key_tile, tile, partial, span, row_layout: gl.constexpr):
     """Query tile ``tile`` of head ``head`` (the group's ``g``-th) into ring position ``loaded``:
     its number, head, whether its pair bits are read, its rows' LSEs and deltas
     (``common.row_statistics``), Q and dO, and its pairs with key tile ``key_tile``'s keys: a
@@ -270,10 +285,11 @@ def _load_query_tile(p, bufs, loaded, batch, head, g, key_tile, tile, partial, r
     words_bytes: gl.constexpr = p.words_desc.block_type.nbytes if words_staged(p.MASK, p.BLOCK_N) else 0
     bias_bytes: gl.constexpr = p.bias_desc.block_type.nbytes if p.STAGED_BIAS else 0
     q_bytes: gl.constexpr = 2 * p.q_desc.block_type.nbytes + words_bytes + bias_bytes
-    row_offset = (batch * p.num_heads + head).to(gl.int64) * p.seqlen_q
+    # LSE and delta are [B, H, Sq] (packed: [1, H, total]); the entry's rows start at q_start.
+    row_offset = (span.tokens * p.num_heads + head).to(gl.int64) * p.seqlen_q + span.q_start
     bias_base = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, batch, head)
     # Read before waiting for the buffer: the loads overlap the wait.
-    lse, delta = row_statistics(p, row_offset, tile * p.BLOCK_M + gl.arange(0, p.BLOCK_M, row_layout), bias_base, p.seqlen_q)
+    lse, delta = row_statistics(p, row_offset, tile * p.BLOCK_M + gl.arange(0, p.BLOCK_M, row_layout), bias_base, span.seqlen_q)
     stage = loaded % p.Q_STAGES
     mbarrier.wait(bufs.q_empty.index(stage), (loaded // p.Q_STAGES) & 1 ^ 1)
     put(bufs.tiles.index(stage), tile)
@@ -283,8 +299,9 @@ def _load_query_tile(p, bufs, loaded, batch, head, g, key_tile, tile, partial, r
     bufs.lse.index(stage).store(lse)
     bufs.delta.index(stage).store(delta)
     mbarrier.expect(bufs.q_ready.index(stage), q_bytes)
-    tma_load(p.q_desc, [batch, tile * p.BLOCK_M, head, 0], bufs.q_ready.index(stage), bufs.q.index(stage))
-    tma_load(p.do_desc, [batch, tile * p.BLOCK_M, head, 0], bufs.q_ready.index(stage), bufs.do.index(stage))
+    row_tile = [span.tokens, span.q_start + tile * p.BLOCK_M, head, 0]
+    tma_load(p.q_desc, row_tile, bufs.q_ready.index(stage), bufs.q.index(stage))
+    tma_load(p.do_desc, row_tile, bufs.q_ready.index(stage), bufs.do.index(stage))
     if words_staged(p.MASK, p.BLOCK_N):
         row = staged_pair_row(p.Mask, p.stride_mb, p.stride_mh, p.stride_mq, p.mask_head_div, batch, head, tile * p.BLOCK_M)
         tma_load(p.words_desc, [row, key_tile * (p.BLOCK_N // WORD_BITS)], bufs.q_ready.index(stage), bufs.words.index(stage))
@@ -306,7 +323,8 @@ def _load_columns(p, bufs):
     index = gl.atomic_add(p.Queue, 1)
     while index < p.items:
         key_tile, chunk, batch, kv_head = _column_position(p, index)
-        count = _item_tiles(p, key_tile, chunk, batch, kv_head)
+        span = entry_span(p, batch)
+        count = _item_tiles(p, key_tile, chunk, batch, kv_head, span)
         if (count > 0) | (p.chunks == 1) | p.SLICES:
             _publish(bufs, published, index, count)
             published += 1
@@ -314,34 +332,35 @@ def _load_columns(p, bufs):
             kv = kv_loaded % 2
             mbarrier.wait(bufs.kv_empty.index(kv), (kv_loaded // 2) & 1 ^ 1)
             mbarrier.expect(bufs.kv_ready.index(kv), kv_bytes)
-            tma_load(p.k_desc, [batch, key_tile * p.BLOCK_N, kv_head, 0], bufs.kv_ready.index(kv), bufs.k.index(kv))
-            tma_load(p.v_desc, [batch, key_tile * p.BLOCK_N, kv_head, 0], bufs.kv_ready.index(kv), bufs.v.index(kv))
+            key_tile_at = [span.tokens, span.k_start + key_tile * p.BLOCK_N, kv_head, 0]
+            tma_load(p.k_desc, key_tile_at, bufs.kv_ready.index(kv), bufs.k.index(kv))
+            tma_load(p.v_desc, key_tile_at, bufs.kv_ready.index(kv), bufs.v.index(kv))
             kv_loaded += 1
             first_head = kv_head * p.group
             if p.HEADS_INNER:
-                it = _head_walk(p, key_tile, chunk, batch, first_head)
+                it = _head_walk(p, key_tile, chunk, batch, first_head, span)
                 for j in range(tile_count(it)):
                     tile, partial = tile_at(p, it, j)
                     for g in range(p.group):
-                        _load_query_tile(p, bufs, loaded, batch, first_head + g, g, key_tile, tile, partial, row_layout)
+                        _load_query_tile(p, bufs, loaded, batch, first_head + g, g, key_tile, tile, partial, span, row_layout)
                         loaded += 1
             else:
                 for g in range(p.group):
-                    it = _head_walk(p, key_tile, chunk, batch, first_head + g)
+                    it = _head_walk(p, key_tile, chunk, batch, first_head + g, span)
                     for j in range(tile_count(it)):
                         tile, partial = tile_at(p, it, j)
-                        _load_query_tile(p, bufs, loaded, batch, first_head + g, g, key_tile, tile, partial, row_layout)
+                        _load_query_tile(p, bufs, loaded, batch, first_head + g, g, key_tile, tile, partial, span, row_layout)
                         loaded += 1
         index = gl.atomic_add(p.Queue, 1)
     _publish(bufs, published, -1, 0)
 
 
 @gluon.jit
-def _key_scores(p, batch, head, keys):
+def _key_scores(p, batch, head, keys, seqlen_k):
     """Scores the keys add for query head ``head``: their bias in log2 units, -inf where a
-    per-key mask drops them or past the last key. A per-key mask is the same for every query, so
-    applying it everywhere is exact (FULL tiles keep every key anyway)."""
-    key_ok = keys < p.seqlen_k
+    per-key mask drops them or past the entry's last key. A per-key mask is the same for every
+    query, so applying it everywhere is exact (FULL tiles keep every key anyway)."""
+    key_ok = keys < seqlen_k
     scores = gl.full(keys.shape, 0.0, gl.float32, keys.type.layout)
     if p.BIAS == BIAS_KEYS:
         bias_row = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, batch, head)
@@ -358,13 +377,13 @@ def _bias_gradient_row(p, chunk, batch, head):
 
 
 @gluon.jit
-def _flush_key_gradient(p, chunk, batch, head, keys, values):
-    """Write (or add, when programs share the row) a head's per-key bias gradient."""
+def _flush_key_gradient(p, chunk, batch, head, keys, values, seqlen_k):
+    """Write (or add, when programs share the row) a head's per-key bias gradient, for the entry's ``seqlen_k`` keys."""
     ptrs = _bias_gradient_row(p, chunk, batch, head) + keys.to(gl.int64) * p.stride_dbk
     if p.DBIAS_ATOMIC:
-        gl.atomic_add(ptrs, values, mask=keys < p.seqlen_k)
+        gl.atomic_add(ptrs, values, mask=keys < seqlen_k)
     else:
-        gl.store(ptrs, values, mask=keys < p.seqlen_k)
+        gl.store(ptrs, values, mask=keys < seqlen_k)
 
 
 @gluon.jit
@@ -410,6 +429,7 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
     while index >= 0:
         taken += 1
         key_tile, chunk, batch, kv_head = _column_position(p, index)
+        span = entry_span(p, batch)
         first_key = key_tile * p.BLOCK_N + HALF * KEYS
         keys = first_key + gl.arange(0, KEYS, keys_of_s)  # [KEYS]
         dk = gl.zeros([KEYS, D], gl.float32, acc_layout)
@@ -422,7 +442,7 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
             mbarrier.wait(bufs.kv_ready.index(kv), (kv_taken // 2) & 1)
             k = bufs.k.index(kv).reshape([p.BLOCK_N, D]).slice(HALF * KEYS, KEYS)  # [KEYS, D]
             v = bufs.v.index(kv).reshape([p.BLOCK_N, D]).slice(HALF * KEYS, KEYS)
-            key_scores = _key_scores(p, batch, head, keys)
+            key_scores = _key_scores(p, batch, head, keys, span.seqlen_k)
             for _ in range(count):
                 stage = consumed % p.Q_STAGES
                 mbarrier.wait(bufs.q_ready.index(stage), (consumed // p.Q_STAGES) & 1)
@@ -430,10 +450,10 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
                 tile_head = kv_head * p.group + g
                 if tile_head != head:  # the loader walks the group's heads in order (or, HEADS_INNER, in turn)
                     if p.DBIAS == _PER_KEY and not p.DBIAS_HEAD_SHARED:
-                        _flush_key_gradient(p, chunk, batch, head, keys, dbias)
+                        _flush_key_gradient(p, chunk, batch, head, keys, dbias, span.seqlen_k)
                         dbias = gl.zeros([KEYS], gl.float32, keys_of_s)
                     head = tile_head
-                    key_scores = _key_scores(p, batch, head, keys)
+                    key_scores = _key_scores(p, batch, head, keys, span.seqlen_k)
                 q = bufs.q.index(stage).reshape([p.BLOCK_M, D])
                 do = bufs.do.index(stage).reshape([p.BLOCK_M, D])
                 zeros = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
@@ -453,9 +473,9 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
                         s = kept_by_bits(p, s, bufs.words.index(stage), batch, head, first_row, first_key, True, HALF)
                 # Only tiles that the band cuts need checks (keys past the end score -inf, rows past
                 # the end have LSE +inf).
-                if (first_key - first_row - p.BLOCK_M + 1 < p.band_lo) | (first_key + KEYS - 1 - first_row > p.band_hi):
+                if (first_key - first_row - p.BLOCK_M + 1 < span.band_lo) | (first_key + KEYS - 1 - first_row > span.band_hi):
                     offset = keys[:, None] - rows[None, :]
-                    s = gl.where((offset >= p.band_lo) & (offset <= p.band_hi), s, float("-inf"))
+                    s = gl.where((offset >= span.band_lo) & (offset <= span.band_hi), s, float("-inf"))
                 pt = gl.exp2(s - bufs.lse.index(stage).load(rows_of_s)[None, :])
                 dpt = warpgroup_mma_wait(0, deps=[dpt])
                 ds = pt * (dpt - bufs.delta.index(stage).load(rows_of_s)[None, :])
@@ -480,16 +500,16 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
             mbarrier.arrive(bufs.kv_empty.index(kv), count=1)
             kv_taken += 1
             if p.DBIAS == _PER_KEY:
-                _flush_key_gradient(p, chunk, batch, head, keys, dbias)
+                _flush_key_gradient(p, chunk, batch, head, keys, dbias, span.seqlen_k)
 
         dk = dk * p.scale  # dS is the gradient of scale * q.k
         out_keys = gl.convert_layout(keys, gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
         offsets = (
-            batch.to(gl.int64) * p.stride_gb + kv_head * p.stride_gh + (out_keys.to(gl.int64) * p.stride_gs)[:, None]
-            + cols[None, :]
+            span.tokens.to(gl.int64) * p.stride_gb + kv_head * p.stride_gh
+            + ((span.k_start + out_keys).to(gl.int64) * p.stride_gs)[:, None] + cols[None, :]
         )
-        ok = (out_keys < p.seqlen_k)[:, None] & (cols < p.COLUMNS)[None, :]
+        ok = (out_keys < span.seqlen_k)[:, None] & (cols < p.COLUMNS)[None, :]
         if p.chunks == 1:
             gl.store(p.DK + offsets, dk.to(p.DK.dtype.element_ty), mask=ok)
             gl.store(p.DV + offsets, dv.to(p.DV.dtype.element_ty), mask=ok)
@@ -517,7 +537,7 @@ def _gradient_upper(p, bufs):
 
 @jit_with_runtime_scalars
 def _dkdv_hopper_kernel(
-    Q, K, V, Mask, Bias, Walk,
+    Q, K, V, Mask, Bias, Walk, SeqQ, SeqK,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
     stride_wb, stride_wh, stride_wr, walk_width, mask_rows, mask_cols, bias_rows, bias_cols,
@@ -529,9 +549,9 @@ def _dkdv_hopper_kernel(
     SOFTCAP: gl.constexpr,
     DO, Lse, Delta, DK, DV, ScratchK, ScratchV, DBias, Queue,
     stride_dob, stride_dos, stride_doh, stride_gb, stride_gs, stride_gh,
-    stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk, dbias_head_div, dbias_rows, chunks, items,
+    stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk, dbias_head_div, dbias_rows, chunks, items, entries,
     DBIAS: gl.constexpr, DBIAS_ATOMIC: gl.constexpr, DBIAS_HEAD_SHARED: gl.constexpr, SLICES: gl.constexpr,
-    Q_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    Q_STAGES: gl.constexpr, SEQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
     q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
@@ -589,14 +609,15 @@ def _dkdv_hopper_kernel(
     HEADS_INNER: gl.constexpr = DBIAS == _FULL and DBIAS_HEAD_SHARED and not DBIAS_ATOMIC
     p = _Problem(
         q_desc, k_desc, v_desc, do_desc, words_desc, bias_desc, dbias_desc, Lse, Delta, Mask, Bias, Walk, DK, DV, ScratchK, ScratchV, DBias, Queue,
+        SeqQ, SeqK,
         stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
         stride_wb, stride_wh, stride_wr, walk_width,
         stride_gb, stride_gs, stride_gh, stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
-        batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group, chunks, items,
+        batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group, chunks, items, entries,
         mask_head_div, bias_head_div, walk_head_div, dbias_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
         MASK, BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEADS_INNER, HEAD_DIM, COLUMNS, STAGED_BIAS, STAGED_DBIAS, SOFTCAP, SLICES, Q_STAGES,
-        BLOCK_M, BLOCK_N,
+        SEQ, BLOCK_M, BLOCK_N,
     )
     gl.warp_specialize(
         [(_gradient_lower, (p, bufs)), (_gradient_upper, (p, bufs)), (_load_columns, (p, bufs))],
@@ -606,7 +627,7 @@ def _dkdv_hopper_kernel(
 
 hopper_dkdv_launcher = Launcher(
     _dkdv_hopper_kernel,
-    tensors=(*COMMON_TENSORS, "DO", "Lse", "Delta", "DK", "DV", "ScratchK", "ScratchV", "DBias", "Queue"),
+    tensors=(*COMMON_TENSORS, "SeqQ", "SeqK", "DO", "Lse", "Delta", "DK", "DV", "ScratchK", "ScratchV", "DBias", "Queue"),
     specialized=(),
 )
 
@@ -630,7 +651,12 @@ def hopper_dkdv(
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     device = q.device
-    items = chunks * cdiv(seqlen_k, TILE.kwargs["BLOCK_N"]) * batch * num_kv_heads
+    # Work items span each entry's key tiles; packed sequences get those of the longest, and the
+    # tiles past a shorter one's keys have no query tiles (``_head_walk``).
+    packed = call.cu_seqlens_q is not None
+    entries, keys = (call.cu_seqlens_q.shape[0] - 1, call.max_seqlen_k) if packed else (batch, seqlen_k)
+    sequences = [call.cu_seqlens_q, call.cu_seqlens_k] if packed else [placeholder(device, torch.int32)] * 2
+    items = chunks * cdiv(keys, TILE.kwargs["BLOCK_N"]) * entries * num_kv_heads
     slices = call.deterministic and chunks > 1
     scratch_k = scratch_v = placeholder(device, torch.float32)
     if slices:  # [chunks, B, Sk, Hkv, D], each element written once
@@ -652,12 +678,12 @@ def hopper_dkdv(
             *dout.stride()[:3], *dk.stride()[:3],
             0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0), *broadcast_strides(dbias_slice),
             head_divisor(dbias_slice, num_heads), 0 if dbias_slice is None else dbias_slice.numel() // seqlen_k,
-            chunks, items, *dbias_flags, slices, Q_STAGES[head_dim_tile(head_dim)],
+            chunks, items, entries, *dbias_flags, slices, Q_STAGES[head_dim_tile(head_dim)], SEQ_PACKED if packed else SEQ_FIXED,
         ]
-        return [*tensors, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags, slices)
+        return [*tensors, *sequences, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags, slices)
 
     hopper_dkdv_launcher.launch(
-        (signature, chunks, dbias_flags), [*tensors, *own_tensors], build, lambda: [TILE],
+        (signature, chunks, dbias_flags), [*tensors, *sequences, *own_tensors], build, lambda: [TILE],
         lambda meta: (min(items, configs.multiprocessor_count(device)),),
     )
     if slices:  # summed in chunk order: the same bits on every run
