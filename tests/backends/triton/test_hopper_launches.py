@@ -91,7 +91,7 @@ def test_the_fp8_forward_launch_binds_to_its_kernel(bound_launches):
 def test_the_packed_launches_bind_to_their_kernels(bound_launches, monkeypatch):
     """Packed sequences (varlen) routed to the Hopper kernels, as ``test_forward_hopper``'s packed tests route them."""
     def packed_too(pass_, form):
-        return dispatch.route(pass_, form._replace(sequences="fixed"))
+        return dispatch.route(pass_, form._replace(sequences="fixed", split=False))
 
     monkeypatch.setattr(forward_module, "route", packed_too)
     monkeypatch.setattr(backward_module, "route", packed_too)
