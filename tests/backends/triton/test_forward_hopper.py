@@ -257,3 +257,30 @@ def test_hopper_kernels_of_packed_sequences_match_reference(case, dtype, hopper_
     assert_close("out", out, oracle_out, base_out)
     assert_close("lse", lse, oracle_lse, base_lse)
     assert_gradients_close(inputs, oracle, baseline)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_hopper_dkdv_of_long_packed_sequences_adds_query_chunks(deterministic, hopper_packed, poison_outputs):
+    """A sequence long enough that dK/dV splits its queries into chunks: added by atomics into
+    zeroed scratch, or written to slices of their own and summed in order (bit-identical runs)."""
+    case = VarlenCase(lens_q=(2048, 300), lens_k=(2048, 300), head_dim=64, mask="sequence", bias="sequence", causal=True)
+    dtype = KERNEL_DTYPES[0]
+    inputs = make_varlen_inputs(case, dtype)
+    block_mask = build_block_mask(
+        inputs["attn_mask"], cu_seqlens_k=inputs["cu_seqlens_k"], max_seqlen_k=inputs["max_seqlen_k"], block_size=(128, 128),
+    )
+    grads = []
+    for _ in range(2):
+        out = flash_dma_varlen_func(**inputs, is_causal=True, block_mask=block_mask, deterministic=deterministic, backend="triton")
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
+        leaves = [inputs[name] for name in ("q", "k", "v", "attn_bias")]
+        grads.append(torch.autograd.grad(out, leaves, dout))
+    assert "dkdv" in hopper_packed
+    oracle_out, _, oracle = reference_varlen(case, inputs, block_mask, dout, torch.float64)
+    base_out, _, baseline = reference_varlen(case, inputs, block_mask, dout, dtype)
+    assert_close("out", out, oracle_out, base_out)
+    for name, grad in zip(("q", "k", "v", "attn_bias"), grads[0]):
+        assert_close(name, grad, oracle[name], baseline[name])
+    if deterministic:
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+

@@ -639,6 +639,8 @@ def hopper_dkdv(
     """Write ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` of ``call`` (and the bias gradient into
     ``dbias_acc``, zeroed: ``[chunks, Bd, Hd, 1, Sk]`` float32 per key, ``[1, Bd, Hd, Sq, Sk]``
     per pair, in the bias's dtype unless added by atomics), as ``backward._launch_dkdv`` would.
+    Packed sequences: ``[1, total, ...]`` tokens, ``[1, H, total]`` LSE and delta, and per-key
+    bias gradients per sequence (``Bd`` = N, ``Sk`` = the longest).
 
     ``dout`` ``[B, Sq, H, D]``; ``lse``, ``delta`` ``[B, H, Sq]`` float32, contiguous;
     ``dbias_flags`` is ``(kind, atomic, head_shared)`` of ``backward.bias_gradient``;
