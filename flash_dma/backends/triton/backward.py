@@ -735,13 +735,13 @@ def attention_backward(
     dbias_acc = None if gradient is None else torch.zeros(gradient.shape, dtype=gradient.dtype, device=device)
     dbias_flags = (DBIAS_NONE, False, False) if gradient is None else (gradient.kind, gradient.atomic, gradient.head_shared)
     if plan.hopper_dkdv:
-        hopper_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, signature)
+        hopper_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, signature, sequences)
     else:
         _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, call.deterministic, sequences, signature)
     # dQ is allocated once the dK/dV scratch is released, so the two never add up in the peak.
     dq = torch.empty(q.shape, dtype=grad_dtype, device=device)
     if plan.hopper_dq:
-        hopper_dq(call, dout, lse, delta, dq, signature)
+        hopper_dq(call, dout, lse, delta, dq, signature, sequences)
     else:
         _launch_dq(call, dout, lse, delta, dq, sequences, signature)
 

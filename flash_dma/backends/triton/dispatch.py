@@ -48,7 +48,7 @@ class Form(NamedTuple):
     mask: str  # "none" | "keys" [., ., 1, Sk|1] | "rows" [., ., Sq, 1] | "pairs" (bool per pair) | "bits" (a BitMask's words)
     bias: str  # "none" | "keys" [., ., 1, Sk|1] | "rows" [., ., Sq, 1] | "pairs" [., ., Sq, Sk]
     walk: str  # "dense" | "blocks" (a block summary's lists) | "keys" (a key list) | "indices" (top-k indices per query)
-    sequences: str  # "fixed" | "packed" (varlen) | "cache" (a KV cache)
+    sequences: str  # "fixed" | "packed" (varlen) | "cache" (a contiguous KV cache, entry b in row b) | "cache-indexed" (rows or pages)
     split: bool  # split-KV or GQA heads packed into rows (decode-sized calls)
     deterministic: bool
     softcap: bool
@@ -113,8 +113,10 @@ def device_kind(device: torch.device) -> str:
 
 def form_of(
     pass_: str, call: Call, sequences: Sequences | None = None, split: bool = False, dout: torch.Tensor | None = None,
+    indexed: bool = False,
 ) -> Form:
-    """The form of ``pass_`` of ``call`` (``dout`` for the backward's alignment)."""
+    """The form of ``pass_`` of ``call`` (``dout`` for the backward's alignment; ``indexed``: a KV
+    cache whose entries find their keys through ``cache_batch_idx`` or a block table)."""
     q = call.q
     walked = call.kv_lists if pass_ != "dkdv" else call.q_lists
     walk = "keys" if call.key_list is not None else _WALKS[walk_kind(walked, None)]
@@ -133,7 +135,7 @@ def form_of(
         mask=input_form(call.mask, call.mask_bits),
         bias=input_form(call.bias),
         walk=walk,
-        sequences="fixed" if sequences is None else ("packed" if sequences.kind == SEQ_PACKED else "cache"),
+        sequences="fixed" if sequences is None else ("packed" if sequences.kind == SEQ_PACKED else ("cache-indexed" if indexed else "cache")),
         split=split,
         deterministic=call.deterministic,
         softcap=call.softcap > 0,

@@ -341,10 +341,11 @@ def attention_forward(
         ``out`` and ``lse`` in the layout of q: ``[B, Sq, H, D]`` in q's dtype and ``[B, H, Sq]`` float32.
     """
     sequences = sequences or packed_sequences(call)
-    signature = (call_signature(call), sequences_signature(sequences), num_splits, device_kind(call.q.device))
+    indexed = cache is not None and (cache.rows is not None or cache.block_table is not None)
+    signature = (call_signature(call), sequences_signature(sequences), indexed, num_splits, device_kind(call.q.device))
     plan = _PLANS.get(signature)
     if plan is None:
-        plan = _PLANS.remember(signature, _plan(call, sequences, num_splits))
+        plan = _PLANS.remember(signature, _plan(call, sequences, num_splits, indexed))
     q, k, key_list, kv_lists = call.q, call.k, call.key_list, call.kv_lists
     if call.descale is not None and not plan.hopper:  # FP8 without a kernel of its own: dequantized
         q_descale, k_descale, v_descale = call.descale.unbind(-1)
@@ -354,7 +355,7 @@ def attention_forward(
     out = torch.empty(q.shape, dtype=output_dtype(q.dtype), device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
     if plan.hopper:
-        hopper_forward(call, out, lse, signature)
+        hopper_forward(call, out, lse, signature, sequences)
         return out, lse
     pack_gqa, rows, num_splits = plan.pack_gqa, plan.rows, plan.num_splits
     list_block_q, list_block_k = call.list_block_q, call.list_block_k
@@ -435,7 +436,7 @@ class _Plan(NamedTuple):
 _PLANS = Memo()
 
 
-def _plan(call: Call, sequences: Sequences | None, num_splits: int | None) -> _Plan:
+def _plan(call: Call, sequences: Sequences | None, num_splits: int | None, indexed: bool) -> _Plan:
     q, k = call.q, call.k
     batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
     num_heads, num_kv_heads = q.shape[2], k.shape[2]
@@ -452,5 +453,5 @@ def _plan(call: Call, sequences: Sequences | None, num_splits: int | None) -> _P
         programs = batch * (num_kv_heads if pack_gqa else num_heads) * cdiv(rows, 64)
         num_splits = split_count(programs, seqlen_k, q.device)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
-    hopper = route("forward", form_of("forward", call, sequences, split=num_splits > 1 or pack_gqa)) == HOPPER
+    hopper = route("forward", form_of("forward", call, sequences, split=num_splits > 1 or pack_gqa, indexed=indexed)) == HOPPER
     return _Plan(hopper, pack_gqa, rows, num_splits)

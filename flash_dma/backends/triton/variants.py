@@ -170,6 +170,7 @@ VARIANTS = [
             ("per-key-blocks-fp8", dict(_HOPPER, FP8=True, KV_STAGES=3)),
             ("pairs-d64-fp8", dict(_HOPPER_PAIRS, FP8=True)),
             ("per-key-blocks-varlen", dict(_HOPPER, SEQ=SEQ_PACKED)),
+            ("key-list-cache", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_KEYS, SEQ=SEQ_CACHE)),
         )),
     ),
     *_gluon_variants(

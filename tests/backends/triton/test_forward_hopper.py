@@ -18,6 +18,8 @@ from flash_dma.backends.triton.key_list import build_key_list
 from flash_dma.backends.triton.launch import forget_choices
 from flash_dma.backends.triton.layout import call_signature
 from flash_dma.inputs import FP8_DTYPE as FP8
+from tests.backends.triton.test_kvcache import CacheCase, make_cache_inputs
+from tests.backends.triton.test_kvcache import run as run_cache
 from tests.backends.triton.test_varlen import VarlenCase, make_varlen_inputs, reference_varlen
 from tests.backends.triton.test_varlen import settings as varlen_settings
 from tests.helpers import (
@@ -31,6 +33,7 @@ from tests.helpers import (
     kernel_call,
     make_fp8_inputs,
     make_inputs,
+    max_error,
     reference_outputs,
 )
 
@@ -284,3 +287,48 @@ def test_hopper_dkdv_of_long_packed_sequences_adds_query_chunks(deterministic, h
     if deterministic:
         assert all(torch.equal(a, b) for a, b in zip(*grads))
 
+
+
+# Chunks of prefill over a contiguous KV cache (``flash_dma_with_kvcache`` with Sq > 1): each entry's
+# keys are as many as its cache length says (0 included), its band on its own diagonal; a per-key
+# mask read by the loader or walked as a key list, the bias stored with the keys.
+CACHE_CASES = [
+    CacheCase(seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100, head_dim=64, listed=True),
+    CacheCase(seqlen_q=257, new=0, cached=(1000, 513, 129), capacity=1024, head_dim=128, window=(200, 0)),
+    CacheCase(seqlen_q=200, new=200, cached=(700, 100, 0), capacity=1000, heads=8, kv_heads=2, head_dim=128, mask=False),
+]
+
+
+@pytest.fixture
+def hopper_cache(monkeypatch):
+    """The routing table, with a contiguous KV cache's forward on the Hopper kernel wherever it takes
+    the same form with fixed lengths (not routed there until these tests pass on a GPU)."""
+    taken = []
+
+    def cache_too(pass_, form):
+        if form.sequences == "cache":
+            kernel = route(pass_, form._replace(sequences="fixed", split=False))
+            taken.append(kernel)
+            return kernel
+        return route(pass_, form)
+
+    monkeypatch.setattr(forward_module, "route", cache_too)
+    forget_choices()
+    yield taken
+    forget_choices()
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", CACHE_CASES, ids=str)
+def test_hopper_forward_of_a_cache_prefill_matches_reference(case, dtype, hopper_cache):
+    inputs = make_cache_inputs(case, dtype)
+    out, lse, *caches = run_cache(case, inputs, "triton")
+    assert hopper_cache == [HOPPER]
+    expected = run_cache(case, inputs, "reference")
+    # The reference computes in fp32 and rounds once; the kernels round P to the input dtype too
+    # (``test_kvcache.test_kvcache_matches_reference``'s tolerance).
+    tolerance = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    assert max_error(out, expected[0]) <= tolerance * max(1.0, expected[0].abs().max().item())
+    assert max_error(lse, expected[1]) <= 1e-4
+    for cache, reference_cache in zip(caches, expected[2:]):
+        assert cache is None or torch.equal(cache, reference_cache)

@@ -17,6 +17,8 @@ from flash_dma.backends.triton import dispatch, launch
 from flash_dma.backends.triton import forward as forward_module
 from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.layout import call_signature
+from tests.backends.triton.test_kvcache import CacheCase, make_cache_inputs
+from tests.backends.triton.test_kvcache import run as run_cache
 from tests.backends.triton.test_varlen import VarlenCase, make_varlen_inputs
 from tests.helpers import Case, kernel_call, make_fp8_inputs, make_inputs
 
@@ -103,3 +105,14 @@ def test_the_packed_launches_bind_to_their_kernels(bound_launches, monkeypatch):
     out = flash_dma_varlen_func(**inputs, is_causal=True, block_mask=block_mask, backend="triton")
     out.sum().backward()
     assert {"_attn_fwd_hopper_kernel", "_dq_hopper_kernel", "_dkdv_hopper_kernel"} <= set(bound_launches), bound_launches
+
+
+def test_the_cache_prefill_launch_binds_to_its_kernel(bound_launches, monkeypatch):
+    """A chunk of prefill over a contiguous KV cache routed to the Hopper forward, as ``test_forward_hopper``'s cache tests route it."""
+    def cache_too(pass_, form):
+        return dispatch.route(pass_, form._replace(sequences="fixed", split=False) if form.sequences == "cache" else form)
+
+    monkeypatch.setattr(forward_module, "route", cache_too)
+    case = CacheCase(seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100, head_dim=64, listed=True)
+    run_cache(case, make_cache_inputs(case, torch.float16), "triton")
+    assert bound_launches[-1] == "_attn_fwd_hopper_kernel"

@@ -32,6 +32,7 @@ from flash_dma.backends.triton.layout import (
     SEQ_PACKED,
     WALK_KEYS,
     Call,
+    Sequences,
     band,
     broadcast_strides,
     diagonal_band,
@@ -145,14 +146,16 @@ def hopper_tensors(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.Ten
     ]
 
 
-def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.Tensor | None, walk_flag: int) -> tuple[list, list]:
+def hopper_arguments(
+    call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.Tensor | None, walk_flag: int, seq: int = SEQ_FIXED,
+) -> tuple[list, list]:
     """``(runtime, constexprs)``: the parameters every Hopper kernel begins with after
     :func:`hopper_tensors`' pointers.
 
     ``runtime`` are their strides (mask and bias as ``b, h, q, k``, zero where broadcast), the
     rows (all but the last axis) and columns of mask and bias,
     ``batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group``, the head divisors of mask,
-    bias and walk, the summary's block sizes, the band (``_launch_band``) and
+    bias and walk, the summary's block sizes, the band (``_launch_band``: ``seq`` is the kernel's SEQ) and
     ``scale, scale_log2``; ``constexprs`` ``MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP``.
     """
     q, mask, bias = call.q, call.mask, call.bias
@@ -165,7 +168,7 @@ def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.T
         *((0, 0) if bias is None else (bias.numel() // bias.shape[-1], bias.shape[-1])),
         batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, num_heads // num_kv_heads,
         head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(walk, num_heads),
-        call.list_block_q, call.list_block_k, *_launch_band(call, seqlen_q, seqlen_k),
+        call.list_block_q, call.list_block_k, *_launch_band(call, seqlen_q, seqlen_k, seq),
         call.softmax_scale, call.softmax_scale * tiles.LOG2E.value,
         call.softcap * tiles.LOG2E.value, call.softmax_scale / call.softcap if call.softcap > 0 else 0.0,
     ]
@@ -176,29 +179,29 @@ def hopper_arguments(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.T
     return runtime, constexprs
 
 
-def _launch_band(call: Call, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
-    """The band the kernels get: on the bottom-right diagonal of the whole tensors, or for packed
-    sequences on none (each sequence moves it onto its own: ``entry_span``), its unbounded sides
-    out of the longest sequences' reach."""
-    if call.cu_seqlens_q is None:
+def _launch_band(call: Call, seqlen_q: int, seqlen_k: int, seq: int) -> tuple[int, int]:
+    """The band the kernels get: on the bottom-right diagonal of the whole tensors, or where each
+    entry has lengths of its own (packed sequences, a KV cache's entries) on none (each entry
+    moves it onto its own: ``entry_span``), its unbounded sides out of the longest entries' reach."""
+    if seq == SEQ_FIXED:
         return diagonal_band(call.window_left, call.window_right, seqlen_q, seqlen_k)
-    return band(call.window_left, call.window_right, call.max_seqlen_q, call.max_seqlen_k)
+    if seq == SEQ_PACKED:
+        seqlen_q, seqlen_k = call.max_seqlen_q, call.max_seqlen_k
+    return band(call.window_left, call.window_right, seqlen_q, seqlen_k)
 
 
-def work_items(call: Call, block_m: int) -> tuple[int, int, list, int]:
-    """``(row_blocks, items, sequences, SEQ)`` of the kernels that own query rows: work items are
+def work_items(call: Call, block_m: int, sequences: Sequences | None) -> tuple[int, int, list, int]:
+    """``(row_blocks, items, pointers, SEQ)`` of the kernels that own query rows: work items are
     the row blocks of each (entry, head); packed sequences get those of the longest, and the blocks
-    past a shorter one's end have no tiles (``_item``). ``sequences``: the ``SeqQ, SeqK`` pointers
-    (cu_seqlens, or placeholders)."""
+    past a shorter one's end have no tiles (``_item``). ``pointers``: ``SeqQ, SeqK`` (``sequences``'
+    tables, or placeholders)."""
     q = call.q
-    if call.cu_seqlens_q is None:
-        entries, rows, seq = q.shape[0], q.shape[1], SEQ_FIXED
-        sequences = [placeholder(q.device, torch.int32)] * 2
-    else:
-        entries, rows, seq = call.cu_seqlens_q.shape[0] - 1, call.max_seqlen_q, SEQ_PACKED
-        sequences = [call.cu_seqlens_q, call.cu_seqlens_k]
-    row_blocks = cdiv(rows, block_m)
-    return row_blocks, row_blocks * entries * q.shape[2], sequences, seq
+    none = placeholder(q.device, torch.int32)
+    if sequences is None:
+        return cdiv(q.shape[1], block_m), cdiv(q.shape[1], block_m) * q.shape[0] * q.shape[2], [none, none], SEQ_FIXED
+    row_blocks = cdiv(sequences.max_seqlen_q, block_m)
+    pointers = [none if sequences.seq_q is None else sequences.seq_q, sequences.seq_k]
+    return row_blocks, row_blocks * sequences.batch * q.shape[2], pointers, sequences.kind
 
 
 def walked_keys(call: Call, pass_walk: torch.Tensor | None) -> tuple:
@@ -280,7 +283,7 @@ class Problem:
     BLOCK_N: gl.constexpr
     GRADIENT: gl.constexpr
     FP8: gl.constexpr
-    SEQ: gl.constexpr  # ``tiles.SEQ_FIXED`` or ``SEQ_PACKED`` (varlen: ``SeqQ`` and ``SeqK`` its cu_seqlens)
+    SEQ: gl.constexpr  # ``tiles.SEQ_*``: ``SeqQ`` and ``SeqK`` are cu_seqlens (packed) or a cache's lengths (``SeqK``)
 
 
 @record
@@ -300,12 +303,13 @@ class Span:
 
 @gluon.jit
 def entry_span(p, batch):
-    """The :class:`Span` of batch entry ``batch``: the whole tensors, or one packed sequence, whose
-    band the kernel moves onto its diagonal (the launch's is on none: ``hopper_arguments``)."""
+    """The :class:`Span` of batch entry ``batch``: the whole tensors, one packed sequence, or a KV
+    cache's entry (its keys in cache row ``batch``, as many as its length says), whose band the
+    kernel moves onto its own diagonal (the launch's is on none: ``_launch_band``)."""
     tokens, q_start, seqlen_q, k_start, seqlen_k = sequence_span(p.SeqQ, p.SeqK, batch, p.seqlen_q, p.seqlen_k, p.SEQ)
     band_lo = p.band_lo
     band_hi = p.band_hi
-    if p.SEQ == tiles.SEQ_PACKED:
+    if p.SEQ != tiles.SEQ_FIXED:
         band_lo += seqlen_k - seqlen_q
         band_hi += seqlen_k - seqlen_q
     return Span(tokens, q_start, seqlen_q, k_start, seqlen_k, band_lo, band_hi)

@@ -88,6 +88,7 @@ from flash_dma.backends.triton.layout import (
     WALK_BLOCKS,
     WALK_DENSE,
     Call,
+    Sequences,
     broadcast_strides,
     head_divisor,
     placeholder,
@@ -634,7 +635,7 @@ hopper_dkdv_launcher = Launcher(
 
 def hopper_dkdv(
     call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-    dbias_acc: torch.Tensor | None, dbias_flags: tuple, chunks: int, signature: tuple,
+    dbias_acc: torch.Tensor | None, dbias_flags: tuple, chunks: int, signature: tuple, sequences: Sequences | None = None,
 ) -> None:
     """Write ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` of ``call`` (and the bias gradient into
     ``dbias_acc``, zeroed: ``[chunks, Bd, Hd, 1, Sk]`` float32 per key, ``[1, Bd, Hd, Sq, Sk]``
@@ -655,9 +656,9 @@ def hopper_dkdv(
     device = q.device
     # Work items span each entry's key tiles; packed sequences get those of the longest, and the
     # tiles past a shorter one's keys have no query tiles (``_head_walk``).
-    packed = call.cu_seqlens_q is not None
-    entries, keys = (call.cu_seqlens_q.shape[0] - 1, call.max_seqlen_k) if packed else (batch, seqlen_k)
-    sequences = [call.cu_seqlens_q, call.cu_seqlens_k] if packed else [placeholder(device, torch.int32)] * 2
+    packed = sequences is not None
+    entries, keys = (sequences.batch, sequences.max_seqlen_k) if packed else (batch, seqlen_k)
+    seq_tables = [sequences.seq_q, sequences.seq_k] if packed else [placeholder(device, torch.int32)] * 2
     items = chunks * cdiv(keys, TILE.kwargs["BLOCK_N"]) * entries * num_kv_heads
     slices = call.deterministic and chunks > 1
     scratch_k = scratch_v = placeholder(device, torch.float32)
@@ -674,7 +675,7 @@ def hopper_dkdv(
     own_tensors = [dout, lse, delta, dk, dv, scratch_k, scratch_v, dbias_target, queue]
 
     def build():
-        runtime, flags = hopper_arguments(call, k, v, call.q_lists, walk_flag)
+        runtime, flags = hopper_arguments(call, k, v, call.q_lists, walk_flag, SEQ_PACKED if packed else SEQ_FIXED)
         dbias_slice = None if dbias_acc is None else dbias_acc[0]
         own = [
             *dout.stride()[:3], *dk.stride()[:3],
@@ -682,10 +683,10 @@ def hopper_dkdv(
             head_divisor(dbias_slice, num_heads), 0 if dbias_slice is None else dbias_slice.numel() // seqlen_k,
             chunks, items, entries, *dbias_flags, slices, Q_STAGES[head_dim_tile(head_dim)], SEQ_PACKED if packed else SEQ_FIXED,
         ]
-        return [*tensors, *sequences, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags, slices)
+        return [*tensors, *seq_tables, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags, slices)
 
     hopper_dkdv_launcher.launch(
-        (signature, chunks, dbias_flags), [*tensors, *sequences, *own_tensors], build, lambda: [TILE],
+        (signature, chunks, dbias_flags), [*tensors, *seq_tables, *own_tensors], build, lambda: [TILE],
         lambda meta: (min(items, configs.multiprocessor_count(device)),),
     )
     if slices:  # summed in chunk order: the same bits on every run

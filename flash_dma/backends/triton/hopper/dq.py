@@ -45,7 +45,7 @@ from flash_dma.backends.triton.hopper.common import (
     work_items,
 )
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import Call
+from flash_dma.backends.triton.layout import Call, Sequences
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dq"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
 KV_STAGES = {32: 3, 64: 3, 128: 2}  # per tile head dim; with two Q/dO buffers, D = 128 fills 192 KB
@@ -207,24 +207,25 @@ hopper_dq_launcher = Launcher(_dq_hopper_kernel, tensors=(*COMMON_TENSORS, "SeqQ
 
 def hopper_dq(
     call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, signature: tuple,
+    sequences: Sequences | None = None,
 ) -> None:
     """Write ``dq`` ``[B, Sq, H, D]`` of ``call`` as the Triton dQ kernel would; ``dout`` ``[B,
-    Sq, H, D]``, ``lse`` and ``delta`` ``[B, H, Sq]`` float32, contiguous (packed sequences:
+    Sq, H, D]``, ``lse`` and ``delta`` ``[B, H, Sq]`` float32, contiguous (packed ``sequences``:
     ``[1, total, ...]`` and ``[1, H, total]``). ``signature`` holds the layouts of the call, of
     ``dout`` and of ``dq`` (``backward.attention_backward``'s): the launch is prepared once per
     signature."""
     q = call.q
     num_heads, head_dim = q.shape[2], q.shape[3]
-    row_blocks, items, sequences, seq = work_items(call, TILE.kwargs["BLOCK_M"])
+    row_blocks, items, seq_tables, seq = work_items(call, TILE.kwargs["BLOCK_M"], sequences)
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
     tensors = hopper_tensors(call, k, v, walk)
 
     def build():
-        runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
+        runtime, flags = hopper_arguments(call, k, v, walk, walk_flag, seq)
         own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, KV_STAGES[head_dim_tile(head_dim)], seq]
-        return [*tensors, *sequences, *runtime, *flags, dout, lse, delta, dq, *own], (q.dtype, dq.dtype, *flags)
+        return [*tensors, *seq_tables, *runtime, *flags, dout, lse, delta, dq, *own], (q.dtype, dq.dtype, *flags)
 
     hopper_dq_launcher.launch(
-        signature, [*tensors, *sequences, dout, lse, delta, dq], build, lambda: [TILE],
+        signature, [*tensors, *seq_tables, dout, lse, delta, dq], build, lambda: [TILE],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )

@@ -67,7 +67,7 @@ from flash_dma.backends.triton.hopper.common import (
     walked_keys,
 )
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import Call, placeholder
+from flash_dma.backends.triton.layout import Call, Sequences, placeholder
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["forward"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
 # D = 256: tiles of 64 keys (a warpgroup's 64 x 256 accumulator is 128 of its 240 registers) and one
@@ -376,15 +376,16 @@ hopper_launcher = Launcher(
 )
 
 
-def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: tuple) -> None:
+def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: tuple, sequences: Sequences | None = None) -> None:
     """Write ``out`` ``[B, Sq, H, D]`` and ``lse`` ``[B, H, Sq]`` float32 of ``call``, as
     ``forward.attention_forward`` would (its kv_lists or key list walked; packed sequences are
-    ``[1, total, ...]`` and ``[1, H, total]``). ``signature`` holds the call's layout
+    ``[1, total, ...]`` and ``[1, H, total]``; ``sequences``: packed ones, or a contiguous KV cache's
+    entries, each in its own cache row). ``signature`` holds the call's layout
     (``layout.call_signature``), which fixes those of ``out`` and ``lse`` too: the launch is
     prepared once per signature."""
     q = call.q
     head_dim = q.shape[3]
-    row_blocks, items, sequences, seq = work_items(call, TILE.kwargs["BLOCK_M"])
+    row_blocks, items, seq_tables, seq = work_items(call, TILE.kwargs["BLOCK_M"], sequences)
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
     fp8 = call.descale is not None
     if fp8:
@@ -397,12 +398,12 @@ def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: 
     row_width = max(32, head_dim_tile(head_dim) * q.element_size() // 2)
 
     def build():
-        runtime, flags = hopper_arguments(call, k, v, walk, walk_flag)
+        runtime, flags = hopper_arguments(call, k, v, walk, walk_flag, seq)
         stages = STAGED_BIAS_KV_STAGES if stages_pair_bias(call, walk_flag) else KV_STAGES[row_width]
         own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages, 1 if wide else 2, fp8, seq]
-        return [*tensors, descale, *sequences, *runtime, *flags, out, lse, *own], (q.dtype, *flags)
+        return [*tensors, descale, *seq_tables, *runtime, *flags, out, lse, *own], (q.dtype, *flags)
 
     hopper_launcher.launch(
-        signature, [*tensors, descale, *sequences, out, lse], build, lambda: [WIDE_TILE if wide else TILE],
+        signature, [*tensors, descale, *seq_tables, out, lse], build, lambda: [WIDE_TILE if wide else TILE],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )
