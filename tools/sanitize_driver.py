@@ -283,7 +283,8 @@ class Varlen:
     """``flash_dma_varlen_func`` forward and backward over packed sequences.
 
     Mask and bias are per key with ``kv_heads`` heads: "packed" ``[Hkv, total_k]`` or "sequence"
-    ``[N, Hkv, max_seqlen_k]``. ``walk`` as for :class:`Attention`, the summaries per sequence.
+    ``[N, Hkv, max_seqlen_k]``. ``walk`` as for :class:`Attention`, the summaries per sequence in
+    blocks of ``block_size`` (128 x 128: the Hopper kernels' tiles divide them).
     """
 
     lens_q: tuple[int, ...]
@@ -298,6 +299,7 @@ class Varlen:
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0
     walk: str = "auto"
+    block_size: tuple[int, int] = (16, 16)
 
     def _per_key(self, form: str) -> tuple[int, ...]:
         if form == "packed":
@@ -314,7 +316,7 @@ class Varlen:
         })
         mask = target.ints(torch.rand(self._per_key(self.mask), generator=gen) < 0.6) if self.mask else None
         cu_q, cu_k = (_cumulative(target, lens) for lens in (self.lens_q, self.lens_k))
-        sequences = {"cu_seqlens_k": cu_k, "max_seqlen_k": max(self.lens_k), "block_size": (16, 16)}
+        sequences = {"cu_seqlens_k": cu_k, "max_seqlen_k": max(self.lens_k), "block_size": self.block_size}
         block_mask = None
         if self.walk == "summary":
             block_mask = build_block_mask(mask, **sequences)
@@ -608,6 +610,10 @@ CASES = {
         # 16K keys and D = 128: on a Hopper the tiles are copied whole from the pool of pages (TMA).
         _decode("decode-paged-tma-d128", batch=2, seqlen_q=1, new=1, cached=(16500, 300), capacity=16640, heads=8,
                 kv_heads=2, head_dim=128, page_size=128, mask=False, bias_heads=2, num_splits=4),
+        # A chunk of prefill over a contiguous cache (entries of other lengths, one empty): the Hopper
+        # forward's cache path once routed.
+        _decode("cache-prefill-contiguous-listed", batch=3, seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100,
+                heads=4, kv_heads=2, head_dim=64, bias_heads=2, listed=True),
         # flash_dma_varlen_func: packed sequences (one empty, one of length 1), forward and backward.
         _varlen("varlen-keys-causal", lens_q=(5, 0, 33, 1, 17), lens_k=(9, 3, 33, 1, 129), heads=4, kv_heads=2,
                 head_dim=64, mask="packed", bias="packed", causal=True, walk="listed"),
@@ -619,6 +625,10 @@ CASES = {
                 head_dim=40, mask="sequence", bias="packed", walk="summary"),
         _varlen("varlen-topk-gqa3", lens_q=(40, 1, 70), lens_k=(40, 129, 70), heads=3, kv_heads=1, head_dim=64,
                 bias="sequence", causal=True, walk="topk"),
+        # Sequences of several 128-row blocks, summaries of 128 x 128 blocks: the Hopper kernels'
+        # packed path once routed (a sequence's last rows, followed by the next's, stored from registers).
+        _varlen("varlen-summary-d128-long", lens_q=(300, 0, 129, 513), lens_k=(300, 5, 129, 513), heads=4, kv_heads=2,
+                head_dim=128, mask="sequence", bias="packed", causal=True, walk="summary", block_size=(128, 128)),
         # The builders of walks: block summaries and key lists.
         Case("summary-block-state", summary_block_state),
         Case("summary-topk", summary_topk),
