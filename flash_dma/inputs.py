@@ -335,11 +335,15 @@ def fp8_descale(query, key, value, attn_bias, descales) -> torch.Tensor | None:
     return torch.stack([ones if d is None else d for d in descales], dim=-1)
 
 
+def head_descale(descale: torch.Tensor, heads: int) -> torch.Tensor:
+    """``descale`` ``[B, Hkv]`` as a factor of ``[B, S, heads, D]`` inputs: query heads
+    ``[h * group, (h + 1) * group)`` take head h's."""
+    return descale.repeat_interleave(heads // descale.shape[1], dim=1)[:, None, :, None]
+
+
 def dequantize(t: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
-    """FP8 ``t`` ``[B, S, heads, D]`` as float32, times ``descale`` ``[B, Hkv]`` (query heads
-    ``[h * group, (h + 1) * group)`` take head h's)."""
-    group = t.shape[2] // descale.shape[1]
-    return t.float() * descale.repeat_interleave(group, dim=1)[:, None, :, None]
+    """FP8 ``t`` ``[B, S, heads, D]`` as float32, times ``descale`` ``[B, Hkv]`` (``head_descale``)."""
+    return t.float() * head_descale(descale, t.shape[2])
 
 
 def dequantized(problem: AttentionProblem) -> AttentionProblem:

@@ -177,17 +177,38 @@ def make_inputs(case: Case, dtype: torch.dtype, device=DEVICE, requires_grad: bo
     }
 
 
+def route_like_fixed(monkeypatch, sequences: str) -> list[str]:
+    """Route the passes of ``sequences`` forms (``dispatch.Form.sequences``: "packed" or "cache") as
+    the same forms with fixed lengths and no split, as the routing table will once their Hopper
+    paths have run on a GPU (the Hopper kernels take such calls whole; a packed key list is gathered
+    per batch entry, so it keeps its route). Returns the passes that the Hopper kernels then take."""
+    from flash_dma.backends.triton import backward, dispatch, forward
+
+    taken = []
+
+    def routed(pass_, form):
+        if form.sequences != sequences or (sequences == "packed" and form.walk == "keys"):
+            return dispatch.route(pass_, form)
+        kernel = dispatch.route(pass_, form._replace(sequences="fixed", split=False))
+        if kernel == dispatch.HOPPER:
+            taken.append(pass_)
+        return kernel
+
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "route", routed)
+    return taken
+
+
 def make_fp8_inputs(case: Case, device=DEVICE) -> tuple[dict, dict, torch.Tensor]:
     """``(fp8_inputs, dequantized, descale)``: ``case``'s inputs quantized to e4m3 with random
     descale factors ``[B, Hkv, 3]`` (a bias in bfloat16, or float32), and their exact float32 values."""
-    from flash_dma.inputs import FP8_DTYPE, dequantize
+    from flash_dma.inputs import FP8_DTYPE, dequantize, head_descale
 
     inputs = make_inputs(case, torch.float32, device)
     descale = (0.5 + 1.5 * torch.rand(case.batch, case.kv_heads, 3, generator=case.generator("descale"))).to(device)
     quantized, exact = dict(inputs), dict(inputs)
     for i, name in enumerate(("query", "key", "value")):
-        per_head = descale[..., i].repeat_interleave(inputs[name].shape[2] // case.kv_heads, 1)[:, None, :, None]
-        quantized[name] = (inputs[name] / per_head).to(FP8_DTYPE)
+        quantized[name] = (inputs[name] / head_descale(descale[..., i], inputs[name].shape[2])).to(FP8_DTYPE)
         exact[name] = dequantize(quantized[name], descale[..., i])
     if inputs["attn_bias"] is not None and not case.bias_fp32:
         quantized["attn_bias"] = exact["attn_bias"] = inputs["attn_bias"].to(torch.bfloat16)

@@ -25,7 +25,7 @@ from flash_dma import BitMask, BlockMask, build_block_mask, pack_mask
 from flash_dma.backends.reference import reference_attention, reference_topk_attention, valid_indices, visible_positions
 from flash_dma.backends.triton import backward as triton_backward
 from flash_dma.block_mask import effective_mask_rows
-from flash_dma.inputs import FP8_DTYPE, FP8_OUT_DTYPE, dequantize, output_dtype
+from flash_dma.inputs import FP8_DTYPE, FP8_OUT_DTYPE, dequantize, head_descale, output_dtype
 from flash_dma.masks import topk_block_mask
 from flash_dma.memo import forget_memos
 from tests.fuzz.configs import INDICES, Trial
@@ -114,7 +114,7 @@ def make_inputs(trial: Trial, device) -> tuple[dict, BlockMask | None, torch.Ten
     b, sq, sk, d = trial.batch, trial.seqlen_q, trial.seqlen_k, trial.head_dim
     descale = 0.5 + 1.5 * torch.rand(b, trial.kv_heads, 3, generator=gen, device=device)
     q, k, v = (
-        _stored((randn(b, s, h, d) / _per_head(descale[..., i], h) if fp8 else randn(b, s, h, d)).to(dtype), trial.padded, float("nan"))
+        _stored((randn(b, s, h, d) / head_descale(descale[..., i], h) if fp8 else randn(b, s, h, d)).to(dtype), trial.padded, float("nan"))
         .requires_grad_(trial.grad_qkv and not fp8)
         for i, (s, h) in enumerate(((sq, trial.heads), (sk, trial.kv_heads), (sk, trial.kv_heads)))
     )
@@ -150,11 +150,6 @@ def make_inputs(trial: Trial, device) -> tuple[dict, BlockMask | None, torch.Ten
         inputs.update(zip(_DESCALES, descale.unbind(-1)))
     dout = None if fp8 else randn(b, sq, trial.heads, d).to(dtype)
     return inputs, block_mask, dout
-
-
-def _per_head(descale: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[B, Hkv]`` descale factors broadcast over ``[B, S, heads, D]`` (query heads take their group's)."""
-    return descale.repeat_interleave(heads // descale.shape[1], 1)[:, None, :, None]
 
 
 def _dequantized(inputs: dict) -> dict:

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from flash_dma import build_block_mask, flash_dma_varlen_func, pack_mask
-from flash_dma.backends.triton import backward as backward_module
 from flash_dma.backends.triton import forward as forward_module
 from flash_dma.backends.triton.dispatch import HOPPER, form_of, route
 from flash_dma.backends.triton.forward import attention_forward
@@ -35,6 +34,7 @@ from tests.helpers import (
     make_inputs,
     max_error,
     reference_outputs,
+    route_like_fixed,
 )
 
 pytestmark = HOPPER_ONLY
@@ -220,24 +220,9 @@ VARLEN_CASES = [
 
 @pytest.fixture
 def hopper_packed(monkeypatch):
-    """The routing table, with packed sequences on the Hopper kernels wherever they take the same
-    form with fixed lengths (the table does not route them there until these tests pass on a GPU).
-    Yields the passes the Hopper kernels took."""
-    taken = []
-
-    def packed_too(pass_, form):
-        if form.sequences == "packed" and form.walk != "keys":
-            # A split (chosen from the longest sequence's size) is the Triton forward's: the Hopper one ignores it.
-            kernel = route(pass_, form._replace(sequences="fixed", split=False))
-            if kernel == HOPPER:
-                taken.append(pass_)
-            return kernel
-        return route(pass_, form)
-
-    monkeypatch.setattr(forward_module, "route", packed_too)
-    monkeypatch.setattr(backward_module, "route", packed_too)
+    """Packed sequences routed to the Hopper kernels (``route_like_fixed``): the passes they took."""
     forget_choices()
-    yield taken
+    yield route_like_fixed(monkeypatch, "packed")
     forget_choices()
 
 
@@ -301,20 +286,9 @@ CACHE_CASES = [
 
 @pytest.fixture
 def hopper_cache(monkeypatch):
-    """The routing table, with a contiguous KV cache's forward on the Hopper kernel wherever it takes
-    the same form with fixed lengths (not routed there until these tests pass on a GPU)."""
-    taken = []
-
-    def cache_too(pass_, form):
-        if form.sequences == "cache":
-            kernel = route(pass_, form._replace(sequences="fixed", split=False))
-            taken.append(kernel)
-            return kernel
-        return route(pass_, form)
-
-    monkeypatch.setattr(forward_module, "route", cache_too)
+    """A contiguous KV cache's calls routed to the Hopper forward (``route_like_fixed``): the passes it took."""
     forget_choices()
-    yield taken
+    yield route_like_fixed(monkeypatch, "cache")
     forget_choices()
 
 
@@ -323,7 +297,7 @@ def hopper_cache(monkeypatch):
 def test_hopper_forward_of_a_cache_prefill_matches_reference(case, dtype, hopper_cache):
     inputs = make_cache_inputs(case, dtype)
     out, lse, *caches = run_cache(case, inputs, "triton")
-    assert hopper_cache == [HOPPER]
+    assert hopper_cache == ["forward"]
     expected = run_cache(case, inputs, "reference")
     # The reference computes in fp32 and rounds once; the kernels round P to the input dtype too
     # (``test_kvcache.test_kvcache_matches_reference``'s tolerance).

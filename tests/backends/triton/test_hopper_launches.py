@@ -12,15 +12,13 @@ import pytest
 import torch
 
 from flash_dma import build_block_mask, flash_dma_func, flash_dma_varlen_func, pack_mask
-from flash_dma.backends.triton import backward as backward_module
 from flash_dma.backends.triton import dispatch, launch
-from flash_dma.backends.triton import forward as forward_module
 from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.layout import call_signature
 from tests.backends.triton.test_kvcache import CacheCase, make_cache_inputs
 from tests.backends.triton.test_kvcache import run as run_cache
 from tests.backends.triton.test_varlen import VarlenCase, make_varlen_inputs
-from tests.helpers import Case, kernel_call, make_fp8_inputs, make_inputs
+from tests.helpers import Case, kernel_call, make_fp8_inputs, make_inputs, route_like_fixed
 
 PER_KEY = "B,Hkv,1,Sk"
 
@@ -92,11 +90,7 @@ def test_the_fp8_forward_launch_binds_to_its_kernel(bound_launches):
 
 def test_the_packed_launches_bind_to_their_kernels(bound_launches, monkeypatch):
     """Packed sequences (varlen) routed to the Hopper kernels, as ``test_forward_hopper``'s packed tests route them."""
-    def packed_too(pass_, form):
-        return dispatch.route(pass_, form._replace(sequences="fixed", split=False))
-
-    monkeypatch.setattr(forward_module, "route", packed_too)
-    monkeypatch.setattr(backward_module, "route", packed_too)
+    route_like_fixed(monkeypatch, "packed")
     case = VarlenCase(lens_q=(300, 0, 129), lens_k=(300, 5, 129), head_dim=64, mask="sequence", bias="packed", causal=True)
     inputs = make_varlen_inputs(case, torch.float16)
     block_mask = build_block_mask(
@@ -109,10 +103,7 @@ def test_the_packed_launches_bind_to_their_kernels(bound_launches, monkeypatch):
 
 def test_the_cache_prefill_launch_binds_to_its_kernel(bound_launches, monkeypatch):
     """A chunk of prefill over a contiguous KV cache routed to the Hopper forward, as ``test_forward_hopper``'s cache tests route it."""
-    def cache_too(pass_, form):
-        return dispatch.route(pass_, form._replace(sequences="fixed", split=False) if form.sequences == "cache" else form)
-
-    monkeypatch.setattr(forward_module, "route", cache_too)
+    route_like_fixed(monkeypatch, "cache")
     case = CacheCase(seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100, head_dim=64, listed=True)
     run_cache(case, make_cache_inputs(case, torch.float16), "triton")
     assert bound_launches[-1] == "_attn_fwd_hopper_kernel"

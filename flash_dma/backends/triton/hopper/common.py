@@ -190,18 +190,25 @@ def _launch_band(call: Call, seqlen_q: int, seqlen_k: int, seq: int) -> tuple[in
     return band(call.window_left, call.window_right, seqlen_q, seqlen_k)
 
 
+def entry_tables(call: Call, sequences: Sequences | None) -> tuple[int, int, int, list, int]:
+    """``(entries, seqlen_q, seqlen_k, pointers, SEQ)`` of a call's batch entries: the tensors' own,
+    or ``sequences``' (packed sequences, a KV cache's entries: their count and longest lengths), and
+    the ``SeqQ, SeqK`` pointers of ``entry_span`` (``sequences``' tables, or placeholders)."""
+    q, k = call.q, call.k
+    none = placeholder(q.device, torch.int32)
+    if sequences is None:
+        return q.shape[0], q.shape[1], k.shape[1], [none, none], SEQ_FIXED
+    pointers = [none if sequences.seq_q is None else sequences.seq_q, sequences.seq_k]
+    return sequences.batch, sequences.max_seqlen_q, sequences.max_seqlen_k, pointers, sequences.kind
+
+
 def work_items(call: Call, block_m: int, sequences: Sequences | None) -> tuple[int, int, list, int]:
     """``(row_blocks, items, pointers, SEQ)`` of the kernels that own query rows: work items are
     the row blocks of each (entry, head); packed sequences get those of the longest, and the blocks
-    past a shorter one's end have no tiles (``_item``). ``pointers``: ``SeqQ, SeqK`` (``sequences``'
-    tables, or placeholders)."""
-    q = call.q
-    none = placeholder(q.device, torch.int32)
-    if sequences is None:
-        return cdiv(q.shape[1], block_m), cdiv(q.shape[1], block_m) * q.shape[0] * q.shape[2], [none, none], SEQ_FIXED
-    row_blocks = cdiv(sequences.max_seqlen_q, block_m)
-    pointers = [none if sequences.seq_q is None else sequences.seq_q, sequences.seq_k]
-    return row_blocks, row_blocks * sequences.batch * q.shape[2], pointers, sequences.kind
+    past a shorter one's end have no tiles (``_item``). ``pointers``, ``SEQ``: ``entry_tables``'."""
+    entries, seqlen_q, _, pointers, seq = entry_tables(call, sequences)
+    row_blocks = cdiv(seqlen_q, block_m)
+    return row_blocks, row_blocks * entries * call.q.shape[2], pointers, seq
 
 
 def walked_keys(call: Call, pass_walk: torch.Tensor | None) -> tuple:

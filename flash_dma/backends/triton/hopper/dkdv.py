@@ -56,6 +56,7 @@ from flash_dma.backends.triton.hopper.common import (
     hopper_arguments,
     hopper_tensors,
     entry_span,
+    entry_tables,
     input_base,
     jit_with_runtime_scalars,
     kept_by_bits,
@@ -83,8 +84,6 @@ from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
     DBIAS_FULL,
     DBIAS_PER_KEY,
-    SEQ_FIXED,
-    SEQ_PACKED,
     WALK_BLOCKS,
     WALK_DENSE,
     Call,
@@ -656,9 +655,7 @@ def hopper_dkdv(
     device = q.device
     # Work items span each entry's key tiles; packed sequences get those of the longest, and the
     # tiles past a shorter one's keys have no query tiles (``_head_walk``).
-    packed = sequences is not None
-    entries, keys = (sequences.batch, sequences.max_seqlen_k) if packed else (batch, seqlen_k)
-    seq_tables = [sequences.seq_q, sequences.seq_k] if packed else [placeholder(device, torch.int32)] * 2
+    entries, _, keys, seq_tables, seq = entry_tables(call, sequences)
     items = chunks * cdiv(keys, TILE.kwargs["BLOCK_N"]) * entries * num_kv_heads
     slices = call.deterministic and chunks > 1
     scratch_k = scratch_v = placeholder(device, torch.float32)
@@ -675,13 +672,13 @@ def hopper_dkdv(
     own_tensors = [dout, lse, delta, dk, dv, scratch_k, scratch_v, dbias_target, queue]
 
     def build():
-        runtime, flags = hopper_arguments(call, k, v, call.q_lists, walk_flag, SEQ_PACKED if packed else SEQ_FIXED)
+        runtime, flags = hopper_arguments(call, k, v, call.q_lists, walk_flag, seq)
         dbias_slice = None if dbias_acc is None else dbias_acc[0]
         own = [
             *dout.stride()[:3], *dk.stride()[:3],
             0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0), *broadcast_strides(dbias_slice),
             head_divisor(dbias_slice, num_heads), 0 if dbias_slice is None else dbias_slice.numel() // seqlen_k,
-            chunks, items, entries, *dbias_flags, slices, Q_STAGES[head_dim_tile(head_dim)], SEQ_PACKED if packed else SEQ_FIXED,
+            chunks, items, entries, *dbias_flags, slices, Q_STAGES[head_dim_tile(head_dim)], seq,
         ]
         return [*tensors, *seq_tables, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags, slices)
 
