@@ -19,7 +19,10 @@ import torch
 
 from flash_dma.bit_mask import BitMask
 from flash_dma.inputs import AttentionProblem, _check_qkv, bias_dtypes, check_mask, normalize_settings
+from flash_dma.memo import CheckedValues
 from flash_dma.packed import SEQLEN_DTYPES, values_checkable
+
+_CHECKED = CheckedValues()
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,8 @@ def _check_bias_cache(bias_cache, k_cache: torch.Tensor, q: torch.Tensor) -> Non
 
 
 def _check_values(seqlens, new: int, capacity: int, cache_rows, block_table, page_size: int, blocks: int):
-    """The value checks that need the host to read device tensors (skipped inside graphs and traces).
+    """The value checks that need the host to read device tensors (skipped inside graphs and
+    traces, and for tensors that passed them unchanged: ``_CHECKED``).
 
     ``blocks`` is the cache's first dimension: its rows, or with a block table its pages.
     """
@@ -184,9 +188,13 @@ def normalize_kvcache_inputs(
         filled = capacity - new if cache_seqlens is None else cache_seqlens
         seqlens = torch.full((batch,), filled, dtype=torch.int32, device=q.device)
     cache_rows = None if cache_batch_idx is None else cache_batch_idx.to(torch.int32)
-    block_table = None if block_table is None else block_table.to(torch.int32)
-    if batch > 0 and values_checkable(seqlens):
+    block_table_given, block_table = block_table, None if block_table is None else block_table.to(torch.int32)
+    # The tensors as given (a cast makes a new tensor on every call) and what else the checks read.
+    given = (cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None, cache_batch_idx, block_table_given)
+    context = (None if given[0] is not None else cache_seqlens, new, capacity, page_size, k_cache.shape[0])
+    if batch > 0 and values_checkable(seqlens) and not _CHECKED.passed(given, context):
         _check_values(seqlens, new, capacity, cache_rows, block_table, page_size, k_cache.shape[0])
+        _CHECKED.remember(given, context)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 chooses), got {num_splits!r}")
 

@@ -3,6 +3,8 @@ strides, dtypes, devices and settings) decides is worked out once and looked up 
 
 from __future__ import annotations
 
+import weakref
+
 MAX_ENTRIES = 4096  # layouts a memo remembers; past that it starts afresh
 
 _MEMOS: list[Memo] = []
@@ -23,6 +25,39 @@ class Memo(dict):
             self.clear()
         self[key] = value
         return value
+
+
+class CheckedValues:
+    """Device tensors whose values passed a host check, by identity and version counter: the
+    check reads them (a device-to-host copy, which waits for the GPU) once per version and
+    context, not on every call. A model's layers all get the same ``cu_seqlens`` or cache
+    lengths, so one read per step is enough. Holds weak references only."""
+
+    def __init__(self, max_entries: int = 64):
+        self._entries: dict = {}
+        self._max_entries = max_entries
+
+    @staticmethod
+    def _key(tensors) -> tuple:
+        return tuple(None if t is None else id(t) for t in tensors)
+
+    def passed(self, tensors: tuple, context: tuple) -> bool:
+        """Whether ``tensors`` (None entries allowed), as they are now, passed with ``context``."""
+        entry = self._entries.get(self._key(tensors))
+        if entry is None:
+            return False
+        refs, versions, checked_context = entry
+        return (
+            all((ref is None and t is None) or (ref is not None and ref() is t) for ref, t in zip(refs, tensors))
+            and versions == tuple(None if t is None else t._version for t in tensors)
+            and checked_context == context
+        )
+
+    def remember(self, tensors: tuple, context: tuple) -> None:
+        if len(self._entries) >= self._max_entries:
+            self._entries.clear()
+        refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+        self._entries[self._key(tensors)] = (refs, tuple(None if t is None else t._version for t in tensors), context)
 
 
 def forget_memos() -> None:

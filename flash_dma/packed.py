@@ -19,11 +19,11 @@ never ``O(total_q * total_k)``), differentiably, so the bias gradient comes back
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 
 from flash_dma.inputs import AttentionProblem, check_int, normalize_inputs
+from flash_dma.memo import CheckedValues
 
 SEQLEN_DTYPES = (torch.int32, torch.int64)
 
@@ -36,20 +36,7 @@ def values_checkable(t: torch.Tensor) -> bool:
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-# Tensors whose values passed the checks: id -> (weak reference, version counter, total, max_seqlen).
-# A model's layers all get the same cu_seqlens, so one host read per batch is enough.
-_CHECKED: dict = {}
-
-
-def _already_checked(t: torch.Tensor, total: int, max_seqlen: int) -> bool:
-    entry = _CHECKED.get(id(t))
-    return entry is not None and entry[0]() is t and entry[1:] == (t._version, total, max_seqlen)
-
-
-def _remember_checked(t: torch.Tensor, total: int, max_seqlen: int) -> None:
-    if len(_CHECKED) > 64:
-        _CHECKED.clear()
-    _CHECKED[id(t)] = (weakref.ref(t), t._version, total, max_seqlen)
+_CHECKED = CheckedValues()
 
 
 def check_cu_seqlens(name: str, cu_seqlens, total: int, max_seqlen: int, device: torch.device) -> torch.Tensor:
@@ -67,7 +54,7 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int, max_seqlen: int, device:
         raise TypeError(f"{name}: expected dtype torch.int32 or torch.int64, got {cu_seqlens.dtype}")
     if cu_seqlens.device != device:
         raise ValueError(f"{name}: expected device {device} (the device of q), got {cu_seqlens.device}")
-    if values_checkable(cu_seqlens) and not _already_checked(cu_seqlens, total, max_seqlen):
+    if values_checkable(cu_seqlens) and not _CHECKED.passed((cu_seqlens,), (total, max_seqlen)):
         values = cu_seqlens.tolist()
         lengths = [b - a for a, b in zip(values, values[1:])]
         if values[0] != 0:
@@ -80,7 +67,7 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int, max_seqlen: int, device:
             raise ValueError(
                 f"{name}: its longest sequence has {max(lengths)} tokens, more than max_seqlen = {max_seqlen}"
             )
-        _remember_checked(cu_seqlens, total, max_seqlen)
+        _CHECKED.remember((cu_seqlens,), (total, max_seqlen))
     return cu_seqlens.to(torch.int32)
 
 

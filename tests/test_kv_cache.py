@@ -114,3 +114,23 @@ def test_bad_cache_input_is_named_and_nothing_is_written(name, arguments, error)
     with pytest.raises((ValueError, TypeError), match=error):
         flash_dma_with_kvcache(**arguments)
     assert torch.equal(arguments["k_cache"], before)
+
+
+def test_cache_lengths_are_read_once_per_version_and_checked_again_when_changed(monkeypatch):
+    """A decode loop passes the same lengths to every layer: the host reads them (a wait for the
+    GPU) once, until they change in place."""
+    import flash_dma.kv_cache as kv_cache
+
+    reads = []
+    check = kv_cache._check_values
+    monkeypatch.setattr(kv_cache, "_check_values", lambda *args: reads.append(1) or check(*args))
+    k_cache, v_cache, _ = caches()
+    q, _, _, _ = new_tokens()
+    lengths = torch.tensor([4, 9], dtype=torch.int32, device=DEVICE)
+    for _ in range(3):
+        flash_dma_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, backend="reference")
+    assert len(reads) == 1
+    lengths[1] = CAPACITY + 1
+    with pytest.raises(ValueError, match="cache_seqlens: an entry holds 33 keys"):
+        flash_dma_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, backend="reference")
+    assert len(reads) == 2

@@ -9,7 +9,8 @@ against float64 on the unquantized inputs:
 - 16-bit inputs and FP8 inputs through ``flash_dma_func`` (on a GPU the kernels the routing table
   picks; on the CPU the reference backend, float32 math);
 - an emulation of the Hopper FP8 forward: the dequantized inputs in float32 with the probabilities
-  rounded to e4m3 before ``P V`` (``reference_attention(..., probs_dtype=...)``).
+  rounded to e4m3 before ``P V`` and the scores to the FP8 accumulator's precision
+  (``reference_attention(..., fp8_tensor_cores=True)``).
 
     python3 tools/fp8_error.py                       # the GPU if there is one, else the CPU
     python3 tools/fp8_error.py --device cpu --seqlen 1024
@@ -54,7 +55,7 @@ def errors(batch: int, seqlen: int, heads: int, kv_heads: int, head_dim: int, wi
     (q8, qd), (k8, kd), (v8, vd) = (quantized_fp8(t.float(), kv_heads) for t in (q, k, v))
     rows["FP8 inputs"] = rmse(call(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd))
     dequantized = [dequantize(t, d) for t, d in ((q8, qd), (k8, kd), (v8, vd))]
-    emulated, _ = reference_attention(*dequantized, window=window, probs_dtype=FP8_DTYPE)
+    emulated, _ = reference_attention(*dequantized, window=window, fp8_tensor_cores=True)
     rows["FP8, the Hopper forward emulated"] = rmse(emulated.to(FP8_OUT_DTYPE))
     rows["rms(O)"] = exact.pow(2).mean().sqrt().item()
     return rows

@@ -14,11 +14,15 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from flash_dma.block_mask import BlockMask, effective_mask_rows
-from flash_dma.inputs import FP8_OUT_DTYPE, dequantized
+from flash_dma.inputs import FP8_DTYPE, FP8_OUT_DTYPE, dequantized
 from flash_dma.kv_cache import cached_keys
 
 # Scores materialised per chunk (elements): bounds the memory of one chunk.
 _CHUNK_SCORES = 1 << 24
+# Hopper's FP8 tensor cores add each group of products to their accumulator keeping about 14
+# significant bits, not float32's 24 (DeepSeek-V3 technical report, section 3.3.2); the model keeps
+# 13, truncated, after every 32 products (one e4m3 wgmma's reduction depth).
+FP8_ACCUMULATOR_BITS, FP8_PRODUCTS_PER_STEP = 13, 32
 
 
 def in_band(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int, window: tuple[int, int]) -> torch.Tensor:
@@ -78,12 +82,29 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor):
     return probs, denom, lse
 
 
-def _attend_chunk(q, k, v, mask, bias, *, row_start, seqlen_q, softmax_scale, window, softcap, probs_dtype=None):
+def _truncated(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` truncated to ``bits`` significant bits (toward zero)."""
+    mantissa, exponent = torch.frexp(x)  # |mantissa| in [0.5, 1)
+    return torch.ldexp(torch.trunc(mantissa * 2**bits) / 2**bits, exponent)
+
+
+def _fp8_tensor_core_products(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``q @ k^T`` summed as Hopper's FP8 tensor cores sum it (``FP8_ACCUMULATOR_BITS``): the scores,
+    and with ``P`` and ``V^T`` the output, which the kernel accumulates over its key tiles in place."""
+    acc = torch.zeros(*q.shape[:-1], k.shape[-2], dtype=q.dtype, device=q.device)
+    for start in range(0, q.shape[-1], FP8_PRODUCTS_PER_STEP):
+        chunk = slice(start, start + FP8_PRODUCTS_PER_STEP)
+        acc = _truncated(acc + q[..., chunk] @ k[..., chunk].transpose(-1, -2), FP8_ACCUMULATOR_BITS)
+    return acc
+
+
+def _attend_chunk(q, k, v, mask, bias, *, row_start, seqlen_q, softmax_scale, window, softcap, fp8_tensor_cores=False):
     """Attention of one chunk of queries. q: [B, c, H, D]; k, v: [B, Hkv, 1, Sk, D]."""
     batch, rows, num_heads, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[3]
     q = q.reshape(batch, rows, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(0, 2, 3, 1, 4)
-    scores = _capped((q @ k.transpose(-1, -2)) * softmax_scale, softcap)  # [B, Hkv, G, c, Sk]
+    products = _fp8_tensor_core_products(q, k) if fp8_tensor_cores else q @ k.transpose(-1, -2)  # [B, Hkv, G, c, Sk]
+    scores = _capped(products * softmax_scale, softcap)
     if bias is not None:
         scores = scores + _group_heads(bias.to(scores.dtype), num_kv_heads)
     positions = torch.arange(row_start, row_start + rows, device=q.device)
@@ -91,9 +112,10 @@ def _attend_chunk(q, k, v, mask, bias, *, row_start, seqlen_q, softmax_scale, wi
     if mask is not None:
         visible = visible & mask
     probs, denom, lse = _masked_softmax(scores, visible)
-    if probs_dtype is not None:  # as a kernel whose P V takes P in probs_dtype (the FP8 forward)
-        probs = probs.to(probs_dtype).to(denom.dtype)
-    out = (probs @ v) / denom
+    if fp8_tensor_cores:  # P in e4m3, as the Hopper FP8 forward's P V takes it
+        out = _fp8_tensor_core_products(probs.to(FP8_DTYPE).to(denom.dtype), v.transpose(-1, -2)) / denom
+    else:
+        out = (probs @ v) / denom
     out = out.permute(0, 3, 1, 2, 4).reshape(batch, rows, num_heads, head_dim)
     return out, lse.reshape(batch, num_heads, rows)
 
@@ -111,7 +133,7 @@ def reference_attention(
     block_mask: BlockMask | None = None,
     compute_dtype: torch.dtype = torch.float32,
     chunk_size: int | None = None,
-    probs_dtype: torch.dtype | None = None,
+    fp8_tensor_cores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention as the contract defines it, differentiable in every float input.
 
@@ -126,9 +148,10 @@ def reference_attention(
         block_mask: applied as described in ``_effective_mask_rows``.
         compute_dtype: arithmetic dtype (float32 by default).
         chunk_size: queries per chunk; by default about 16M scores per chunk.
-        probs_dtype: round the probabilities (``exp(s - rowmax)``, in [0, 1]) to this dtype before
-            ``P V``, as a kernel does whose product takes them so (the FP8 forward: the baseline of
-            its tests).
+        fp8_tensor_cores: model Hopper's FP8 tensor-core products (the baseline of the FP8
+            forward's tests): the probabilities (``exp(s - rowmax)``, in [0, 1]) rounded to e4m3
+            before ``P V``, and both products accumulated at their precision
+            (``_fp8_tensor_core_products``).
 
     Returns:
         ``out`` ``[B, Sq, H, D]`` in ``query.dtype`` and ``lse`` ``[B, H, Sq]`` (natural log,
@@ -145,7 +168,7 @@ def reference_attention(
     k = key.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
     v = value.to(compute_dtype).permute(0, 2, 1, 3).unsqueeze(2)
     attend = functools.partial(
-        _attend_chunk, seqlen_q=seqlen_q, softmax_scale=softmax_scale, window=window, softcap=softcap, probs_dtype=probs_dtype
+        _attend_chunk, seqlen_q=seqlen_q, softmax_scale=softmax_scale, window=window, softcap=softcap, fp8_tensor_cores=fp8_tensor_cores
     )
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_bias)

@@ -91,7 +91,16 @@ ROUTES = (
     Route(HOPPER, ("dq",), **_HOPPER_FORMS, head_dim=HEAD_DIMS),
     # A key list's columns are the Triton kernel's.
     Route(HOPPER, ("dkdv",), **_HOPPER_FORMS, head_dim=HEAD_DIMS, walk=("dense", "blocks")),
-    # FP8 (forward only) is dequantized to float32 for the Triton kernel (``forward.attention_forward``).
+    # Packed sequences (varlen): per-key masks and biases only, walked by summaries or densely (a key
+    # list is gathered per batch entry, not per sequence).
+    Route(HOPPER, PASSES, **{**_HOPPER_FORMS, "sequences": ("packed",), "mask": ("none", "keys")}, head_dim=HEAD_DIMS,
+          bias=("none", "keys"), walk=("dense", "blocks")),
+    # Chunked prefill over a contiguous KV cache: the forward (a cache call has no backward).
+    Route(HOPPER, ("forward",), **{**_HOPPER_FORMS, "sequences": ("cache",), "mask": ("none", "keys")},
+          head_dim=FORWARD_HEAD_DIMS, bias=("none", "keys")),
+    # FP8 (forward only): the Hopper forward reads it as it is; every other form is dequantized to
+    # float32 for the Triton kernel (``forward.attention_forward``).
+    Route(HOPPER, ("forward",), **{**_HOPPER_FORMS, "dtype": ("fp8",)}, head_dim=FORWARD_HEAD_DIMS),
     Route(TRITON, PASSES),
 )
 

@@ -454,4 +454,8 @@ def _plan(call: Call, sequences: Sequences | None, num_splits: int | None, index
         num_splits = split_count(programs, seqlen_k, q.device)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
     hopper = route("forward", form_of("forward", call, sequences, split=num_splits > 1 or pack_gqa, indexed=indexed)) == HOPPER
+    if not hopper and sequences is not None and sequences.kind == SEQ_PACKED:
+        # A split is chosen from the longest sequence's size; the Hopper forward, which takes packed
+        # sequences whole, needs none.
+        hopper = route("forward", form_of("forward", call, sequences)) == HOPPER
     return _Plan(hopper, pack_gqa, rows, num_splits)

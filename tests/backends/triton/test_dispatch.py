@@ -40,13 +40,19 @@ def test_docs_show_the_table_the_code_routes_by():
         (dict(deterministic=True, walk="keys", mask="none"), HOPPER, HOPPER, TRITON),
         (dict(softcap=True), HOPPER, HOPPER, HOPPER),
         (dict(dtype="fp32"), TRITON, TRITON, TRITON),
-        # FP8 (a forward only) is dequantized for the Triton kernel: the Hopper forward's FP8 path awaits its GPU tests.
-        (dict(dtype="fp8"), TRITON, TRITON, TRITON),
+        # FP8 has a forward only; the Hopper forward reads it, every other form is dequantized for the Triton kernel.
+        (dict(dtype="fp8"), HOPPER, TRITON, TRITON),
+        (dict(dtype="fp8", sequences="packed"), TRITON, TRITON, TRITON),
         (dict(head_dim=96), HOPPER, HOPPER, HOPPER),  # tiles of 128 columns, 32 of them zeros
         (dict(head_dim=256), HOPPER, TRITON, TRITON),  # one Q slot and tiles of 64 keys; the backward's registers do not hold it
         (dict(head_dim=192), HOPPER, TRITON, TRITON),
         (dict(head_dim=48), TRITON, TRITON, TRITON),
-        (dict(sequences="packed"), TRITON, TRITON, TRITON),
+        (dict(sequences="packed"), HOPPER, HOPPER, HOPPER),
+        (dict(sequences="packed", walk="keys", mask="none"), TRITON, TRITON, TRITON),
+        (dict(sequences="packed", mask="bits", bias="pairs"), TRITON, TRITON, TRITON),
+        (dict(sequences="cache"), HOPPER, TRITON, TRITON),
+        (dict(sequences="cache-indexed"), TRITON, TRITON, TRITON),
+        (dict(sequences="cache", split=True), TRITON, TRITON, TRITON),  # decode: split-KV
         (dict(split=True), TRITON, TRITON, TRITON),
         (dict(aligned=False), TRITON, TRITON, TRITON),
         (dict(device="cuda"), TRITON, TRITON, TRITON),

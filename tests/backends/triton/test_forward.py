@@ -162,8 +162,8 @@ def test_long_sequences(case, poison_outputs):
 def test_fp8_inputs_match_reference(case, poison_outputs):
     """FP8 inputs through ``flash_dma_func``: the Hopper forward where it serves them, else the
     float32 kernel on their dequantized values. Oracle: float64 on the dequantized inputs; baseline:
-    float32 with the probabilities rounded to e4m3 for ``P V`` (as the Hopper forward's product
-    takes them), output in bfloat16."""
+    float32 with Hopper's FP8 tensor-core products modelled (``fp8_tensor_cores``), output in
+    bfloat16."""
     quantized, exact, descale = make_fp8_inputs(case)
     descales = dict(zip(("q_descale", "k_descale", "v_descale"), descale.unbind(-1)))
     out, lse = flash_dma_func(
@@ -171,7 +171,7 @@ def test_fp8_inputs_match_reference(case, poison_outputs):
         is_causal=case.causal, return_lse=True, backend="triton", **descales,
     )
     oracle_out, oracle_lse, _ = reference_outputs(case, exact, None, torch.float64)
-    baseline_out, baseline_lse, _ = reference_outputs(case, exact, None, torch.float32, probs_dtype=torch.float8_e4m3fn)
+    baseline_out, baseline_lse, _ = reference_outputs(case, exact, None, torch.float32, fp8_tensor_cores=True)
     assert out.dtype == torch.bfloat16
     assert_close("out", out, oracle_out, baseline_out.to(torch.bfloat16))
     assert_close("lse", lse, oracle_lse, baseline_lse)

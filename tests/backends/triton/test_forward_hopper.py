@@ -194,8 +194,8 @@ FP8_CASES = [CASES[1], CASES[2], CASES[5], CASES[7], CASES[14], CASES[16], CASES
 @pytest.mark.parametrize("case", FP8_CASES, ids=str)
 def test_hopper_fp8_forward_matches_reference(case):
     """Against the float64 reference on the dequantized inputs; the baseline is the float32 reference
-    with the probabilities rounded to e4m3 before ``P V``, as the kernel's product takes them, and its
-    output rounded to bfloat16."""
+    with the kernel's FP8 tensor-core products modelled (``fp8_tensor_cores``: P in e4m3, scores to
+    the accumulator's precision), and its output rounded to bfloat16."""
     quantized, exact, descale = make_fp8_inputs(case)
     call = _call(case, quantized)._replace(descale=descale)
     q = quantized["query"]
@@ -203,7 +203,7 @@ def test_hopper_fp8_forward_matches_reference(case):
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
     hopper_forward(call, out, lse, call_signature(call))
     oracle_out, oracle_lse, _ = reference_outputs(case, exact, None, torch.float64)
-    baseline_out, baseline_lse, _ = reference_outputs(case, exact, None, torch.float32, probs_dtype=FP8)
+    baseline_out, baseline_lse, _ = reference_outputs(case, exact, None, torch.float32, fp8_tensor_cores=True)
     assert_close("out", out, oracle_out, baseline_out.to(torch.bfloat16))
     assert_close("lse", lse, oracle_lse, baseline_lse)
 

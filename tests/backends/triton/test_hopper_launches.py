@@ -84,8 +84,9 @@ def test_the_fp8_forward_launch_binds_to_its_kernel(bound_launches):
     q = quantized["query"]
     out = torch.empty(q.shape, dtype=torch.bfloat16)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
+    before = len(bound_launches)  # on a GPU, build_block_mask's own kernels
     hopper_forward(call, out, lse, call_signature(call))
-    assert bound_launches == ["_attn_fwd_hopper_kernel"]
+    assert bound_launches[before:] == ["_transpose_values_kernel", "_attn_fwd_hopper_kernel"]
 
 
 def test_the_packed_launches_bind_to_their_kernels(bound_launches, monkeypatch):

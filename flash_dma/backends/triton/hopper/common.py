@@ -58,17 +58,6 @@ HEAD_DIMS = (32, 64, 96, 128)  # of every Hopper kernel
 FORWARD_HEAD_DIMS = (*HEAD_DIMS, 192, 256)  # of the forward: D = 256 in tiles of 64 keys, with one Q slot
 
 
-def transposed_values(v: torch.Tensor) -> torch.Tensor:
-    """``v`` ``[B, Sk, Hkv, D]`` as ``[B, Hkv, D, Sk']``, keys contiguous (``Sk'``: Sk rounded up
-    to 16 keys, the TMA's row alignment). FP8 products read both operands along their reduction
-    axis (wgmma takes no transposed 8-bit operand), and for ``P V`` that is the keys: the forward
-    copies V's tiles from this layout (docs/design-notes.md, "FP8 forward")."""
-    batch, seqlen_k, num_kv_heads, head_dim = v.shape
-    vt = torch.empty(batch, num_kv_heads, head_dim, -(-seqlen_k // 16) * 16, dtype=v.dtype, device=v.device)
-    vt[..., :seqlen_k].copy_(v.permute(0, 2, 3, 1))
-    return vt
-
-
 def head_dim_tile(head_dim: int) -> int:
     """The head dim of the kernels' tiles (their HEAD_DIM): ``head_dim`` rounded up to a power of
     two. The TMA copies fill the columns past ``head_dim`` with zeros, which add nothing to the
@@ -225,7 +214,7 @@ class Problem:
     """What every partition of the kernels that own query rows reads (the forward, and the dQ
     kernel: its output is ``Out``, ``o_desc`` the descriptor of one warpgroup's rows of it, and
     with GRADIENT its loader also reads ``do_desc`` and ``Delta``). With FP8 (the forward), ``v_desc``
-    copies tiles of V transposed (``transposed_values``) and ``Descale`` holds the inputs' descale
+    copies tiles of V transposed (``transpose.transposed_values``) and ``Descale`` holds the inputs' descale
     factors ``[B, Hkv, 3]``."""
 
     q_desc: tma.tensor_descriptor

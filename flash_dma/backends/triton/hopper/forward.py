@@ -22,8 +22,8 @@ Outputs are those of ``forward.attention_forward``, so the backward is shared; w
 come here is ``dispatch.py``'s table.
 
 With ``FP8`` the inputs are e4m3 with descale factors: V is read from a keys-contiguous copy
-(``common.transposed_values``), P is rounded to e4m3 for ``P V`` and the output is bfloat16
-(docs/design-notes.md, "FP8 forward": not yet routed, its GPU tests have not run).
+(``transpose.transposed_values``), P is rounded to e4m3 for ``P V`` and the output is bfloat16
+(docs/design-notes.md, "FP8 forward").
 """
 
 # No `from __future__ import annotations`: the records below need their field types as objects.
@@ -60,12 +60,12 @@ from flash_dma.backends.triton.hopper.common import (
     store_rows,
     take_rows,
     tile_descriptor,
-    transposed_values,
     visible_scores,
     work_items,
     wait_for_scores,
     walked_keys,
 )
+from flash_dma.backends.triton.hopper.transpose import transposed_values
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import Call, Sequences, placeholder
 
@@ -182,39 +182,18 @@ def _descaled(p, x, descale):
     return x
 
 
-@gluon.constexpr_function
-def _fresh_value_products(FP8, HEAD_DIM):
-    """Whether each tile's ``P V`` goes to a fresh accumulator, added to the running one in fp32:
-    FP8 products sum into their accumulator at reduced precision (about 13 mantissa bits on
-    Hopper, as SageAttention2 and DeepGEMM measured), an error that grows with every key tile. At
-    D = 256 a second 64 x 256 fp32 accumulator does not fit the registers: those sum in place."""
-    return FP8 and HEAD_DIM <= 128
-
-
 @gluon.jit
 def _issue_value_product(p, bufs, stage, probs, acc):
-    """Issue ``P V`` for the V tile at ring position ``stage`` (``probs`` in the operand's layout),
-    asynchronously: into ``acc`` itself, or into a fresh accumulator (``_fresh_value_products``).
-    FP8's V tile is a view of its transposed copy, keys contiguous."""
+    """Issue ``O += P V`` for the V tile at ring position ``stage`` (``probs`` in the operand's
+    layout), asynchronously. FP8's V tile is a view of its transposed copy, keys contiguous. FP8
+    products accumulate in place, at the tensor cores' reduced precision, as FlashAttention-3's do:
+    a fresh accumulator per tile, added in fp32, measured 13 % slower at D = 128 (design notes,
+    "FP8 forward")."""
     if p.FP8:
         v = bufs.v.index(stage).reshape([p.HEAD_DIM, p.BLOCK_N]).permute((1, 0))  # [BLOCK_N, D]
     else:
         v = bufs.v.index(stage).reshape([p.BLOCK_N, p.HEAD_DIM])  # [BLOCK_N, D]
-    if _fresh_value_products(p.FP8, p.HEAD_DIM):
-        product = warpgroup_mma(probs, v, gl.zeros_like(acc), use_acc=False, is_async=True)
-    else:
-        product = warpgroup_mma(probs, v, acc, is_async=True)
-    return product
-
-
-@gluon.jit
-def _accumulated(p, acc, product):
-    """The running accumulator once ``_issue_value_product``'s ``product`` is done."""
-    if _fresh_value_products(p.FP8, p.HEAD_DIM):
-        acc = acc + product
-    else:
-        acc = product
-    return acc
+    return warpgroup_mma(probs, v, acc, is_async=True)
 
 
 @gluon.jit
@@ -276,14 +255,14 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
                 )
                 mbarrier.arrive(bufs.k_empty.index(following), count=1)
                 probs, m_i, alpha, l_i = _online_softmax(p, s, m_i, l_i)
-                acc = _accumulated(p, acc, warpgroup_mma_wait(0, deps=[pv]))
+                acc = warpgroup_mma_wait(0, deps=[pv])
                 mbarrier.arrive(bufs.v_empty.index(stage), count=1)
                 acc = acc * gl.convert_layout(alpha, rows_of_o)[:, None]
                 consumed += 1
                 stage = following
             mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
             pv = _issue_value_product(p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc)
-            acc = _accumulated(p, acc, warpgroup_mma_wait(0, deps=[pv]))
+            acc = warpgroup_mma_wait(0, deps=[pv])
             mbarrier.arrive(bufs.v_empty.index(stage), count=1)
             consumed += 1
 
