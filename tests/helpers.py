@@ -177,19 +177,15 @@ def make_inputs(case: Case, dtype: torch.dtype, device=DEVICE, requires_grad: bo
     }
 
 
-def route_like_fixed(monkeypatch, sequences: str) -> list[str]:
-    """Route the passes of ``sequences`` forms (``dispatch.Form.sequences``: "packed" or "cache") as
-    the same forms with fixed lengths and no split, as the routing table will once their Hopper
-    paths have run on a GPU (the Hopper kernels take such calls whole; a packed key list is gathered
-    per batch entry, so it keeps its route). Returns the passes that the Hopper kernels then take."""
+def hopper_passes(monkeypatch) -> list[str]:
+    """Record the passes that the routing table sends to the Hopper kernels, so that a test meant
+    for them can check that they ran (and not the Triton kernels in their place)."""
     from flash_dma.backends.triton import backward, dispatch, forward
 
     taken = []
 
     def routed(pass_, form):
-        if form.sequences != sequences or (sequences == "packed" and form.walk == "keys"):
-            return dispatch.route(pass_, form)
-        kernel = dispatch.route(pass_, form._replace(sequences="fixed", split=False))
+        kernel = dispatch.route(pass_, form)
         if kernel == dispatch.HOPPER:
             taken.append(pass_)
         return kernel

@@ -34,7 +34,7 @@ from tests.helpers import (
     make_inputs,
     max_error,
     reference_outputs,
-    route_like_fixed,
+    hopper_passes,
 )
 
 pytestmark = HOPPER_ONLY
@@ -220,9 +220,9 @@ VARLEN_CASES = [
 
 @pytest.fixture
 def hopper_packed(monkeypatch):
-    """Packed sequences routed to the Hopper kernels (``route_like_fixed``): the passes they took."""
+    """The passes of packed sequences that the Hopper kernels took (``hopper_passes``)."""
     forget_choices()
-    yield route_like_fixed(monkeypatch, "packed")
+    yield hopper_passes(monkeypatch)
     forget_choices()
 
 
@@ -286,9 +286,9 @@ CACHE_CASES = [
 
 @pytest.fixture
 def hopper_cache(monkeypatch):
-    """A contiguous KV cache's calls routed to the Hopper forward (``route_like_fixed``): the passes it took."""
+    """The passes of a contiguous KV cache's calls that the Hopper forward took (``hopper_passes``)."""
     forget_choices()
-    yield route_like_fixed(monkeypatch, "cache")
+    yield hopper_passes(monkeypatch)
     forget_choices()
 
 

@@ -18,7 +18,7 @@ from flash_dma.backends.triton.layout import call_signature
 from tests.backends.triton.test_kvcache import CacheCase, make_cache_inputs
 from tests.backends.triton.test_kvcache import run as run_cache
 from tests.backends.triton.test_varlen import VarlenCase, make_varlen_inputs
-from tests.helpers import Case, kernel_call, make_fp8_inputs, make_inputs, route_like_fixed
+from tests.helpers import Case, kernel_call, make_fp8_inputs, make_inputs
 
 PER_KEY = "B,Hkv,1,Sk"
 
@@ -89,9 +89,8 @@ def test_the_fp8_forward_launch_binds_to_its_kernel(bound_launches):
     assert bound_launches[before:] == ["_transpose_values_kernel", "_attn_fwd_hopper_kernel"]
 
 
-def test_the_packed_launches_bind_to_their_kernels(bound_launches, monkeypatch):
-    """Packed sequences (varlen) routed to the Hopper kernels, as ``test_forward_hopper``'s packed tests route them."""
-    route_like_fixed(monkeypatch, "packed")
+def test_the_packed_launches_bind_to_their_kernels(bound_launches):
+    """Packed sequences (varlen) with a per-key mask and bias, walked by summaries: all three Hopper kernels."""
     case = VarlenCase(lens_q=(300, 0, 129), lens_k=(300, 5, 129), head_dim=64, mask="sequence", bias="packed", causal=True)
     inputs = make_varlen_inputs(case, torch.float16)
     block_mask = build_block_mask(
@@ -102,9 +101,8 @@ def test_the_packed_launches_bind_to_their_kernels(bound_launches, monkeypatch):
     assert {"_attn_fwd_hopper_kernel", "_dq_hopper_kernel", "_dkdv_hopper_kernel"} <= set(bound_launches), bound_launches
 
 
-def test_the_cache_prefill_launch_binds_to_its_kernel(bound_launches, monkeypatch):
-    """A chunk of prefill over a contiguous KV cache routed to the Hopper forward, as ``test_forward_hopper``'s cache tests route it."""
-    route_like_fixed(monkeypatch, "cache")
+def test_the_cache_prefill_launch_binds_to_its_kernel(bound_launches):
+    """A chunk of prefill over a contiguous KV cache: the Hopper forward."""
     case = CacheCase(seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100, head_dim=64, listed=True)
     run_cache(case, make_cache_inputs(case, torch.float16), "triton")
     assert bound_launches[-1] == "_attn_fwd_hopper_kernel"
