@@ -276,11 +276,12 @@ def test_hopper_dkdv_of_long_packed_sequences_adds_query_chunks(deterministic, h
 
 # Chunks of prefill over a contiguous KV cache (``flash_dma_with_kvcache`` with Sq > 1): each entry's
 # keys are as many as its cache length says (0 included), its band on its own diagonal; a per-key
-# mask read by the loader or walked as a key list, the bias stored with the keys.
+# mask read by the loader or walked as a key list, the bias stored with the keys. num_splits=1: calls
+# this small would otherwise be split over their keys, a form the Triton kernel serves.
 CACHE_CASES = [
-    CacheCase(seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100, head_dim=64, listed=True),
-    CacheCase(seqlen_q=257, new=0, cached=(1000, 513, 129), capacity=1024, head_dim=128, window=(200, 0)),
-    CacheCase(seqlen_q=200, new=200, cached=(700, 100, 0), capacity=1000, heads=8, kv_heads=2, head_dim=128, mask=False),
+    CacheCase(seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100, head_dim=64, listed=True, num_splits=1),
+    CacheCase(seqlen_q=257, new=0, cached=(1000, 513, 129), capacity=1024, head_dim=128, window=(200, 0), num_splits=1),
+    CacheCase(seqlen_q=200, new=200, cached=(700, 100, 0), capacity=1000, heads=8, kv_heads=2, head_dim=128, mask=False, num_splits=1),
 ]
 
 

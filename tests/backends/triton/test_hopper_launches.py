@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flash_dma import build_block_mask, flash_dma_func, flash_dma_varlen_func, pack_mask
-from flash_dma.backends.triton import dispatch, launch
+from flash_dma.backends.triton import configs, dispatch, launch
 from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.layout import call_signature
 from tests.backends.triton.test_kvcache import CacheCase, make_cache_inputs
@@ -21,6 +21,7 @@ from tests.backends.triton.test_varlen import VarlenCase, make_varlen_inputs
 from tests.helpers import Case, kernel_call, make_fp8_inputs, make_inputs
 
 PER_KEY = "B,Hkv,1,Sk"
+H100_SMS = 132
 
 
 @pytest.fixture
@@ -42,6 +43,8 @@ def bound_launches(monkeypatch):
 
     monkeypatch.setattr(launch.Prepared, "run", check)
     monkeypatch.setattr(dispatch, "device_kind", lambda device: "hopper")
+    # An H100's 132 SMs, so that split-KV is chosen as it would be there (the interpreter pretends 8).
+    monkeypatch.setattr(configs, "multiprocessor_count", lambda device: H100_SMS)
     dispatch.route.cache_clear()
     launch.forget_choices()
     yield launched
@@ -102,7 +105,7 @@ def test_the_packed_launches_bind_to_their_kernels(bound_launches):
 
 
 def test_the_cache_prefill_launch_binds_to_its_kernel(bound_launches):
-    """A chunk of prefill over a contiguous KV cache: the Hopper forward."""
-    case = CacheCase(seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100, head_dim=64, listed=True)
+    """A chunk of prefill over a contiguous KV cache, not split over its keys: the Hopper forward."""
+    case = CacheCase(seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100, head_dim=64, listed=True, num_splits=1)
     run_cache(case, make_cache_inputs(case, torch.float16), "triton")
     assert bound_launches[-1] == "_attn_fwd_hopper_kernel"
