@@ -136,7 +136,8 @@ def check_broadcastable(name: str, t, shape: tuple[int, int, int, int, int, int]
     )
     for dim, (label, sizes) in enumerate(allowed):
         if t.shape[dim] not in sizes:
-            options = " or ".join(str(s) for s in sorted(set(sizes)))
+            options = [str(size) for size in sorted(set(sizes))]
+            options = " or ".join([", ".join(options[:-1]), options[-1]] if len(options) > 1 else options)
             raise ValueError(
                 f"{name}: dimension {dim} ({label}) must be {options}, got {t.shape[dim]} "
                 f"(shape {tuple(t.shape)}, broadcast to [B, H, Sq, Sk] = "
@@ -172,9 +173,14 @@ def check_mask_values(mask) -> None:
             raise ValueError("attn_mask: an integer mask must hold only 0 and 1 (use a bool mask, True = attend)")
 
 
+def sizes_allowed(*sizes: int) -> str:
+    """A dimension's allowed sizes as error messages write them, each once: ``1|4|16``, or ``1``."""
+    return "|".join(str(size) for size in dict.fromkeys(sizes))
+
+
 def bias_dtypes(dtype: torch.dtype, owner: str) -> str:
     """A bias's allowed dtypes as errors name them: float32, or float32 and ``owner``'s ``dtype``."""
-    return "float32" if dtype == torch.float32 else f"float32 or {dtype} (the dtype of {owner})"
+    return str(torch.float32) if dtype == torch.float32 else f"{torch.float32} or {dtype} (the dtype of {owner})"
 
 
 def check_bias_tensor(bias, query: torch.Tensor) -> None:
@@ -322,7 +328,7 @@ def fp8_descale(query, key, value, attn_bias, descales) -> torch.Tensor | None:
         if not isinstance(descale, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(descale).__name__}")
         if descale.dtype != torch.float32:
-            raise TypeError(f"{name}: expected dtype float32, got {descale.dtype}")
+            raise TypeError(f"{name}: expected dtype {torch.float32}, got {descale.dtype}")
         if tuple(descale.shape) != (batch, num_kv_heads):
             raise ValueError(f"{name}: expected shape [B, Hkv] = [{batch}, {num_kv_heads}], got {tuple(descale.shape)}")
         if descale.device != query.device:

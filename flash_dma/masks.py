@@ -27,7 +27,7 @@ from flash_dma.backends.triton.configs import triton_interpreting
 from flash_dma.backends.triton.ops import topk_state
 from flash_dma.bit_mask import BitMask, pack_words
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, FULL, PARTIAL, BlockMask, check_block_size, effective_mask_rows
-from flash_dma.inputs import UNBOUNDED, _normalize_window, check_choice, check_int
+from flash_dma.inputs import UNBOUNDED, _normalize_window, check_choice, check_int, sizes_allowed
 from flash_dma.integers import cdiv
 from flash_dma.packed import packed_rows, values_checkable
 from flash_dma.summaries import bit_mask_from_words, block_mask_from_state, check_bit_block_size
@@ -163,11 +163,6 @@ def _majority_per_block(keep: torch.Tensor, block: int) -> torch.Tensor:
     return blocks_kept.repeat_interleave(block, dim=-1)[..., :key_len]
 
 
-def _one_or(size: int) -> str:
-    """A dimension that may broadcast, as an error message writes it: ``1|64``, or ``1`` when it is 1."""
-    return "1" if size == 1 else f"1|{size}"
-
-
 def create_mask(
     attention_bias: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
@@ -228,7 +223,7 @@ def create_mask(
     bias_batch, _, bias_rows, bias_keys = attention_bias.shape
     if bias_batch not in (1, batch_size) or bias_rows not in (1, query_len) or bias_keys != key_len:
         raise ValueError(
-            f"attention_bias: expected shape [{_one_or(batch_size)}, heads, {_one_or(query_len)}, {key_len}] for "
+            f"attention_bias: expected shape [{sizes_allowed(1, batch_size)}, heads, {sizes_allowed(1, query_len)}, {key_len}] for "
             f"batch_size={batch_size}, query_len={query_len}, key_len={key_len}, got {tuple(attention_bias.shape)}"
         )
     if kind == "topk":

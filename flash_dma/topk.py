@@ -15,7 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from flash_dma.backends.reference import valid_indices
-from flash_dma.inputs import AttentionProblem, _check_qkv, _last_dim_contiguous, check_bias_tensor, normalize_settings
+from flash_dma.inputs import (
+    AttentionProblem,
+    _check_qkv,
+    _last_dim_contiguous,
+    check_bias_tensor,
+    normalize_settings,
+    sizes_allowed,
+)
 from flash_dma.masks import listed_bit_mask
 
 # A key listed several times weighs as the sum of its entries' exp(bias - max), each in (0, 1]:
@@ -69,8 +76,8 @@ def _check_topk_bias(bias, query, key, indices) -> None:
     per_key = bias.dim() == 3 and bias.shape[0] in (1, batch) and bias.shape[1] in heads and bias.shape[2] == seqlen_k
     if not (per_pair or per_key):
         raise ValueError(
-            f"attn_bias: expected per pair [1|B, Sq, 1|Hkv|H, W] = [1|{batch}, {seqlen_q}, 1|{num_kv_heads}|{num_heads}, "
-            f"{width}] or per key [1|B, 1|Hkv|H, Sk] = [1|{batch}, 1|{num_kv_heads}|{num_heads}, {seqlen_k}], "
+            f"attn_bias: expected per pair [1|B, Sq, 1|Hkv|H, W] = [{sizes_allowed(1, batch)}, {seqlen_q}, {sizes_allowed(*heads)}, "
+            f"{width}] or per key [1|B, 1|Hkv|H, Sk] = [{sizes_allowed(1, batch)}, {sizes_allowed(*heads)}, {seqlen_k}], "
             f"got shape {tuple(bias.shape)}"
         )
 

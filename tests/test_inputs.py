@@ -51,7 +51,7 @@ BAD_INPUTS = [
     ("mask-rank", dict(attn_mask=_mask(B, SK)), ValueError, r"attn_mask: expected a 4-D tensor .*mask\[:, None, None, :\]"),
     ("mask-batch", dict(attn_mask=_mask(3, 1, 1, SK)), ValueError, r"attn_mask: dimension 0 \(batch\) must be 1 or 2, got 3"),
     ("mask-heads", dict(attn_mask=_mask(B, 3, SQ, SK)), ValueError,
-     r"attn_mask: dimension 1 \(heads\) must be 1 or 2 or 4, got 3"),
+     r"attn_mask: dimension 1 \(heads\) must be 1, 2 or 4, got 3"),
     ("mask-query-len", dict(attn_mask=_mask(B, H, SQ + 1, SK)), ValueError,
      r"attn_mask: dimension 2 \(query length\) must be 1 or 8, got 9"),
     ("mask-key-len", dict(attn_mask=_mask(B, H, SQ, 5)), ValueError,
@@ -61,10 +61,10 @@ BAD_INPUTS = [
     ("mask-int-values", dict(attn_mask=2 * _mask(B, H, SQ, SK, dtype=torch.int32)), ValueError,
      r"attn_mask: an integer mask must hold only 0 and 1"),
     ("bias-dtype", dict(attn_bias=torch.zeros(B, H, SQ, SK, dtype=torch.float16)), TypeError,
-     r"attn_bias: expected dtype float32, got torch.float16"),  # query is float32: one choice
+     r"attn_bias: expected dtype torch.float32, got torch.float16"),  # query is float32: one choice
     ("bias-int", dict(attn_bias=torch.zeros(B, H, SQ, SK, dtype=torch.int64)), TypeError, r"attn_bias: expected dtype"),
     ("bias-heads", dict(attn_bias=torch.zeros(B, 8, SQ, SK)), ValueError,
-     r"attn_bias: dimension 1 \(heads\) must be 1 or 2 or 4, got 8"),
+     r"attn_bias: dimension 1 \(heads\) must be 1, 2 or 4, got 8"),
     ("bias-not-broadcastable", dict(attn_bias=torch.zeros(B, H, 2, SK)), ValueError,
      r"attn_bias: dimension 2 \(query length\) must be 1 or 8, got 2"),
     ("window-negative", dict(window_size=(-2, 0)), ValueError, r"window_size: left size must be -1 \(unbounded\) or >= 0, got -2"),
@@ -87,10 +87,10 @@ BAD_INPUTS = [
      r"k_descale: expected None for torch.float32 inputs \(only float8_e4m3fn inputs take one\)"),
     ("descale-shape", dict(_FP8_QKV, q_descale=torch.ones(B, H)), ValueError, r"q_descale: expected shape \[B, Hkv\] = \[2, 2\], got \(2, 4\)"),
     ("descale-dtype", dict(_FP8_QKV, v_descale=torch.ones(B, HKV, dtype=torch.float16)), TypeError,
-     r"v_descale: expected dtype float32, got torch.float16"),
+     r"v_descale: expected dtype torch.float32, got torch.float16"),
     ("descale-type", dict(_FP8_QKV, q_descale=1.0), TypeError, r"q_descale: expected a torch.Tensor or None, got float"),
     ("fp8-bias-dtype", dict(_FP8_QKV, attn_bias=torch.zeros(B, H, SQ, SK, dtype=torch.float16)), TypeError,
-     r"attn_bias: expected dtype float32 or torch.bfloat16 \(the dtype of the output of FP8 inputs\), got torch.float16"),
+     r"attn_bias: expected dtype torch.float32 or torch.bfloat16 \(the dtype of the output of FP8 inputs\), got torch.float16"),
     ("fp8-bias-grad", dict(_FP8_QKV, attn_bias=torch.zeros(B, H, SQ, SK, requires_grad=True)), ValueError,
      r"attn_bias: FP8 attention has a forward only; expected a tensor that does not require grad"),
 ]
@@ -131,7 +131,7 @@ def test_unavailable_backend_is_explained(monkeypatch):
 def test_a_bias_may_be_float32_or_the_dtype_of_query():
     inputs = {name: t.half() for name, t in _inputs().items()}
     bias = torch.zeros(B, H, SQ, SK, dtype=torch.float64, device=DEVICE)
-    with pytest.raises(TypeError, match=r"^attn_bias: expected dtype float32 or torch.float16 \(the dtype of query\), got torch.float64$"):
+    with pytest.raises(TypeError, match=r"^attn_bias: expected dtype torch.float32 or torch.float16 \(the dtype of query\), got torch.float64$"):
         flash_dma_func(**inputs, attn_bias=bias)
 
 
@@ -157,7 +157,7 @@ def test_a_remembered_validation_still_rejects_a_call_that_differs_in_one_dtype_
         flash_dma_func(**{**inputs, "key": inputs["key"].half()}, attn_mask=mask)
     with pytest.raises(TypeError, match=r"attn_mask: expected a bool .* got torch.float32"):
         flash_dma_func(**inputs, attn_mask=mask.float())
-    with pytest.raises(ValueError, match=r"attn_mask: dimension 1 \(heads\) must be 1 or 2 or 4, got 3"):
+    with pytest.raises(ValueError, match=r"attn_mask: dimension 1 \(heads\) must be 1, 2 or 4, got 3"):
         flash_dma_func(**inputs, attn_mask=_mask(B, 3, SQ, SK, dtype=torch.int32))
     cpu = {name: t.cpu() for name, t in inputs.items()}
     flash_dma_func(**cpu, attn_mask=mask.cpu())

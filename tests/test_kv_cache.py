@@ -101,7 +101,7 @@ def _bad_calls():
         ("paged-with-rows", dict(base, k_cache=pool, v_cache=pool, block_table=table, cache_batch_idx=table[:, 0]), "cache_batch_idx: a paged cache"),
         ("bias-length", dict(base, bias_cache=bias_cache[:, :31]), r"bias_cache: expected shape \[2, 32, 1\|Hkv\|H\]"),
         ("bias-without-cache", dict(base, bias=bias), "bias: new bias values are appended to bias_cache"),
-        ("bias-dtype", dict(base, bias_cache=bias_cache.half()), r"bias_cache: expected dtype float32, got torch.float16"),
+        ("bias-dtype", dict(base, bias_cache=bias_cache.half()), r"bias_cache: expected dtype torch.float32, got torch.float16"),
         ("k-dtype", dict(base, k=k.half()), "k: expected dtype torch.float32"),
         ("k-without-v", dict(base, v=None), "k, v: pass both"),
         ("mask-length", dict(base, attn_mask=torch.ones(B, 1, 1, 31, dtype=torch.bool, device=DEVICE)), "attn_mask: dimension 3"),

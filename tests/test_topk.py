@@ -37,9 +37,13 @@ BAD_INPUTS = [
      r"attn_bias: expected per pair \[1\|B, Sq, 1\|Hkv\|H, W\] = \[1\|2, 8, 1\|2\|4, 3\] or per key "
      r"\[1\|B, 1\|Hkv\|H, Sk\] = \[1\|2, 1\|2\|4, 12\], got shape \(2, 8, 4, 4\)"),
     ("bias-keys-heads", dict(attn_bias=torch.zeros(B, 3, SK)), ValueError, r"attn_bias: expected per pair .* got shape \(2, 3, 12\)"),
+    # One batch entry and one K/V head: each size once (``[1, 8, 1|4, 3]``, not ``[1|1, 8, 1|1|4, 3]``).
+    ("bias-pairs-mqa", dict(query=torch.zeros(1, SQ, H, D), key=torch.zeros(1, SK, 1, D), value=torch.zeros(1, SK, 1, D),
+                            indices=torch.zeros(1, SQ, 1, W, dtype=torch.int32), attn_bias=torch.zeros(1, SQ, 2, W)), ValueError,
+     r"= \[1, 8, 1\|4, 3\] or per key \[1\|B, 1\|Hkv\|H, Sk\] = \[1, 1\|4, 12\]"),
     ("bias-dense", dict(attn_bias=torch.zeros(B, H, SQ, SK)), ValueError, r"attn_bias: expected per pair"),
     ("bias-dtype", dict(attn_bias=torch.zeros(B, H, SK, dtype=torch.float64)), TypeError,
-     r"attn_bias: expected dtype float32, got torch.float64"),
+     r"attn_bias: expected dtype torch.float32, got torch.float64"),
     ("bias-type", dict(attn_bias=1.0), TypeError, r"attn_bias: expected a torch.Tensor or None, got float"),
     ("key-heads", dict(key=torch.zeros(B, SK, 3, D), value=torch.zeros(B, SK, 3, D)), ValueError,
      r"key: the number of query heads \(4\) must be a multiple"),
