@@ -41,23 +41,35 @@ class CheckedValues:
     def _key(tensors) -> tuple:
         return tuple(None if t is None else id(t) for t in tensors)
 
+    @staticmethod
+    def _versions(tensors) -> tuple | None:
+        """The tensors' version counters, or None if one has none (an inference tensor, which
+        may change in place unseen: checked on every call)."""
+        if any(t is not None and t.is_inference() for t in tensors):
+            return None
+        return tuple(None if t is None else t._version for t in tensors)
+
     def passed(self, tensors: tuple, context: tuple) -> bool:
         """Whether ``tensors`` (None entries allowed), as they are now, passed with ``context``."""
         entry = self._entries.get(self._key(tensors))
-        if entry is None:
+        versions = self._versions(tensors)
+        if entry is None or versions is None:
             return False
-        refs, versions, checked_context = entry
+        refs, checked_versions, checked_context = entry
         return (
             all((ref is None and t is None) or (ref is not None and ref() is t) for ref, t in zip(refs, tensors))
-            and versions == tuple(None if t is None else t._version for t in tensors)
+            and checked_versions == versions
             and checked_context == context
         )
 
     def remember(self, tensors: tuple, context: tuple) -> None:
+        versions = self._versions(tensors)
+        if versions is None:
+            return
         if len(self._entries) >= self._max_entries:
             self._entries.clear()
         refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
-        self._entries[self._key(tensors)] = (refs, tuple(None if t is None else t._version for t in tensors), context)
+        self._entries[self._key(tensors)] = (refs, versions, context)
 
 
 def forget_memos() -> None:

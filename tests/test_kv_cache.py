@@ -134,3 +134,15 @@ def test_cache_lengths_are_read_once_per_version_and_checked_again_when_changed(
     with pytest.raises(ValueError, match="cache_seqlens: an entry holds 33 keys"):
         flash_dma_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, backend="reference")
     assert len(reads) == 2
+
+
+def test_inference_tensors_as_lengths_are_checked_on_every_call():
+    """Inference tensors have no version counter: a change in place can't be seen, so every call checks."""
+    k_cache, v_cache, _ = caches()
+    q, _, _, _ = new_tokens()
+    with torch.inference_mode():
+        lengths = torch.tensor([4, 9], dtype=torch.int32, device=DEVICE)
+        flash_dma_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, backend="reference")
+        lengths[1] = CAPACITY + 1
+        with pytest.raises(ValueError, match="cache_seqlens: an entry holds 33 keys"):
+            flash_dma_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, backend="reference")
