@@ -30,8 +30,10 @@ Masks, as the attention function receives them:
 Caches: ``generate()`` works with a DynamicCache and a StaticCache (``cache_implementation="static"``),
 left padding included. Continuous batching (``generate_batch``, ``init_continuous_batching``,
 serving; ``"paged|flash_dma"`` is the same name) hands the attention function every request's new
-tokens packed into one row and a ``PagedAttentionCache`` to update; the requests then run through
-:func:`flash_dma.flash_dma_varlen_func`, one causal problem each. transformers' decode fast path (a
+tokens packed into one row, with a ``PagedAttentionCache`` to update (transformers <= 5.23) or
+the keys the layer read from it (5.24 on); the requests then run through
+:func:`flash_dma.flash_dma_varlen_func`, one causal problem each, as do packed training batches
+(one row with ``cu_seq_lens_q``/``cu_seq_lens_k``). transformers' decode fast path (a
 block table for ``flash_attn_with_kvcache``) is only taken for flash_attention_2/3 kernels; a block
 table handed to flash_dma is refused (``NotImplementedError``) rather than attended without the cache.
 """
@@ -99,15 +101,18 @@ def _within(rows: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return rows[: int(cu_seqlens[-1])] if values_checkable(cu_seqlens) else rows
 
 
-def _paged_attention(module, query, key, value, cache, kwargs: dict, **settings) -> torch.Tensor:
-    """Attention for continuous batching (``generate_batch``, ``init_continuous_batching``).
+def _packed_attention(module, query, key, value, cache, kwargs: dict, **settings) -> torch.Tensor:
+    """Attention over packed sequences (continuous batching: ``generate_batch``,
+    ``init_continuous_batching``; and packed training batches).
 
     transformers packs the new tokens of every request into one row, ``query`` ``[1, H, total_q, D]``
-    with ``cu_seq_lens_q``, and hands the ``PagedAttentionCache``: ``cache.update`` writes the new keys
-    and values into its pages and returns each request's keys, past and new, packed likewise, with
-    ``cu_seq_lens_k``. Each request is then its own causal problem, bottom-right aligned: exactly
-    :func:`flash_dma_varlen_func`. The mask that the models build from the packed positions covers the
-    new tokens only, not the cache, and the sequence bounds already say all it says: it is not used.
+    with ``cu_seq_lens_q``. Up to 5.23 it hands the ``PagedAttentionCache`` (``cache``):
+    ``cache.update`` writes the new keys and values into its pages and returns each request's keys,
+    past and new, packed likewise, with ``cu_seq_lens_k``. From 5.24 the layer updates the cache
+    itself and passes those keys as ``key`` and ``value`` (``cache`` is None). Each request is then
+    its own causal problem, bottom-right aligned: exactly :func:`flash_dma_varlen_func`. The mask that
+    the models build from the packed positions covers the new tokens only, not the cache, and the
+    sequence bounds already say all it says: it is not used.
 
     Returns:
         ``[1, total_q, H, D]``.
@@ -115,17 +120,29 @@ def _paged_attention(module, query, key, value, cache, kwargs: dict, **settings)
     if kwargs.get("block_table") is not None:
         # transformers 5 sends block tables (its decode fast path) only to flash_attention_2/3 kernels.
         raise NotImplementedError(
-            "block_table: flash_dma serves continuous batching through cache.update and packed sequences; "
-            "transformers' decode fast path (a block table, flash_attn_with_kvcache) is not wired to it, "
-            "got a block table"
+            "block_table: flash_dma serves continuous batching through packed sequences; transformers' "
+            "decode fast path (a block table, flash_attn_with_kvcache) is not wired to it, got a block table"
         )
-    k, v, cu_k, max_k, max_q = _cached_keys(module, key, value, cache, kwargs)
+    if cache is not None:
+        k, v, cu_k, max_k, max_q = _cached_keys(module, key, value, cache, kwargs)
+    else:
+        k, v = (t[0].transpose(0, 1) for t in (key, value))  # [total_k, Hkv, D]
+        cu_k, max_k, max_q = kwargs["cu_seq_lens_k"], kwargs["max_length_k"], kwargs["max_length_q"]
     cu_q = kwargs["cu_seq_lens_q"]
     q = query[0].transpose(0, 1)  # [total_q, H, D]
     out = flash_dma_varlen_func(
-        _within(q, cu_q), _within(k, cu_k), _within(v, cu_k), cu_q, cu_k, max_q, max_k, is_causal=True, **settings,
+        _within(q, cu_q), _within(k, cu_k), _within(v, cu_k), cu_q, cu_k, int(max_q), int(max_k), is_causal=True,
+        **settings,
     )
     return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, q.shape[0] - out.shape[0]))[None]
+
+
+def _packed_call(query: torch.Tensor, cache, kwargs: dict) -> bool:
+    """Whether transformers hands packed sequences: a paged cache (continuous batching up to 5.23),
+    or one row with their bounds (continuous batching from 5.24, packed training batches)."""
+    if _is_paged_cache(cache):
+        return True
+    return query.shape[0] == 1 and kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None
 
 
 @functools.cache
@@ -184,10 +201,11 @@ def flash_dma_attention_forward(
         softcap: logit soft-capping (Gemma 2), or None.
         sliding_window: without a 4-D mask, keys more than ``sliding_window - 1`` positions before
             the query are not attended (Mistral-style windows); a 4-D mask already holds the window.
-        cache: transformers' ``PagedAttentionCache`` under continuous batching (then ``kwargs``
-            holds its ``cu_seq_lens_q``/``cu_seq_lens_k``, ``max_length_q``/``max_length_k`` and cache
-            indices); None otherwise.
-        kwargs: other model arguments; only continuous batching's are read.
+        cache: transformers' ``PagedAttentionCache`` under continuous batching up to 5.23; None
+            otherwise.
+        kwargs: other model arguments; only those of packed sequences are read
+            (``cu_seq_lens_q``/``cu_seq_lens_k``, ``max_length_q``/``max_length_k`` and, with a
+            paged cache, its indices).
 
     Returns:
         ``(out [B, Sq, H, D], None)``: attention weights are never materialised.
@@ -200,9 +218,10 @@ def flash_dma_attention_forward(
         raise ValueError(f"sliding_window: expected an int or None, got {sliding_window!r}")
     window_left = -1 if sliding_window is None else sliding_window - 1
     softcap = 0.0 if softcap is None else softcap
-    if _is_paged_cache(cache):
+    if _packed_call(query, cache, kwargs):
         settings = dict(softmax_scale=scaling, window_size=(window_left, -1), softcap=softcap)
-        return _paged_attention(module, query, key, value, cache, kwargs, **settings), None
+        paged = cache if _is_paged_cache(cache) else None
+        return _packed_attention(module, query, key, value, paged, kwargs, **settings), None
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     attn_mask = attn_bias = None

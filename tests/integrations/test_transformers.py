@@ -13,7 +13,7 @@ from transformers.masking_utils import create_causal_mask, sliding_window_causal
 from flash_dma import flash_dma_varlen_func
 from flash_dma.integrations.transformers import (
     ATTENTION_NAME,
-    _paged_attention,
+    _packed_attention,
     flash_dma_attention_forward,
     flash_dma_mask,
     register,
@@ -183,12 +183,22 @@ def test_padded_continuous_batches_leave_the_padding_rows_out():
     q, k, v = random_qkv(batch=1, seqlen_q=8, seqlen_k=10)
     cu_q, cu_k = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
     kwargs = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=3, max_length_k=6)
-    out = _paged_attention(CausalLayer(), q, None, None, PackedCache(k, v), kwargs)
+    out = _packed_attention(CausalLayer(), q, None, None, PackedCache(k, v), kwargs)
     expected = flash_dma_varlen_func(
         *(t[0, :, :rows].transpose(0, 1) for t, rows in ((q, 5), (k, 9), (v, 9))), cu_q, cu_k, 3, 6, is_causal=True
     )
     assert out.shape == (1, 8, 4, 16)
     assert torch.equal(out[0, :5], expected) and not out[0, 5:].any()
+
+
+def test_packed_keys_without_a_cache_are_attended_as_packed_sequences():
+    # transformers 5.24 on: the layer reads the paged cache itself and hands its keys with the bounds;
+    # so do packed training batches. The same result as through the cache.
+    q, k, v = random_qkv(batch=1, seqlen_q=8, seqlen_k=10)
+    cu_q, cu_k = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    kwargs = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=3, max_length_k=6)
+    out, _ = flash_dma_attention_forward(CausalLayer(), q, k, v, None, **kwargs)
+    assert torch.equal(out, _packed_attention(CausalLayer(), q, None, None, PackedCache(k, v), dict(kwargs)))
 
 
 class IndexedCache(PackedCache):
@@ -205,16 +215,16 @@ def test_continuous_batching_before_transformers_5_23_reads_its_cache_api():
     kwargs = dict(cu_seq_lens_q=cu_q, max_seqlen_q=3, read_index=[], write_index=[],
                   cu_seq_lens_k={"full_attention": cu_k, "sliding_attention": None},
                   max_seqlen_k={"full_attention": 6, "sliding_attention": None})
-    out = _paged_attention(CausalLayer(), q, None, None, IndexedCache(k, v), kwargs)
+    out = _packed_attention(CausalLayer(), q, None, None, IndexedCache(k, v), kwargs)
     current = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=3, max_length_k=6)
-    assert torch.equal(out, _paged_attention(CausalLayer(), q, None, None, PackedCache(k, v), current))
+    assert torch.equal(out, _packed_attention(CausalLayer(), q, None, None, PackedCache(k, v), current))
 
 
 def test_a_block_table_is_refused_rather_than_attending_without_the_cache():
     q, k, v = random_qkv(batch=1)
     kwargs = dict(block_table=torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match=r"block_table: flash_dma serves continuous batching through"):
-        _paged_attention(CausalLayer(), q, k, v, PackedCache(k, v), kwargs)
+        _packed_attention(CausalLayer(), q, k, v, PackedCache(k, v), kwargs)
 
 
 def test_gradients_match_sdpa(llama_pair):

@@ -66,6 +66,8 @@ def head_dim_tile(head_dim: int) -> int:
 
 # (query rows, keys) per tile of each pass: 64 per math warpgroup along the axis the pass owns.
 TILES = {"forward": (128, 128), "dq": (128, 64), "dkdv": (64, 128)}
+# A barrier of the CTA's threads: Gluon's ``thread_barrier`` until triton 3.8 named it ``barrier``.
+cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 # Registers per thread: each math warpgroup 240, the loader 24 (setmaxnreg); a kernel starts with
 # MAX_REGISTERS over its 3 warpgroups, and 2 x 128 x 240 + 128 x 24 <= 168 x 384.
 MATH_REGISTERS = gl.constexpr(240)

@@ -51,6 +51,7 @@ from flash_dma.backends.triton.hopper.common import (
     TILES,
     WORD_BITS,
     Item,
+    cta_barrier,
     get,
     head_dim_tile,
     hopper_arguments,
@@ -394,7 +395,7 @@ def _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row,
     if p.STAGED_DBIAS:
         staging = bufs.dbias.index(HALF)  # [1, rows, keys]
         tma.store_wait(0)
-        gl.thread_barrier()  # the thread that issued the last store has seen it read the tile
+        cta_barrier()  # the thread that issued the last store has seen it read the tile
         staging.reshape([p.BLOCK_M, p.BLOCK_N // 2]).permute((1, 0)).store(values.to(p.DBias.dtype.element_ty))
         fence_async_shared()
         # Rows past Sq are clipped at the (batch, head)'s own end: the next one's rows follow them.
