@@ -1,15 +1,16 @@
-# Two entry points, each self-installing into .venv:
-#   make demo   the main job
-#   make test   the test suite (CPU: kernels run under the Triton interpreter)
-# and one check of the stated version range's top end:
-#   make test-latest   the same suite in .venv-latest, with the newest torch, triton, numpy and
-#                      transformers that pip resolves today (no constraints; re-resolved each run)
+# Two entry points, each self-installing:
+#   make demo   the main job (.venv)
+#   make test   the test suite (CPU: kernels run under the Triton interpreter) at both ends of the
+#               tested version range, as CI runs it:
+#     make test-pinned   the pins of constraints/cpu.txt, in .venv
+#     make test-latest   the newest torch, triton, numpy and transformers that pip resolves today,
+#                        in .venv-latest (no constraints; re-resolved each run)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-latest clean
+.PHONY: demo test test-pinned test-latest clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +20,9 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 demo: $(STAMP)
 	$(BIN)/flash-dma demo
 
-test: $(STAMP)
+test: test-pinned test-latest
+
+test-pinned: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 # PyPI's Linux torch is the CUDA build (it runs on the CPU too, but brings some GB of nvidia-*
