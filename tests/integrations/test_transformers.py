@@ -242,7 +242,8 @@ def test_padded_causal_mask_stays_two_dimensional(llama_pair):
     _, ours = llama_pair
     input_ids, attention_mask = token_batch()
     embeds = ours.model.embed_tokens(input_ids)
-    mask = create_causal_mask(ours.config, embeds, attention_mask.bool(), past_key_values=None)
+    # No cache, by position: transformers 5.24 renamed the parameter past_key_values to cache.
+    mask = create_causal_mask(ours.config, embeds, attention_mask.bool(), None)
     assert mask.shape == (3, 21) and torch.equal(mask, attention_mask.bool())
     assert create_causal_mask(ours.config, embeds, torch.ones_like(attention_mask, dtype=torch.bool), None) is None
 
