@@ -147,6 +147,12 @@ def _attention_leaves(target: Target, gen: torch.Generator, shape_q, shape_kv, b
     })
 
 
+def _dims(case, spec: str) -> tuple[int, ...]:
+    """A mask's or bias's shape from ``spec`` (``"B,Hkv,1,Sk"``-like) and ``case``'s sizes."""
+    sizes = {"B": case.batch, "H": case.heads, "Hkv": case.kv_heads, "Sq": case.seqlen_q, "Sk": case.seqlen_k}
+    return tuple(sizes.get(s, 1) for s in spec.split(","))  # "1" is a broadcast dimension
+
+
 @dataclasses.dataclass(frozen=True)
 class Attention:
     """``flash_dma_func`` forward and backward. Mask and bias shapes are written like ``"B,Hkv,1,Sk"``.
@@ -175,15 +181,11 @@ class Attention:
     deterministic: bool = False
     query_chunks: int = 0
 
-    def _dims(self, spec: str) -> tuple[int, ...]:
-        sizes = {"B": self.batch, "H": self.heads, "Hkv": self.kv_heads, "Sq": self.seqlen_q, "Sk": self.seqlen_k}
-        return tuple(sizes.get(s, 1) for s in spec.split(","))  # "1" is a broadcast dimension
-
     def run(self, target: Target, gen: torch.Generator) -> Results:
         shape_q = (self.batch, self.seqlen_q, self.heads, self.head_dim)
         shape_kv = (self.batch, self.seqlen_k, self.kv_heads, self.head_dim)
-        leaves = _attention_leaves(target, gen, shape_q, shape_kv, self._dims(self.bias) if self.bias else None)
-        mask = target.ints(_keep(self._dims(self.mask), self.mask_kind, gen)) if self.mask else None
+        leaves = _attention_leaves(target, gen, shape_q, shape_kv, _dims(self, self.bias) if self.bias else None)
+        mask = target.ints(_keep(_dims(self, self.mask), self.mask_kind, gen)) if self.mask else None
         block_mask = None
         if self.walk == "summary":
             block_mask = build_block_mask(mask, block_size=self.block_size)
@@ -222,13 +224,12 @@ class Fp8:
     block_size: tuple[int, int] = (128, 128)
 
     def run(self, target: Target, gen: torch.Generator) -> Results:
-        dims = Attention(self.batch, self.seqlen_q, self.seqlen_k, self.heads, self.kv_heads, self.head_dim)._dims
         shape_q = (self.batch, self.seqlen_q, self.heads, self.head_dim)
         shape_kv = (self.batch, self.seqlen_k, self.kv_heads, self.head_dim)
         q, k, v = (torch.randn(shape, generator=gen).to(target.device, FP8_DTYPE) for shape in (shape_q, shape_kv, shape_kv))
         descales = {name: target.floats(0.5 + 1.5 * torch.rand(self.batch, self.kv_heads, generator=gen), fp32=True) for name in DESCALES}
-        bias = target.floats(torch.randn(dims(self.bias), generator=gen), fp32=True) if self.bias else None
-        mask = target.ints(_keep(dims(self.mask), "blocks", gen)) if self.mask else None
+        bias = target.floats(torch.randn(_dims(self, self.bias), generator=gen), fp32=True) if self.bias else None
+        mask = target.ints(_keep(_dims(self, self.mask), "blocks", gen)) if self.mask else None
         block_mask = build_block_mask(mask, block_size=self.block_size) if self.walk == "summary" else None
         out, lse = flash_dma_func(
             q, k, v, mask, bias, is_causal=self.causal, block_mask=block_mask, return_lse=True, backend=target.backend, **descales,

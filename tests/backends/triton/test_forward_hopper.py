@@ -219,8 +219,8 @@ VARLEN_CASES = [
 
 
 @pytest.fixture
-def hopper_packed(monkeypatch):
-    """The passes of packed sequences that the Hopper kernels took (``hopper_passes``)."""
+def hopper_taken(monkeypatch):
+    """The passes that the Hopper kernels took (``hopper_passes``), with fresh launch choices."""
     forget_choices()
     yield hopper_passes(monkeypatch)
     forget_choices()
@@ -228,7 +228,7 @@ def hopper_packed(monkeypatch):
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
-def test_hopper_kernels_of_packed_sequences_match_reference(case, dtype, hopper_packed, poison_outputs):
+def test_hopper_kernels_of_packed_sequences_match_reference(case, dtype, hopper_taken, poison_outputs):
     """The forward, dQ and dK/dV (with the per-key bias gradient) of packed sequences on the Hopper kernels."""
     inputs = make_varlen_inputs(case, dtype)
     block_mask = None
@@ -239,7 +239,7 @@ def test_hopper_kernels_of_packed_sequences_match_reference(case, dtype, hopper_
     out, lse = flash_dma_varlen_func(**inputs, **varlen_settings(case), block_mask=block_mask, return_lse=True, backend="triton")
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
     out.backward(dout)
-    assert sorted(hopper_packed) == ["dkdv", "dq", "forward"]
+    assert sorted(hopper_taken) == ["dkdv", "dq", "forward"]
     oracle_out, oracle_lse, oracle = reference_varlen(case, inputs, block_mask, dout, torch.float64)
     base_out, base_lse, baseline = reference_varlen(case, inputs, block_mask, dout, dtype)
     assert_close("out", out, oracle_out, base_out)
@@ -248,7 +248,7 @@ def test_hopper_kernels_of_packed_sequences_match_reference(case, dtype, hopper_
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_hopper_dkdv_of_long_packed_sequences_adds_query_chunks(deterministic, hopper_packed, poison_outputs):
+def test_hopper_dkdv_of_long_packed_sequences_adds_query_chunks(deterministic, hopper_taken, poison_outputs):
     """A sequence long enough that dK/dV splits its queries into chunks: added by atomics into
     zeroed scratch, or written to slices of their own and summed in order (bit-identical runs)."""
     case = VarlenCase(lens_q=(2048, 300), lens_k=(2048, 300), head_dim=64, mask="sequence", bias="sequence", causal=True)
@@ -263,7 +263,7 @@ def test_hopper_dkdv_of_long_packed_sequences_adds_query_chunks(deterministic, h
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
         leaves = [inputs[name] for name in ("q", "k", "v", "attn_bias")]
         grads.append(torch.autograd.grad(out, leaves, dout))
-    assert "dkdv" in hopper_packed
+    assert "dkdv" in hopper_taken
     oracle_out, _, oracle = reference_varlen(case, inputs, block_mask, dout, torch.float64)
     base_out, _, baseline = reference_varlen(case, inputs, block_mask, dout, dtype)
     assert_close("out", out, oracle_out, base_out)
@@ -285,20 +285,12 @@ CACHE_CASES = [
 ]
 
 
-@pytest.fixture
-def hopper_cache(monkeypatch):
-    """The passes of a contiguous KV cache's calls that the Hopper forward took (``hopper_passes``)."""
-    forget_choices()
-    yield hopper_passes(monkeypatch)
-    forget_choices()
-
-
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", CACHE_CASES, ids=str)
-def test_hopper_forward_of_a_cache_prefill_matches_reference(case, dtype, hopper_cache):
+def test_hopper_forward_of_a_cache_prefill_matches_reference(case, dtype, hopper_taken):
     inputs = make_cache_inputs(case, dtype)
     out, lse, *caches = run_cache(case, inputs, "triton")
-    assert hopper_cache == ["forward"]
+    assert hopper_taken == ["forward"]
     expected = run_cache(case, inputs, "reference")
     # The reference computes in fp32 and rounds once; the kernels round P to the input dtype too
     # (``test_kvcache.test_kvcache_matches_reference``'s tolerance).
