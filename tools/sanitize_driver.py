@@ -546,6 +546,8 @@ CASES = {
         _attention("attn-keys-d128-deterministic", batch=2, seqlen_q=17, seqlen_k=257, heads=4, kv_heads=1,
                    head_dim=128, mask="B,Hkv,1,Sk", mask_kind="rows", bias="1,1,1,Sk", causal=True, walk="listed",
                    deterministic=True),
+        _attention("attn-keys-d64-pair-bias-chunks", batch=2, seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=64,
+                   mask="B,Hkv,1,Sk", bias="B,H,Sq,Sk", causal=True, walk="listed", query_chunks=3),
         _attention("attn-blockmask-d64-window", batch=2, seqlen_q=129, seqlen_k=129, heads=4, kv_heads=2, head_dim=64,
                    mask="1,1,Sq,Sk", mask_kind="blocks", bias="B,H,Sq,1", window=(40, 40), walk="summary"),
         # BitMasks: the Hopper kernels read the words (and a D = 64 per-pair bias) staged by TMA.
@@ -615,6 +617,12 @@ CASES = {
         # forward's cache path once routed.
         _decode("cache-prefill-contiguous-listed", batch=3, seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100,
                 heads=4, kv_heads=2, head_dim=64, bias_heads=2, listed=True),
+        # The same through cache_batch_idx and through pages of whole key tiles (the Hopper forward's
+        # indexed cache), the tiles past each entry's keys read and zeroed.
+        _decode("cache-prefill-rows", batch=3, seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100,
+                heads=4, kv_heads=2, head_dim=64, rows=True, bias_heads=2, num_splits=1),
+        _decode("cache-prefill-pages-d128", batch=3, seqlen_q=129, new=129, cached=(300, 0, 700), capacity=1024,
+                heads=4, kv_heads=2, head_dim=128, page_size=256, bias_heads=4, num_splits=1),
         # flash_dma_varlen_func: packed sequences (one empty, one of length 1), forward and backward.
         _varlen("varlen-keys-causal", lens_q=(5, 0, 33, 1, 17), lens_k=(9, 3, 33, 1, 129), heads=4, kv_heads=2,
                 head_dim=64, mask="packed", bias="packed", causal=True, walk="listed"),

@@ -572,17 +572,24 @@ def kvcache_cases(quick: bool = False) -> list[Case]:
 
 def forms_cases(quick: bool = False) -> list[Case]:
     """The plain llm call at 16K keep 1/8 (and its FP8 forward, also at keep 1), then the same call
-    in each other form, a chunk of prefill over a KV cache against the same problem without one,
+    in each other form, a chunk of prefill over a KV cache (contiguous, and paged at keep 1) against
+    the same problem without one,
     and the llm call at other head dims against Flex; ``quick`` leaves out the head dims (a Flex
     compilation each)."""
     plain = Case("forms", "prefill", **LLM_SHAPE, seqlen_q=FORMS_LENGTH, seqlen_k=FORMS_LENGTH, keep=FORMS_KEEP,
                  methods=("flash-dma", "flash-dma-fp8"), modes=MODES)
     single = replace(plain, methods=("flash-dma",))
+    prefill = Case(
+        "forms", "prefill", **LLM_SHAPE, seqlen_q=FORMS_PREFILL_QUERIES, seqlen_k=FORMS_CACHE_LENGTH, keep=FORMS_KEEP,
+        methods=("flash-dma-kvcache", "flash-dma-nocache"), modes=("fwd",), mask="random", kv_layout="contiguous",
+    )
     forms = [
         plain, replace(plain, keep=1, modes=("fwd",)),
         replace(single, softcap=FORMS_SOFTCAP), replace(single, deterministic=True, modes=("fwdbwd",)),
-        Case("forms", "prefill", **LLM_SHAPE, seqlen_q=FORMS_PREFILL_QUERIES, seqlen_k=FORMS_CACHE_LENGTH, keep=FORMS_KEEP,
-             methods=("flash-dma-kvcache", "flash-dma-nocache"), modes=("fwd",), mask="random", kv_layout="contiguous"),
+        prefill,
+        # Every key kept (no mask): a paged cache's pages read whole, against the contiguous call without a cache.
+        replace(prefill, keep=1, methods=("flash-dma-nocache",)),
+        replace(prefill, keep=1, methods=("flash-dma-kvcache",), kv_layout="paged"),
     ]
     if quick:  # one Flex compilation per head dim and mode: minutes
         return forms

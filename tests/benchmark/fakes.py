@@ -125,8 +125,9 @@ def passing_results() -> list[Result]:
         else:
             ms, tbps = 0.01, 1.75
         rows.append(row(kv, "flash-dma-kvcache", "fwd", ms=ms, gbps=tbps * 1e3))
-    plain, keep_all, softcap, deterministic, prefill, *head_dims = forms_cases()
+    plain, keep_all, softcap, deterministic, prefill, prefill_all, paged_all, *head_dims = forms_cases()
     rows += [row(prefill, "flash-dma-kvcache", "fwd", ms=0.5), row(prefill, "flash-dma-nocache", "fwd", ms=0.48)]
+    rows += [row(prefill_all, "flash-dma-nocache", "fwd", ms=4.0), row(paged_all, "flash-dma-kvcache", "fwd", ms=4.1)]
     for fp8_case, bf16_ms in ((plain, 0.3), (keep_all, 1.5)):  # FP8 at 1.6x the bfloat16 speed
         rows.append(row(fp8_case, "flash-dma-fp8", "fwd", ms=bf16_ms / 1.6))
     rows.append(row(keep_all, "flash-dma", "fwd", ms=1.5))

@@ -246,7 +246,7 @@ def test_kvcache_suite_decodes_over_full_caches():
 
 
 def test_forms_suite_is_the_plain_call_then_each_form():
-    plain, keep_all, softcap, deterministic, prefill, *head_dims = build_cases("forms")
+    plain, keep_all, softcap, deterministic, prefill, prefill_all, paged_all, *head_dims = build_cases("forms")
     assert (plain.seqlen_k, plain.keep, plain.softcap, plain.deterministic) == (16384, 1 / 8, 0.0, False)
     assert plain.methods == ("flash-dma", "flash-dma-fp8") and keep_all == replace(plain, keep=1, modes=("fwd",))
     assert softcap == replace(plain, softcap=30.0, methods=("flash-dma",)) and softcap.label == "S=16384 keep=1/8 softcap=30"
@@ -257,4 +257,6 @@ def test_forms_suite_is_the_plain_call_then_each_form():
     assert (prefill.seqlen_q, prefill.seqlen_k, prefill.kv_layout, prefill.methods) == (
         4096, 65536, "contiguous", ("flash-dma-kvcache", "flash-dma-nocache"))
     assert prefill.label == "Sq=4096 Sk=65536 keep=1/8 random contiguous"
-    assert build_cases("forms", quick=True) == [plain, keep_all, softcap, deterministic, prefill]
+    assert prefill_all == replace(prefill, keep=1, methods=("flash-dma-nocache",))
+    assert paged_all == replace(prefill, keep=1, methods=("flash-dma-kvcache",), kv_layout="paged")
+    assert build_cases("forms", quick=True) == [plain, keep_all, softcap, deterministic, prefill, prefill_all, paged_all]

@@ -88,16 +88,18 @@ ROUTES = (
     # flash_dma_topk_func: keys listed per query, gathered (``topk_forward.py``, ``topk_backward.py``).
     Route(TOPK, PASSES, walk=("indices",)),
     Route(HOPPER, ("forward",), **_HOPPER_FORMS, head_dim=FORWARD_HEAD_DIMS),
-    Route(HOPPER, ("dq",), **_HOPPER_FORMS, head_dim=HEAD_DIMS),
-    # A key list's columns are the Triton kernel's.
-    Route(HOPPER, ("dkdv",), **_HOPPER_FORMS, head_dim=HEAD_DIMS, walk=("dense", "blocks")),
+    Route(HOPPER, ("dq", "dkdv"), **_HOPPER_FORMS, head_dim=HEAD_DIMS),
     # Packed sequences (varlen): per-key masks and biases only, walked by summaries or densely (a key
     # list is gathered per batch entry, not per sequence).
     Route(HOPPER, PASSES, **{**_HOPPER_FORMS, "sequences": ("packed",), "mask": ("none", "keys")}, head_dim=HEAD_DIMS,
           bias=("none", "keys"), walk=("dense", "blocks")),
-    # Chunked prefill over a contiguous KV cache: the forward (a cache call has no backward).
+    # Chunked prefill over a KV cache: the forward (a cache call has no backward). Its entries' keys
+    # lie in their own rows, rows that cache_batch_idx names, or pages of whole key tiles; a key list
+    # is gathered from batch rows, so an indexed cache's takes the Triton kernel.
     Route(HOPPER, ("forward",), **{**_HOPPER_FORMS, "sequences": ("cache",), "mask": ("none", "keys")},
           head_dim=FORWARD_HEAD_DIMS, bias=("none", "keys")),
+    Route(HOPPER, ("forward",), **{**_HOPPER_FORMS, "sequences": ("cache-indexed",), "mask": ("none", "keys")},
+          head_dim=FORWARD_HEAD_DIMS, bias=("none", "keys"), walk=("dense", "blocks")),
     # FP8 (forward only): the Hopper forward reads it as it is; every other form is dequantized to
     # float32 for the Triton kernel (``forward.attention_forward``).
     Route(HOPPER, ("forward",), **{**_HOPPER_FORMS, "dtype": ("fp8",)}, head_dim=FORWARD_HEAD_DIMS),
@@ -122,10 +124,11 @@ def device_kind(device: torch.device) -> str:
 
 def form_of(
     pass_: str, call: Call, sequences: Sequences | None = None, split: bool = False, dout: torch.Tensor | None = None,
-    indexed: bool = False,
+    indexed: bool = False, page_size: int = 0,
 ) -> Form:
     """The form of ``pass_`` of ``call`` (``dout`` for the backward's alignment; ``indexed``: a KV
-    cache whose entries find their keys through ``cache_batch_idx`` or a block table)."""
+    cache whose entries find their keys through ``cache_batch_idx`` or a block table of pages of
+    ``page_size`` keys, aligned when each key tile lies within one page)."""
     q = call.q
     walked = call.kv_lists if pass_ != "dkdv" else call.q_lists
     walk = "keys" if call.key_list is not None else _WALKS[walk_kind(walked, None)]
@@ -136,6 +139,7 @@ def form_of(
     aligned = (
         call.list_block_q % block_m == 0 and call.list_block_k % block_n == 0 and q.numel() > 0 and call.k.numel() > 0
         and tma_aligned(*tensors) and not (pair_bias and bias.stride(3) != 1)  # consecutive keys (``hopper/common.pair_offsets``)
+        and page_size % block_n == 0
     )
     return Form(
         device=device_kind(q.device),

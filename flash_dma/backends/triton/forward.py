@@ -28,6 +28,7 @@ from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
     SEQ_PACKED,
     SPECIALIZED,
+    CachePages,
     Call,
     Sequences,
     call_signature,
@@ -294,19 +295,6 @@ forward_launcher = Launcher(
 combine_launcher = Launcher(_combine_splits_kernel, tensors=("OutSplits", "LseSplits", "Out", "Lse"), specialized=("head_dim",))
 
 
-class CachePages(NamedTuple):
-    """How cached entries find their keys (``flash_dma_with_kvcache``).
-
-    ``rows``: ``[B]`` int32 cache row of each entry (``cache_batch_idx``), or None for row b.
-    ``block_table``: ``[B, max_pages]`` int32 page of each entry's ``page_size`` consecutive keys,
-    with K and V then a pool ``[1, pages * page_size, Hkv, D]``; or None for a contiguous cache.
-    """
-
-    rows: torch.Tensor | None
-    block_table: torch.Tensor | None
-    page_size: int
-
-
 def split_count(programs: int, seqlen_k: int, device: torch.device) -> int:
     """Split-KV parts: about two programs per multiprocessor (measured faster than one wave at Sk = 512K)."""
     sms = configs.multiprocessor_count(device)
@@ -342,10 +330,11 @@ def attention_forward(
     """
     sequences = sequences or packed_sequences(call)
     indexed = cache is not None and (cache.rows is not None or cache.block_table is not None)
-    signature = (call_signature(call), sequences_signature(sequences), indexed, num_splits, device_kind(call.q.device))
+    page_size = cache.page_size if cache is not None and cache.block_table is not None else 0
+    signature = (call_signature(call), sequences_signature(sequences), indexed, page_size, num_splits, device_kind(call.q.device))
     plan = _PLANS.get(signature)
     if plan is None:
-        plan = _PLANS.remember(signature, _plan(call, sequences, num_splits, indexed))
+        plan = _PLANS.remember(signature, _plan(call, sequences, num_splits, indexed, page_size))
     q, k, key_list, kv_lists = call.q, call.k, call.key_list, call.kv_lists
     if call.descale is not None and not plan.hopper:  # FP8 without a kernel of its own: dequantized
         q_descale, k_descale, v_descale = call.descale.unbind(-1)
@@ -355,7 +344,7 @@ def attention_forward(
     out = torch.empty(q.shape, dtype=output_dtype(q.dtype), device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
     if plan.hopper:
-        hopper_forward(call, out, lse, signature, sequences)
+        hopper_forward(call, out, lse, signature, sequences, cache)
         return out, lse
     pack_gqa, rows, num_splits = plan.pack_gqa, plan.rows, plan.num_splits
     list_block_q, list_block_k = call.list_block_q, call.list_block_k
@@ -436,7 +425,7 @@ class _Plan(NamedTuple):
 _PLANS = Memo()
 
 
-def _plan(call: Call, sequences: Sequences | None, num_splits: int | None, indexed: bool) -> _Plan:
+def _plan(call: Call, sequences: Sequences | None, num_splits: int | None, indexed: bool, page_size: int) -> _Plan:
     q, k = call.q, call.k
     batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
     num_heads, num_kv_heads = q.shape[2], k.shape[2]
@@ -453,7 +442,8 @@ def _plan(call: Call, sequences: Sequences | None, num_splits: int | None, index
         programs = batch * (num_kv_heads if pack_gqa else num_heads) * cdiv(rows, 64)
         num_splits = split_count(programs, seqlen_k, q.device)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
-    hopper = route("forward", form_of("forward", call, sequences, split=num_splits > 1 or pack_gqa, indexed=indexed)) == HOPPER
+    split = num_splits > 1 or pack_gqa
+    hopper = route("forward", form_of("forward", call, sequences, split=split, indexed=indexed, page_size=page_size)) == HOPPER
     if not hopper and sequences is not None and sequences.kind == SEQ_PACKED:
         # A split is chosen from the longest sequence's size; the Hopper forward, which takes packed
         # sequences whole, needs none.

@@ -87,17 +87,18 @@ def _key_list_kernel(
 
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_k", "num_kv_heads"])
 def _gather_kept_kernel(
-    K, V, KeyList, KeptK, KeptV,
+    K, V, KeyList, KeptK, KeptV, Lengths,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, seqlen_k, num_kv_heads, head_dim,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    LENGTHS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Slots ``[BLOCK * program_id(0), +BLOCK)`` of one (batch, kv head)'s list:
     ``KeptK[b, slot, h] = K[b, order[slot], h]``, and V alike.
 
     Only tiles that hold a kept key are written, and they are written whole: their slots past
-    the kept count gather dropped keys, which are finite, so that a kernel masking their scores
-    never multiplies a probability of 0 by an unwritten (possibly NaN) row.
+    the kept count hold zeros, so that a kernel masking their scores never multiplies a
+    probability of 0 by an unwritten row, nor by a dropped key's. With LENGTHS, kept keys at or
+    past ``Lengths[b]`` are zeros too: a KV cache's slots past an entry's keys may hold NaN.
     """
     b = tl.program_id(1) // num_kv_heads
     h = tl.program_id(1) % num_kv_heads
@@ -111,16 +112,19 @@ def _gather_kept_kernel(
         keys = tl.load(order + slots, mask=slots < seqlen_k, other=0).to(tl.int64)
         kept_rows = b.to(tl.int64) * stride_ob + h * stride_oh + slots.to(tl.int64)[:, None] * stride_os + cols[None, :]
         k_rows = b.to(tl.int64) * stride_kb + h * stride_kh + keys[:, None] * stride_ks + cols[None, :]
-        tl.store(KeptK + kept_rows, tl.load(K + k_rows, mask=real), mask=real)
+        listed = real & (slots < kept)[:, None]
+        if LENGTHS:
+            listed = listed & (keys < tl.load(Lengths + b))[:, None]
+        tl.store(KeptK + kept_rows, tl.load(K + k_rows, mask=listed, other=0.0), mask=real)
         v_rows = b.to(tl.int64) * stride_vb + h * stride_vh + keys[:, None] * stride_vs + cols[None, :]
-        tl.store(KeptV + kept_rows, tl.load(V + v_rows, mask=real), mask=real)
+        tl.store(KeptV + kept_rows, tl.load(V + v_rows, mask=listed, other=0.0), mask=real)
 
 
 count_launcher = Launcher(_kept_count_kernel, tensors=("Mask", "Counts"), specialized=())
 key_list_launcher = Launcher(_key_list_kernel, tensors=("Mask", "Counts", "KeyList"), specialized=())
 # Strides divisible by 16 let whole rows move as 16-byte vectors.
 gather_launcher = Launcher(
-    _gather_kept_kernel, tensors=("K", "V", "KeyList", "KeptK", "KeptV"),
+    _gather_kept_kernel, tensors=("K", "V", "KeyList", "KeptK", "KeptV", "Lengths"),
     specialized=(
         "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
         "stride_ob", "stride_os", "stride_oh", "head_dim",
@@ -165,12 +169,16 @@ def build_key_list(mask: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     return key_list
 
 
-def gather_kept_keys(k: torch.Tensor, v: torch.Tensor, key_list: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kept_keys(
+    k: torch.Tensor, v: torch.Tensor, key_list: torch.Tensor, lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the kept keys, in list order, for kernels that copy whole tiles of them.
 
     Args:
         k, v: ``[B, Sk, Hkv, D]`` (last dimension contiguous).
         key_list: ``[1|B, 1|Hkv, 2, Sk + 1]`` from :func:`build_key_list`.
+        lengths: ``[B]`` int32 keys of each entry (a KV cache's), or None for all ``Sk``: the
+            kept keys past an entry's length are gathered as zeros.
 
     Returns:
         ``(kept_k, kept_v)``, contiguous ``[B, Sk, Hkv, D]``: slot ``j`` of (b, h) holds the key at
@@ -180,16 +188,16 @@ def gather_kept_keys(k: torch.Tensor, v: torch.Tensor, key_list: torch.Tensor) -
     batch, seqlen_k, num_kv_heads, head_dim = k.shape
     kept_k = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     kept_v = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    tensors = [k, v, key_list, kept_k, kept_v]
+    tensors = [k, v, key_list, kept_k, kept_v, key_list if lengths is None else lengths]
     block_d = configs.next_power_of_2(head_dim)
     list_strides = broadcast_strides(key_list)
 
     def build():
         args = [*tensors, *k.stride()[:3], *v.stride()[:3], *kept_k.stride()[:3], *list_strides[:2], seqlen_k, num_kv_heads, head_dim]
-        return args + [GATHER_BLOCK, block_d], (k.dtype, block_d)
+        return args + [lengths is not None, GATHER_BLOCK, block_d], (k.dtype, lengths is not None, block_d)
 
     gather_launcher.launch(
-        (tensor_layout(k), tensor_layout(v), tensor_layout(key_list)), tensors, build, configs.single_program_config,
+        (tensor_layout(k), tensor_layout(v), tensor_layout(key_list), lengths is None), tensors, build, configs.single_program_config,
         lambda meta: (triton.cdiv(seqlen_k, GATHER_BLOCK), batch * num_kv_heads),
     )
     return kept_k, kept_v

@@ -212,6 +212,19 @@ class Sequences(NamedTuple):
     max_seqlen_k: int
 
 
+class CachePages(NamedTuple):
+    """How cached entries find their keys (``flash_dma_with_kvcache``).
+
+    ``rows``: ``[B]`` int32 cache row of each entry (``cache_batch_idx``), or None for row b.
+    ``block_table``: ``[B, max_pages]`` int32 page of each entry's ``page_size`` consecutive keys,
+    with K and V then a pool ``[1, pages * page_size, Hkv, D]``; or None for a contiguous cache.
+    """
+
+    rows: torch.Tensor | None
+    block_table: torch.Tensor | None
+    page_size: int
+
+
 def grid_sizes(q: torch.Tensor, k: torch.Tensor, sequences: Sequences | None) -> tuple[int, int, int]:
     """``(entries, queries, keys)`` that the grids span: the tensors' own, or at most one entry's."""
     if sequences is None:

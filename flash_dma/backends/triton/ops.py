@@ -17,7 +17,7 @@ import torch
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.block_summary import block_lists, block_state
 from flash_dma.backends.triton.block_topk import block_topk_state
-from flash_dma.backends.triton.forward import CachePages, attention_forward
+from flash_dma.backends.triton.forward import attention_forward
 from flash_dma.backends.triton.key_list import build_key_list
 from flash_dma.backends.triton.layout import (
     BIAS_FIELD,
@@ -25,6 +25,7 @@ from flash_dma.backends.triton.layout import (
     SEQ_CACHE,
     TOPK_BIAS_FIELD,
     TOPK_TENSORS,
+    CachePages,
     Call,
     Sequences,
     TopkCall,

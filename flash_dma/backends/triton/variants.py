@@ -21,7 +21,18 @@ from flash_dma.backends.triton.forward import forward_launcher
 from flash_dma.backends.triton.hopper import dkdv as hopper_dkdv
 from flash_dma.backends.triton.hopper import dq as hopper_dq
 from flash_dma.backends.triton.hopper import forward as hopper_forward
-from flash_dma.backends.triton.hopper.common import BIAS_KEYS, BIAS_PAIRS, BIAS_ROWS, MASK_BITS, MASK_KEYS, MASK_NONE, MASK_ROWS
+from flash_dma.backends.triton.hopper.common import (
+    BIAS_KEYS,
+    BIAS_PAIRS,
+    BIAS_ROWS,
+    CACHE_CONTIGUOUS,
+    CACHE_PAGES,
+    CACHE_ROWS,
+    MASK_BITS,
+    MASK_KEYS,
+    MASK_NONE,
+    MASK_ROWS,
+)
 from flash_dma.backends.triton.key_list import count_launcher, gather_launcher, key_list_launcher
 from flash_dma.backends.triton.topk_backward import DKDV_LAUNCHERS, DQ_LAUNCHERS
 from flash_dma.backends.triton.topk_forward import FORWARD_LAUNCHERS
@@ -156,7 +167,7 @@ VARIANTS = [
     Variant("forward-bits", forward_launcher, 8, 2, {**_BITS, **_FORWARD}, pointers=_WORDS),
     *_gluon_variants(
         "forward-hopper", hopper_forward.hopper_launcher, hopper_forward.TILE,
-        *((name, {"FP8": False, "SEQ": SEQ_FIXED, **flags, "Q_SLOTS": 2}) for name, flags in (
+        *((name, {"FP8": False, "SEQ": SEQ_FIXED, "CACHE": CACHE_CONTIGUOUS.value, **flags, "Q_SLOTS": 2}) for name, flags in (
             ("per-key-blocks", _HOPPER),
             ("key-list", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_KEYS)),
             ("dense-d64", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, COLUMNS=64, KV_STAGES=3)),
@@ -171,13 +182,15 @@ VARIANTS = [
             ("pairs-d64-fp8", dict(_HOPPER_PAIRS, FP8=True)),
             ("per-key-blocks-varlen", dict(_HOPPER, SEQ=SEQ_PACKED)),
             ("key-list-cache", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_KEYS, SEQ=SEQ_CACHE)),
+            ("per-key-cache-rows", dict(_HOPPER, WALK=WALK_DENSE, SEQ=SEQ_CACHE, CACHE=CACHE_ROWS.value)),
+            ("per-key-cache-pages", dict(_HOPPER, WALK=WALK_DENSE, SEQ=SEQ_CACHE, CACHE=CACHE_PAGES.value)),
         )),
     ),
     *_gluon_variants(
         "forward-hopper", hopper_forward.hopper_launcher, hopper_forward.WIDE_TILE,
-        ("per-key-blocks-d256", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, Q_SLOTS=1, FP8=False, SEQ=SEQ_FIXED)),
-        ("per-key-blocks-d192", dict(_HOPPER, HEAD_DIM=256, COLUMNS=192, Q_SLOTS=1, FP8=False, SEQ=SEQ_FIXED)),
-        ("per-key-blocks-d256-fp8", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, Q_SLOTS=1, FP8=True, SEQ=SEQ_FIXED)),
+        ("per-key-blocks-d256", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, Q_SLOTS=1, FP8=False, SEQ=SEQ_FIXED, CACHE=CACHE_CONTIGUOUS.value)),
+        ("per-key-blocks-d192", dict(_HOPPER, HEAD_DIM=256, COLUMNS=192, Q_SLOTS=1, FP8=False, SEQ=SEQ_FIXED, CACHE=CACHE_CONTIGUOUS.value)),
+        ("per-key-blocks-d256-fp8", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, Q_SLOTS=1, FP8=True, SEQ=SEQ_FIXED, CACHE=CACHE_CONTIGUOUS.value)),
     ),
     Variant("dkdv-key-list", dkdv_launcher, 4, 3, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
     Variant("dkdv-per-key-blocks", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
@@ -200,6 +213,8 @@ VARIANTS = [
         ("per-key-blocks-slices", dict(_HOPPER_DKDV, SLICES=True)),
         ("per-key-blocks-d96", dict(_HOPPER_DKDV, COLUMNS=96)),
         ("per-key-blocks-varlen", dict(_HOPPER_DKDV, SEQ=SEQ_PACKED)),
+        ("key-list", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_KEYS)),
+        ("key-list-pairs-atomic", dict(_HOPPER_DKDV_PAIRS, MASK=MASK_NONE.value, WALK=WALK_KEYS, DBIAS_ATOMIC=True)),
     ),
     *_gluon_variants(
         "dq-hopper", hopper_dq.hopper_dq_launcher, hopper_dq.TILE,

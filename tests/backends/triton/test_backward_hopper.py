@@ -52,7 +52,8 @@ CASES = [
     Case(seqlen_q=63, seqlen_k=90, head_dim=128, bias=PER_KEY, window=(5000, 5000), causal=True),
     # Many work items per program: the queue wraps around several times.
     Case(batch=3, seqlen_q=2048, seqlen_k=2048, heads=16, kv_heads=4, head_dim=128, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
-    # Key lists (token-level per-key masks): dQ gathers the kept keys as the forward does.
+    # Key lists (token-level per-key masks): dQ and dK/dV gather the kept keys as the forward does,
+    # dK/dV writes them back at their positions and zeros for the dropped keys.
     Case(seqlen_q=300, seqlen_k=777, head_dim=128, mask=PER_KEY, bias=PER_KEY, causal=True, listed=True),
     Case(seqlen_q=500, seqlen_k=700, heads=6, kv_heads=2, head_dim=64, mask="1,1,1,Sk", bias="1,H,1,Sk", window=(100, 3), listed=True),
     # Softcap: dK and dQ through the cap's slope, the bias gradient without it.
@@ -69,18 +70,17 @@ PAIR_CASES = [
     *HOPPER_PAIR_CASES,
     # A bool per-pair mask on a problem walked as large ones are: packed into bits inside the call.
     Case(seqlen_q=600, seqlen_k=600, heads=4, kv_heads=2, head_dim=128, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", causal=True, listed=True),
-    # A bias per pair over a key list: dQ gathers its keys' biases (dK/dV is the Triton kernel's).
+    # A bias per pair over a key list: both kernels read its kept keys' biases.
     Case(seqlen_q=400, seqlen_k=500, head_dim=64, mask=PER_KEY, bias="B,H,Sq,Sk", causal=True, listed=True),
 ]
 
 
 def _hopper_kernels(case: Case) -> list[str]:
-    """The Hopper kernels the case's backward takes: dK/dV unless it walks a key list, both
-    unless a per-pair bool mask stays a bool mask (a small problem: the Triton kernels)."""
+    """The Hopper kernels the case's backward takes: both, unless a per-pair bool mask stays a
+    bool mask (a small problem: the Triton kernels)."""
     shape = case.dims(case.mask) if case.mask else (1, 1, 1, 1)
     bool_pairs = shape[2] > 1 and shape[3] > 1 and not case.packed and not case.listed
-    key_list = case.listed and shape[2] == 1
-    return [] if bool_pairs else (["dq"] if key_list else ["dkdv", "dq"])
+    return [] if bool_pairs else ["dkdv", "dq"]
 
 
 @pytest.fixture
@@ -185,6 +185,8 @@ DETERMINISTIC_CASES = [
          mask_kind="blocks", causal=True, block_size=(128, 128)),
     # Per-pair bias per key/value head, walked per query head: a slice per query head, summed after.
     Case(seqlen_q=700, seqlen_k=700, heads=4, kv_heads=2, head_dim=64, bias="B,Hkv,Sq,Sk", causal=True, softcap=5.0),
+    # A key list, its per-key bias shared by the key/value heads.
+    Case(seqlen_q=900, seqlen_k=1100, heads=4, kv_heads=2, head_dim=128, mask=PER_KEY, bias="1,1,1,Sk", causal=True, listed=True),
 ]
 
 

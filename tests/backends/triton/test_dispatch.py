@@ -35,9 +35,9 @@ def test_docs_show_the_table_the_code_routes_by():
         (dict(mask="bits", bias="pairs"), HOPPER, HOPPER, HOPPER),
         (dict(mask="rows", bias="rows", walk="dense"), HOPPER, HOPPER, HOPPER),
         (dict(mask="pairs"), TRITON, TRITON, TRITON),  # a bool per pair: bits only on Hopper
-        (dict(walk="keys", mask="none"), HOPPER, HOPPER, TRITON),  # a key list's columns
+        (dict(walk="keys", mask="none"), HOPPER, HOPPER, HOPPER),  # kept keys gathered, dK/dV scattered back
         (dict(deterministic=True), HOPPER, HOPPER, HOPPER),  # query chunks add up in order
-        (dict(deterministic=True, walk="keys", mask="none"), HOPPER, HOPPER, TRITON),
+        (dict(deterministic=True, walk="keys", mask="none"), HOPPER, HOPPER, HOPPER),
         (dict(softcap=True), HOPPER, HOPPER, HOPPER),
         (dict(dtype="fp32"), TRITON, TRITON, TRITON),
         # FP8 has a forward only; the Hopper forward reads it, every other form is dequantized for the Triton kernel.
@@ -51,7 +51,8 @@ def test_docs_show_the_table_the_code_routes_by():
         (dict(sequences="packed", walk="keys", mask="none"), TRITON, TRITON, TRITON),
         (dict(sequences="packed", mask="bits", bias="pairs"), TRITON, TRITON, TRITON),
         (dict(sequences="cache"), HOPPER, TRITON, TRITON),
-        (dict(sequences="cache-indexed"), TRITON, TRITON, TRITON),
+        (dict(sequences="cache-indexed"), HOPPER, TRITON, TRITON),  # rows or pages of whole tiles
+        (dict(sequences="cache-indexed", walk="keys", mask="none"), TRITON, TRITON, TRITON),  # gathered from batch rows
         (dict(sequences="cache", split=True), TRITON, TRITON, TRITON),  # decode: split-KV
         (dict(split=True), TRITON, TRITON, TRITON),
         (dict(aligned=False), TRITON, TRITON, TRITON),

@@ -46,10 +46,12 @@ def test_integer_masks_and_broadcast_views():
     [(1, 130, 1, 16), (2, 300, 3, 40), (1, 257, 2, 128)],
     ids=lambda s: "B{}xSk{}xHkv{}xD{}".format(*s),
 )
+@pytest.mark.parametrize("lengths", [False, True], ids=["all-keys", "entry-lengths"])
 @pytest.mark.parametrize("list_heads", ["1", "Hkv"])
-def test_gathered_kept_keys(shape, list_heads):
-    """Slot j of every (batch, kv head) holds K and V at the list's order[j], for every slot of
-    each tile of ``GATHER_BLOCK`` slots up to the last kept key, through strided views."""
+def test_gathered_kept_keys(shape, list_heads, lengths):
+    """Slot j of every (batch, kv head) holds K and V at the list's order[j] up to the kept count,
+    and zeros in the rest of its tile of ``GATHER_BLOCK`` slots, through strided views. With
+    entry lengths (a KV cache's), kept keys past an entry's length are zeros too."""
     batch, seqlen_k, kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(seqlen_k)
     packed = torch.randn(batch, seqlen_k, 2, kv_heads, head_dim, generator=gen).to(DEVICE)
@@ -58,13 +60,17 @@ def test_gathered_kept_keys(shape, list_heads):
     mask[0, 0, 0, :] = False  # a row with no kept key: nothing of it is read
     key_list = build_key_list(mask, seqlen_k)
     before = (k.clone(), v.clone())
-    kept_k, kept_v = gather_kept_keys(k, v, key_list)
+    lengths = torch.randint(0, seqlen_k + 1, (batch,), generator=gen, dtype=torch.int32).to(DEVICE) if lengths else None
+    kept_k, kept_v = gather_kept_keys(k, v, key_list, lengths)
     assert torch.equal(k, before[0]) and torch.equal(v, before[1])
     order = key_list[:, :, 0, :seqlen_k].long().expand(batch, kv_heads, seqlen_k)
     count = key_list[:, :, 1, seqlen_k].expand(batch, kv_heads)
     for b in range(batch):
         for h in range(kv_heads):
-            written = min(-(-int(count[b, h]) // GATHER_BLOCK) * GATHER_BLOCK, seqlen_k)
-            rows = order[b, h, :written]
-            assert torch.equal(kept_k[b, :written, h], k[b, rows, h])
-            assert torch.equal(kept_v[b, :written, h], v[b, rows, h])
+            kept = int(count[b, h])
+            written = min(-(-kept // GATHER_BLOCK) * GATHER_BLOCK, seqlen_k)
+            rows = order[b, h, :kept]
+            inside = (rows < (seqlen_k if lengths is None else int(lengths[b])))[:, None]
+            assert torch.equal(kept_k[b, :kept, h], torch.where(inside, k[b, rows, h], 0))
+            assert torch.equal(kept_v[b, :kept, h], torch.where(inside, v[b, rows, h], 0))
+            assert not kept_k[b, kept:written, h].any() and not kept_v[b, kept:written, h].any()

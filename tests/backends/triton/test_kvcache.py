@@ -74,6 +74,24 @@ def make_cache_inputs(case: CacheCase, dtype: torch.dtype) -> dict:
     return inputs
 
 
+def poison_unwritten(case: CacheCase, inputs: dict) -> None:
+    """NaN in every K/V slot the call must not read: past each entry's keys (cached and new), and
+    in the rows or pages no entry uses."""
+    unwritten = torch.ones(inputs["k_cache"].shape[:2], dtype=torch.bool)
+    if case.page_size:
+        table = inputs["block_table"].cpu()
+        for entry, length in enumerate(case.cached):
+            for key in range(length + case.new):
+                unwritten[table[entry, key // case.page_size], key % case.page_size] = False
+    else:
+        rows = inputs.get("cache_batch_idx")
+        rows = range(case.batch) if rows is None else rows.tolist()
+        for row, length in zip(rows, case.cached):
+            unwritten[row, : length + case.new] = False
+    for name in ("k_cache", "v_cache"):
+        inputs[name][unwritten.to(DEVICE)] = float("nan")
+
+
 def run(case: CacheCase, inputs: dict, backend: str):
     """``(out, lse, k_cache, v_cache, bias_cache)`` after the call, on copies of the caches."""
     inputs = {name: t.clone() if isinstance(t, torch.Tensor) and name.endswith("cache") else t for name, t in inputs.items()}
@@ -138,13 +156,7 @@ def test_paged_tiles_through_the_copy_engine(case, monkeypatch):
     monkeypatch.setattr(layout, "TMA_MIN_BLOCK_D", 0)
     dtype = KERNEL_DTYPES[0]
     inputs = make_cache_inputs(case, dtype)
-    table = inputs["block_table"].cpu()
-    unwritten = torch.ones(inputs["k_cache"].shape[:2], dtype=torch.bool)
-    for entry, length in enumerate(case.cached):
-        for key in range(length + case.new):
-            unwritten[table[entry, key // case.page_size], key % case.page_size] = False
-    for name in ("k_cache", "v_cache"):
-        inputs[name][unwritten.to(DEVICE)] = float("nan")
+    poison_unwritten(case, inputs)
     actual = run(case, inputs, "triton")
     expected = run(case, inputs, "reference")
     assert not torch.isnan(actual[0]).any()

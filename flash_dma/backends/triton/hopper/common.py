@@ -28,6 +28,7 @@ from triton.language.core import _aggregate as aggregate
 from flash_dma.backends.triton import tiles
 from flash_dma.backends.triton.key_list import gather_kept_keys
 from flash_dma.backends.triton.layout import (
+    SEQ_CACHE,
     SEQ_FIXED,
     SEQ_PACKED,
     WALK_KEYS,
@@ -79,6 +80,9 @@ WORD_BITS = gl.constexpr(32)  # bits per word of a BitMask (``bit_mask.py``)
 # How a mask or bias varies, which decides who reads it (module doc). A mask per pair is a
 # BitMask's words; a bool mask per pair takes the Triton kernels (``dispatch.py``).
 MASK_NONE, MASK_KEYS, MASK_ROWS, MASK_BITS = (gl.constexpr(i) for i in range(4))
+# Where a KV cache's entries find their keys (the forward's ``CACHE``): entry b in cache row b (or no
+# cache), in row ``CacheRows[b]`` (``cache_batch_idx``), or in the pages ``BlockTable[b]`` lists.
+CACHE_CONTIGUOUS, CACHE_ROWS, CACHE_PAGES = (gl.constexpr(i) for i in range(3))
 BIAS_NONE, BIAS_KEYS, BIAS_ROWS, BIAS_PAIRS = (gl.constexpr(i) for i in range(4))
 
 
@@ -202,13 +206,14 @@ def work_items(call: Call, block_m: int, sequences: Sequences | None) -> tuple[i
     return row_blocks, row_blocks * entries * call.q.shape[2], pointers, seq
 
 
-def walked_keys(call: Call, pass_walk: torch.Tensor | None) -> tuple:
-    """``(k, v, walk, WALK)`` as the Hopper forward and dQ kernels read them: with a key list, its
-    kept keys gathered (``key_list.gather_kept_keys``) and the list walked; else the summary's
-    lists ``pass_walk`` (or none)."""
+def walked_keys(call: Call, pass_walk: torch.Tensor | None, sequences: Sequences | None = None) -> tuple:
+    """``(k, v, walk, WALK)`` as the Hopper kernels read them: with a key list, its kept keys
+    gathered (``key_list.gather_kept_keys``; a KV cache's entries' keys up to their lengths) and
+    the list walked; else the summary's lists ``pass_walk`` (or none)."""
     if call.key_list is None:
         return call.k, call.v, pass_walk, walk_kind(pass_walk, None)
-    return *gather_kept_keys(call.k, call.v, call.key_list), call.key_list, WALK_KEYS
+    lengths = sequences.seq_k if sequences is not None and sequences.kind == SEQ_CACHE else None
+    return *gather_kept_keys(call.k, call.v, call.key_list, lengths), call.key_list, WALK_KEYS
 
 
 @record
@@ -235,6 +240,11 @@ class Problem:
     Descale: gl.tensor
     SeqQ: gl.tensor
     SeqK: gl.tensor
+    CacheRows: gl.tensor  # [B] int32 with CACHE_ROWS
+    BlockTable: gl.tensor  # [B, max_pages] int32 with CACHE_PAGES
+    stride_table: gl.tensor
+    page_size: gl.tensor
+    cache_last: gl.tensor  # the last cache row, or page: rows and pages are clamped to it
     stride_ob: gl.tensor
     stride_os: gl.tensor
     stride_oh: gl.tensor
@@ -282,6 +292,7 @@ class Problem:
     GRADIENT: gl.constexpr
     FP8: gl.constexpr
     SEQ: gl.constexpr  # ``tiles.SEQ_*``: ``SeqQ`` and ``SeqK`` are cu_seqlens (packed) or a cache's lengths (``SeqK``)
+    CACHE: gl.constexpr  # ``CACHE_*``: where a cache's entries find their keys
 
 
 @record
@@ -589,15 +600,34 @@ def tile_at(p, it, j):
 
 
 @gluon.jit
-def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head):
+def _cache_row(p, batch, span):
+    """The batch index of K and V (and of a cache's per-key bias, stored with its keys) for entry
+    ``batch``: the token tensors' own, its ``cache_batch_idx`` row, or 0 in a pool of pages. Rows
+    are clamped to the cache (as ``tiles.page_rows`` clamps pages): a bad index captured in a CUDA
+    graph, unchecked, reads wrong keys, never outside the cache."""
+    row = span.tokens
+    if p.CACHE == CACHE_ROWS:
+        row = gl.minimum(gl.maximum(gl.load(p.CacheRows + batch), 0), p.cache_last)
+    if p.CACHE == CACHE_PAGES:
+        row = span.tokens * 0
+    return row
+
+
+@gluon.jit
+def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv_batch):
     """The j-th key tile of work item ``it`` into ring position ``loaded``: the span of its keys'
     positions (with a key list also the positions), whether its pair bits are read, its key scores
-    (bias per key in log2 units, -inf for keys masked out or past the end), K and V."""
+    (bias per key in log2 units, -inf for keys masked out or past the end), K and V (from batch
+    row ``kv_batch``, ``_cache_row``)."""
     KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
     SCORED: gl.constexpr = p.BIAS == BIAS_KEYS or p.MASK == MASK_KEYS or KEYS
     key_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_N // 32], [32], [1], [0])
     tile, partial = tile_at(p, it, j)
     first_key = tile * p.BLOCK_N
+    key_row = span.k_start + first_key  # the row of K and V that holds the tile's first key
+    if p.CACHE == CACHE_PAGES:  # the tile lies within one page: ``dispatch.form_of`` wants pages of whole tiles
+        page = gl.load(p.BlockTable + it.batch.to(gl.int64) * p.stride_table + key_row // p.page_size)
+        key_row = gl.minimum(gl.maximum(page, 0), p.cache_last) * p.page_size + key_row % p.page_size
     if SCORED:  # read before waiting for the buffer: the loads overlap the wait
         keys = first_key + gl.arange(0, p.BLOCK_N, key_layout)  # [BLOCK_N]
         key_ok = keys < span.seqlen_k
@@ -607,7 +637,10 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head):
             first_key = gl.min(gl.where(key_ok, keys, span.seqlen_k), 0)
         scores = gl.full([p.BLOCK_N], 0.0, gl.float32, key_layout)
         if p.BIAS == BIAS_KEYS:
-            scores = gl.load(bias_row + keys * p.stride_bk, mask=key_ok, other=0.0).to(gl.float32) * tiles.LOG2E
+            bias_keys = keys
+            if p.CACHE == CACHE_PAGES:  # a paged cache's bias lies in the pool, beside its keys
+                bias_keys = key_row + gl.arange(0, p.BLOCK_N, key_layout)
+            scores = gl.load(bias_row + bias_keys * p.stride_bk, mask=key_ok, other=0.0).to(gl.float32) * tiles.LOG2E
         if p.MASK == MASK_KEYS:
             key_ok = key_ok & (gl.load(mask_row + keys * p.stride_mk, mask=key_ok & partial, other=1) != 0)
         scores = gl.where(key_ok, scores, float("-inf"))
@@ -631,8 +664,7 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head):
     bias_bytes: gl.constexpr = p.bias_desc.block_type.nbytes if p.STAGED_BIAS else 0
     k_bytes: gl.constexpr = kv_bytes + words_bytes + bias_bytes
     mbarrier.expect(bufs.k_ready.index(stage), k_bytes)
-    key_row = span.k_start + tile * p.BLOCK_N
-    tma_load(p.k_desc, [span.tokens, key_row, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage))
+    tma_load(p.k_desc, [kv_batch, key_row, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage))
     first_row = it.row_block * p.BLOCK_M
     if words_staged(p.MASK, p.BLOCK_N):
         row = staged_pair_row(p.Mask, p.stride_mb, p.stride_mh, p.stride_mq, p.mask_head_div, it.batch, it.head, first_row)
@@ -645,7 +677,7 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head):
     if p.FP8:  # V transposed: [B * Hkv, D, Sk]
         v_tile = [span.tokens * (p.num_heads // p.group) + kv_head, 0, key_row]
     else:
-        v_tile = [span.tokens, key_row, kv_head, 0]
+        v_tile = [kv_batch, key_row, kv_head, 0]
     tma_load(p.v_desc, v_tile, bufs.v_ready.index(stage), bufs.v.index(stage))
 
 
@@ -660,7 +692,11 @@ def load_partition(p, bufs):
     items_done = 0
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
         it, span = _item(p, index)
-        bias_row = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, it.batch, it.head)
+        kv_batch = _cache_row(p, it.batch, span)
+        bias_batch = it.batch
+        if p.SEQ == tiles.SEQ_CACHE:  # a cache's bias is stored with its keys
+            bias_batch = kv_batch
+        bias_row = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, bias_batch, it.head)
         mask_row = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, it.batch, it.head)
         count = tile_count(it)
         q_slot = items_done % Q_SLOTS
@@ -681,7 +717,7 @@ def load_partition(p, bufs):
             tma_load(p.do_desc, row_tile, bufs.q_ready.index(q_slot), bufs.do.index(q_slot))
         kv_head = it.head // p.group
         for j in range(count):
-            _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head)
+            _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv_batch)
             loaded += 1
         items_done += 1
 

@@ -79,14 +79,13 @@ from flash_dma.backends.triton.hopper.common import (
     tile_descriptor,
     tma_load,
     tma_store,
+    walked_keys,
     words_staged,
 )
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
     DBIAS_FULL,
     DBIAS_PER_KEY,
-    WALK_BLOCKS,
-    WALK_DENSE,
     Call,
     Sequences,
     broadcast_strides,
@@ -229,30 +228,66 @@ def _column_position(p, index):
 
 
 @gluon.jit
-def _head_walk(p, key_tile, chunk, batch, head, span):
-    """The query tiles that see key tile ``key_tile`` for query head ``head``, chunk ``chunk`` of
-    them: ``tiles.key_walk`` along the other axis (``key - query`` in the band: ``query - key``
-    in its negation), over the transposed summary, within the entry's ``span``."""
-    k_first = key_tile * p.BLOCK_N
+def _column_keys(p, first_slot, batch, kv_head, span, KEYS: gl.constexpr, layout: gl.constexpr):
+    """``KEYS`` columns of a work item from ``first_slot`` on: ``(keys, kept, k_first, k_last)``,
+    their key positions, the count of kept slots (``_slots_below``), and bounds of the kept
+    positions (``k_first > k_last`` when none is; consecutive keys' ``k_last`` may lie past the
+    entry's end). Consecutive keys, or with a key list (WALK_KEYS, the keys
+    gathered in list order: ``walked_keys``) consecutive slots of its order, kept positions
+    ascending up to its count, then the dropped ones: every key is some item's slot, so dK and dV
+    are written once for each, zeros for the dropped ones."""
+    slots = first_slot + gl.arange(0, KEYS, layout)  # [KEYS]
+    if p.WALK == tiles.WALK_KEYS:
+        order = input_base(p.Walk, p.stride_wb, p.stride_wh, p.walk_head_div, batch, kv_head * p.group)
+        kept = gl.load(order + p.walk_width + span.seqlen_k)  # the rank of position Sk: the kept count
+        keys = gl.load(order + slots, mask=slots < span.seqlen_k, other=0)
+        key_ok = slots < kept
+        k_first = gl.min(gl.where(key_ok, keys, span.seqlen_k), 0)
+        k_last = gl.max(gl.where(key_ok, keys, -1), 0)
+    else:
+        keys = slots
+        kept = span.seqlen_k
+        k_first = first_slot
+        k_last = first_slot + KEYS - 1
+    return keys, kept, k_first, k_last
+
+
+@gluon.jit
+def _slots_below(first_slot, limit, KEYS: gl.constexpr, layout: gl.constexpr):
+    """Which of the ``KEYS`` slots from ``first_slot`` on lie below ``limit``: the kept count (those
+    attended), or the entry's key count (those whose gradients are written: a key list's order is
+    a permutation of the keys)."""
+    return first_slot + gl.arange(0, KEYS, layout) < limit
+
+
+@gluon.jit
+def _head_walk(p, key_tile, chunk, batch, head, span, k_first, k_last):
+    """The query tiles that see the keys ``[k_first, k_last]`` of key tile ``key_tile`` for query
+    head ``head``, chunk ``chunk`` of them: ``tiles.key_walk`` along the other axis (``key -
+    query`` in the band: ``query - key`` in its negation), over the transposed summary (or densely
+    under a key list), within the entry's ``span``."""
+    QUERY_WALK: gl.constexpr = tiles.WALK_DENSE if p.WALK == tiles.WALK_KEYS else p.WALK
     walk = input_base(p.Walk, p.stride_wb, p.stride_wh, p.walk_head_div, batch, head)
     row_offset = summary_row(key_tile, p.list_block_k, p.BLOCK_N).to(gl.int64) * p.stride_wr
+    k_last = gl.minimum(k_last, span.seqlen_k - 1)
     lists, tiles_per_block, query_limit, partial_lo, partial_hi, lo, _, _, hi = key_walk(
-        walk, p.walk_width, row_offset, span.seqlen_q, k_first, gl.minimum(k_first + p.BLOCK_N, span.seqlen_k) - 1,
-        -span.band_hi, -span.band_lo, p.list_block_q, chunk, p.chunks, p.WALK, p.BLOCK_M,
+        walk, p.walk_width, row_offset, span.seqlen_q, k_first, k_last,
+        -span.band_hi, -span.band_lo, p.list_block_q, chunk, p.chunks, QUERY_WALK, p.BLOCK_M,
     )
-    if p.SEQ == tiles.SEQ_PACKED:  # a key tile past its sequence's keys (the items span the longest): no tiles
-        past = k_first >= span.seqlen_k
-        partial_hi = gl.where(past, partial_lo, partial_hi)
-        hi = gl.where(past, lo, hi)
+    if (p.SEQ == tiles.SEQ_PACKED) or (p.WALK == tiles.WALK_KEYS):
+        # A key tile past its sequence's keys (the items span the longest), or of dropped keys only: no tiles.
+        none = k_first > k_last
+        partial_hi = gl.where(none, partial_lo, partial_hi)
+        hi = gl.where(none, lo, hi)
     return Item(key_tile, batch, head, lists, tiles_per_block, query_limit, partial_lo, partial_hi, lo, hi)
 
 
 @gluon.jit
-def _item_tiles(p, key_tile, chunk, batch, kv_head, span):
+def _item_tiles(p, key_tile, chunk, batch, kv_head, span, k_first, k_last):
     """Query tiles of a work item over the group's heads."""
     count = 0
     for g in range(p.group):
-        count += tile_count(_head_walk(p, key_tile, chunk, batch, kv_head * p.group + g, span))
+        count += tile_count(_head_walk(p, key_tile, chunk, batch, kv_head * p.group + g, span, k_first, k_last))
     return count
 
 
@@ -318,6 +353,7 @@ def _load_columns(p, bufs):
     walk is the same). Items without tiles are skipped when chunks add up by atomics."""
     kv_bytes: gl.constexpr = 2 * p.k_desc.block_type.nbytes
     row_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_M // 32], [32], [1], [0])
+    key_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_N // 32], [32], [1], [0])
     published = 0
     kv_loaded = 0
     loaded = 0  # Q/dO tiles so far: the ring position
@@ -325,7 +361,8 @@ def _load_columns(p, bufs):
     while index < p.items:
         key_tile, chunk, batch, kv_head = _column_position(p, index)
         span = entry_span(p, batch)
-        count = _item_tiles(p, key_tile, chunk, batch, kv_head, span)
+        _, _, k_first, k_last = _column_keys(p, key_tile * p.BLOCK_N, batch, kv_head, span, p.BLOCK_N, key_layout)
+        count = _item_tiles(p, key_tile, chunk, batch, kv_head, span, k_first, k_last)
         if (count > 0) | (p.chunks == 1) | p.SLICES:
             _publish(bufs, published, index, count)
             published += 1
@@ -339,7 +376,7 @@ def _load_columns(p, bufs):
             kv_loaded += 1
             first_head = kv_head * p.group
             if p.HEADS_INNER:
-                it = _head_walk(p, key_tile, chunk, batch, first_head, span)
+                it = _head_walk(p, key_tile, chunk, batch, first_head, span, k_first, k_last)
                 for j in range(tile_count(it)):
                     tile, partial = tile_at(p, it, j)
                     for g in range(p.group):
@@ -347,7 +384,7 @@ def _load_columns(p, bufs):
                         loaded += 1
             else:
                 for g in range(p.group):
-                    it = _head_walk(p, key_tile, chunk, batch, first_head + g, span)
+                    it = _head_walk(p, key_tile, chunk, batch, first_head + g, span, k_first, k_last)
                     for j in range(tile_count(it)):
                         tile, partial = tile_at(p, it, j)
                         _load_query_tile(p, bufs, loaded, batch, first_head + g, g, key_tile, tile, partial, span, row_layout)
@@ -357,11 +394,11 @@ def _load_columns(p, bufs):
 
 
 @gluon.jit
-def _key_scores(p, batch, head, keys, seqlen_k):
+def _key_scores(p, batch, head, keys, key_ok):
     """Scores the keys add for query head ``head``: their bias in log2 units, -inf where a
-    per-key mask drops them or past the entry's last key. A per-key mask is the same for every
-    query, so applying it everywhere is exact (FULL tiles keep every key anyway)."""
-    key_ok = keys < seqlen_k
+    per-key mask drops them or where not ``key_ok`` (past the entry's last key, or a key list's
+    dropped slots). A per-key mask is the same for every query, so applying it everywhere is
+    exact (FULL tiles keep every key anyway)."""
     scores = gl.full(keys.shape, 0.0, gl.float32, keys.type.layout)
     if p.BIAS == BIAS_KEYS:
         bias_row = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, batch, head)
@@ -378,13 +415,13 @@ def _bias_gradient_row(p, chunk, batch, head):
 
 
 @gluon.jit
-def _flush_key_gradient(p, chunk, batch, head, keys, values, seqlen_k):
-    """Write (or add, when programs share the row) a head's per-key bias gradient, for the entry's ``seqlen_k`` keys."""
+def _flush_key_gradient(p, chunk, batch, head, keys, values, written):
+    """Write (or add, when programs share the row) a head's per-key bias gradient at ``keys``, those ``written``."""
     ptrs = _bias_gradient_row(p, chunk, batch, head) + keys.to(gl.int64) * p.stride_dbk
     if p.DBIAS_ATOMIC:
-        gl.atomic_add(ptrs, values, mask=keys < seqlen_k)
+        gl.atomic_add(ptrs, values, mask=written)
     else:
-        gl.store(ptrs, values, mask=keys < seqlen_k)
+        gl.store(ptrs, values, mask=written)
 
 
 @gluon.jit
@@ -431,8 +468,8 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
         taken += 1
         key_tile, chunk, batch, kv_head = _column_position(p, index)
         span = entry_span(p, batch)
-        first_key = key_tile * p.BLOCK_N + HALF * KEYS
-        keys = first_key + gl.arange(0, KEYS, keys_of_s)  # [KEYS]
+        first_key = key_tile * p.BLOCK_N + HALF * KEYS  # the first slot (a key, unless a key list is walked)
+        keys, kept, k_first, k_last = _column_keys(p, first_key, batch, kv_head, span, KEYS, keys_of_s)  # [KEYS]
         dk = gl.zeros([KEYS, D], gl.float32, acc_layout)
         dv = gl.zeros([KEYS, D], gl.float32, acc_layout)
         dbias = gl.zeros([KEYS], gl.float32, keys_of_s)
@@ -443,7 +480,7 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
             mbarrier.wait(bufs.kv_ready.index(kv), (kv_taken // 2) & 1)
             k = bufs.k.index(kv).reshape([p.BLOCK_N, D]).slice(HALF * KEYS, KEYS)  # [KEYS, D]
             v = bufs.v.index(kv).reshape([p.BLOCK_N, D]).slice(HALF * KEYS, KEYS)
-            key_scores = _key_scores(p, batch, head, keys, span.seqlen_k)
+            key_scores = _key_scores(p, batch, head, keys, _slots_below(first_key, kept, KEYS, keys_of_s))
             for _ in range(count):
                 stage = consumed % p.Q_STAGES
                 mbarrier.wait(bufs.q_ready.index(stage), (consumed // p.Q_STAGES) & 1)
@@ -451,10 +488,10 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
                 tile_head = kv_head * p.group + g
                 if tile_head != head:  # the loader walks the group's heads in order (or, HEADS_INNER, in turn)
                     if p.DBIAS == _PER_KEY and not p.DBIAS_HEAD_SHARED:
-                        _flush_key_gradient(p, chunk, batch, head, keys, dbias, span.seqlen_k)
+                        _flush_key_gradient(p, chunk, batch, head, keys, dbias, _slots_below(first_key, span.seqlen_k, KEYS, keys_of_s))
                         dbias = gl.zeros([KEYS], gl.float32, keys_of_s)
                     head = tile_head
-                    key_scores = _key_scores(p, batch, head, keys, span.seqlen_k)
+                    key_scores = _key_scores(p, batch, head, keys, _slots_below(first_key, kept, KEYS, keys_of_s))
                 q = bufs.q.index(stage).reshape([p.BLOCK_M, D])
                 do = bufs.do.index(stage).reshape([p.BLOCK_M, D])
                 zeros = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
@@ -474,7 +511,7 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
                         s = kept_by_bits(p, s, bufs.words.index(stage), batch, head, first_row, first_key, True, HALF)
                 # Only tiles that the band cuts need checks (keys past the end score -inf, rows past
                 # the end have LSE +inf).
-                if (first_key - first_row - p.BLOCK_M + 1 < span.band_lo) | (first_key + KEYS - 1 - first_row > span.band_hi):
+                if (k_first - first_row - p.BLOCK_M + 1 < span.band_lo) | (k_last - first_row > span.band_hi):
                     offset = keys[:, None] - rows[None, :]
                     s = gl.where((offset >= span.band_lo) & (offset <= span.band_hi), s, float("-inf"))
                 pt = gl.exp2(s - bufs.lse.index(stage).load(rows_of_s)[None, :])
@@ -501,16 +538,17 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
             mbarrier.arrive(bufs.kv_empty.index(kv), count=1)
             kv_taken += 1
             if p.DBIAS == _PER_KEY:
-                _flush_key_gradient(p, chunk, batch, head, keys, dbias, span.seqlen_k)
+                _flush_key_gradient(p, chunk, batch, head, keys, dbias, _slots_below(first_key, span.seqlen_k, KEYS, keys_of_s))
 
         dk = dk * p.scale  # dS is the gradient of scale * q.k
         out_keys = gl.convert_layout(keys, gl.SliceLayout(1, acc_layout))
+        out_written = _slots_below(first_key, span.seqlen_k, KEYS, gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
         offsets = (
             span.tokens.to(gl.int64) * p.stride_gb + kv_head * p.stride_gh
             + ((span.k_start + out_keys).to(gl.int64) * p.stride_gs)[:, None] + cols[None, :]
         )
-        ok = (out_keys < span.seqlen_k)[:, None] & (cols < p.COLUMNS)[None, :]
+        ok = out_written[:, None] & (cols < p.COLUMNS)[None, :]
         if p.chunks == 1:
             gl.store(p.DK + offsets, dk.to(p.DK.dtype.element_ty), mask=ok)
             gl.store(p.DV + offsets, dv.to(p.DV.dtype.element_ty), mask=ok)
@@ -668,12 +706,12 @@ def hopper_dkdv(
         scratch_v = torch.zeros(dv.shape, dtype=torch.float32, device=device)
     dbias_target = placeholder(device, torch.float32) if dbias_acc is None else dbias_acc
     queue = torch.zeros(1, dtype=torch.int32, device=device)
-    walk_flag = WALK_DENSE if call.q_lists is None else WALK_BLOCKS
-    tensors = hopper_tensors(call, k, v, call.q_lists)
+    k, v, walk, walk_flag = walked_keys(call, call.q_lists)
+    tensors = hopper_tensors(call, k, v, walk)
     own_tensors = [dout, lse, delta, dk, dv, scratch_k, scratch_v, dbias_target, queue]
 
     def build():
-        runtime, flags = hopper_arguments(call, k, v, call.q_lists, walk_flag, seq)
+        runtime, flags = hopper_arguments(call, k, v, walk, walk_flag, seq)
         dbias_slice = None if dbias_acc is None else dbias_acc[0]
         own = [
             *dout.stride()[:3], *dk.stride()[:3],

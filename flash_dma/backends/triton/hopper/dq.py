@@ -18,6 +18,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from flash_dma.backends.triton import configs, tiles
 from flash_dma.backends.triton.hopper.common import (
     BIAS_KEYS,
+    CACHE_CONTIGUOUS,
     COMMON_TENSORS,
     LOADER_REGISTERS,
     MASK_KEYS,
@@ -188,13 +189,14 @@ def _dq_hopper_kernel(
     init_barriers(bufs, KV_STAGES)
     p = Problem(
         q_desc, k_desc, v_desc, do_desc, dq_desc, words_desc, bias_desc, DQ, Delta, Lse, Mask, Bias, Walk, Lse, SeqQ, SeqK,  # no descale
+        SeqK, SeqK, seqlen_k, seqlen_k, seqlen_k,  # no cache: its rows, pages and their sizes are never read
         stride_dqb, stride_dqs, stride_dqh,
         seqlen_q * num_heads, seqlen_q, stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
         stride_wb, stride_wh, stride_wr, walk_width,
         seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
-        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, True, False, SEQ,
+        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, True, False, SEQ, CACHE_CONTIGUOUS,
     )
     gl.warp_specialize(
         [(_dq_lower, (p, bufs)), (_dq_upper, (p, bufs)), (load_partition, (p, bufs))],

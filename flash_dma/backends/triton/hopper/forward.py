@@ -31,11 +31,14 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from flash_dma.backends.triton import configs, tiles
 from flash_dma.backends.triton.hopper.common import (
     BIAS_ROWS,
+    CACHE_CONTIGUOUS,
+    CACHE_PAGES,
+    CACHE_ROWS,
     COMMON_TENSORS,
     LOADER_REGISTERS,
     MASK_ROWS,
@@ -67,7 +70,7 @@ from flash_dma.backends.triton.hopper.common import (
 )
 from flash_dma.backends.triton.hopper.transpose import transposed_values
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import Call, Sequences, placeholder
+from flash_dma.backends.triton.layout import CachePages, Call, Sequences, placeholder, tensor_layout
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["forward"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
 # D = 256: tiles of 64 keys (a warpgroup's 64 x 256 accumulator is 128 of its 240 registers) and one
@@ -182,10 +185,30 @@ def _descaled(p, x, descale):
     return x
 
 
+@gluon.jit(noinline=True)  # a call: its code would otherwise hold registers the softmax spills for
+def _zero_rows_past(values, count):
+    """Zero the rows of a V tile ``[BLOCK_N, D]`` in shared memory from ``count`` on, 8 at a
+    time: a cache's slots past an entry's length may hold anything, NaN included, and a zero
+    probability times NaN is NaN. Both warpgroups write the same zeros, so neither's product can
+    read a slot the other has yet to clear."""
+    BLOCK_N: gl.constexpr = values.shape[0]
+    D: gl.constexpr = values.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    for c in gl.static_range(BLOCK_N // 8):
+        if (c + 1) * 8 > count:
+            chunk = values.slice(c * 8, 8)  # [8, D]
+            rows = c * 8 + gl.arange(0, 8, gl.SliceLayout(1, layout))
+            chunk.store(gl.where((rows < count)[:, None], chunk.load(layout), gl.zeros([8, D], chunk.dtype, layout)))
+    fence_async_shared()
+
+
 @gluon.jit
-def _issue_value_product(p, bufs, stage, probs, acc):
+def _issue_value_product(p, bufs, stage, probs, acc, first_key, span):
     """Issue ``O += P V`` for the V tile at ring position ``stage`` (``probs`` in the operand's
-    layout), asynchronously. FP8's V tile is a view of its transposed copy, keys contiguous. FP8
+    layout; ``first_key`` its first key, in an entry whose :class:`Span` is ``span``),
+    asynchronously. A KV cache's tile that runs past the entry's keys first has those rows zeroed
+    (``_zero_rows_past``; elsewhere such rows are the next sequence's, or the copy engine's zeros
+    past the tensor). FP8's V tile is a view of its transposed copy, keys contiguous. FP8
     products accumulate in place, at the tensor cores' reduced precision, as FlashAttention-3's do:
     a fresh accumulator per tile, added in fp32, measured 13 % slower at D = 128 (design notes,
     "FP8 forward")."""
@@ -193,6 +216,9 @@ def _issue_value_product(p, bufs, stage, probs, acc):
         v = bufs.v.index(stage).reshape([p.HEAD_DIM, p.BLOCK_N]).permute((1, 0))  # [BLOCK_N, D]
     else:
         v = bufs.v.index(stage).reshape([p.BLOCK_N, p.HEAD_DIM])  # [BLOCK_N, D]
+        if p.SEQ == tiles.SEQ_CACHE and p.WALK != tiles.WALK_KEYS:  # a key list's gathered tiles hold zeros there
+            if first_key + p.BLOCK_N > span.seqlen_k:
+                _zero_rows_past(v, span.seqlen_k - first_key)
     return warpgroup_mma(probs, v, acc, is_async=True)
 
 
@@ -247,7 +273,7 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
                 k = bufs.k.index(following).reshape([p.BLOCK_N, D])
                 qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
                 mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
-                pv = _issue_value_product(p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc)
+                pv = _issue_value_product(p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc, staged[0], span)
                 # The product of the next tile; P V may still run.
                 qk, staged = wait_for_scores(p, bufs, qk, 1, following, keys_of_s, READ_KEYS_EARLY)
                 s = visible_scores(  # [ROWS, BLOCK_N]
@@ -261,7 +287,7 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
                 consumed += 1
                 stage = following
             mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
-            pv = _issue_value_product(p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc)
+            pv = _issue_value_product(p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc, staged[0], span)
             acc = warpgroup_mma_wait(0, deps=[pv])
             mbarrier.arrive(bufs.v_empty.index(stage), count=1)
             consumed += 1
@@ -296,19 +322,21 @@ def _attn_fwd_hopper_kernel(
     STAGED_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
     Out, Lse, stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h, items, row_blocks,
-    KV_STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, FP8: gl.constexpr, SEQ: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
+    CacheRows, BlockTable, stride_table, page_size, cache_last, kv_batch,
+    KV_STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, FP8: gl.constexpr, SEQ: gl.constexpr, CACHE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
-    # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
+    # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program. K and V
+    # have ``kv_batch`` rows of their own: a cache's rows, or one pool of pages.
     q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
-    k_desc = tile_descriptor(K, batch, seqlen_k, num_kv_heads, COLUMNS, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
+    k_desc = tile_descriptor(K, kv_batch, seqlen_k, num_kv_heads, COLUMNS, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
     if FP8:  # V transposed (``transposed_values``): [B * Hkv, COLUMNS, Sk], strides of one head and one column
         v_desc = tma.make_tensor_descriptor(
             V, [batch * num_kv_heads, COLUMNS, seqlen_k], [stride_vs, stride_vh, 1], [1, HEAD_DIM, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([1, HEAD_DIM, BLOCK_N], V.dtype.element_ty),
         )
     else:
-        v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, COLUMNS, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
+        v_desc = tile_descriptor(V, kv_batch, seqlen_k, num_kv_heads, COLUMNS, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
     o_desc = tile_descriptor(Out, batch, seqlen_q, num_heads, COLUMNS, stride_ob, stride_os, stride_oh, BLOCK_M // 2, BLOCK_M, HEAD_DIM)
     words_desc, bias_desc = pair_descriptors(
         Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, STAGED_BIAS, BLOCK_M, BLOCK_N,
@@ -336,13 +364,14 @@ def _attn_fwd_hopper_kernel(
     init_barriers(bufs, KV_STAGES)
     p = Problem(
         q_desc, k_desc, v_desc, q_desc, o_desc, words_desc, bias_desc, Out, Lse, Lse, Mask, Bias, Walk, Descale, SeqQ, SeqK,  # no dO, no delta
+        CacheRows, BlockTable, stride_table, page_size, cache_last,
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
         stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
         stride_wb, stride_wh, stride_wr, walk_width,
         seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
-        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, False, FP8, SEQ,
+        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, False, FP8, SEQ, CACHE,
     )
     gl.warp_specialize(
         [(_softmax_lower, (p, bufs)), (_softmax_upper, (p, bufs)), (load_partition, (p, bufs))],
@@ -351,26 +380,40 @@ def _attn_fwd_hopper_kernel(
 
 
 hopper_launcher = Launcher(
-    _attn_fwd_hopper_kernel, tensors=(*COMMON_TENSORS, "Descale", "SeqQ", "SeqK", "Out", "Lse"), specialized=(),
+    _attn_fwd_hopper_kernel, tensors=(*COMMON_TENSORS, "Descale", "SeqQ", "SeqK", "Out", "Lse", "CacheRows", "BlockTable"),
+    specialized=(),
 )
 
 
-def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: tuple, sequences: Sequences | None = None) -> None:
+def hopper_forward(
+    call: Call, out: torch.Tensor, lse: torch.Tensor, signature: tuple, sequences: Sequences | None = None,
+    cache: CachePages | None = None,
+) -> None:
     """Write ``out`` ``[B, Sq, H, D]`` and ``lse`` ``[B, H, Sq]`` float32 of ``call``, as
     ``forward.attention_forward`` would (its kv_lists or key list walked; packed sequences are
-    ``[1, total, ...]`` and ``[1, H, total]``; ``sequences``: packed ones, or a contiguous KV cache's
-    entries, each in its own cache row). ``signature`` holds the call's layout
+    ``[1, total, ...]`` and ``[1, H, total]``; ``sequences``: packed ones, or a KV cache's entries,
+    found through ``cache``: in row b of the cache, in a row ``cache.rows`` names, or in pages of
+    the pool ``[1, pages * page_size, Hkv, D]`` that ``cache.block_table`` lists, whose page size
+    is a multiple of the key tiles). ``signature`` holds the call's layout
     (``layout.call_signature``), which fixes those of ``out`` and ``lse`` too: the launch is
-    prepared once per signature."""
+    prepared once per signature and cache layout."""
     q = call.q
     head_dim = q.shape[3]
     row_blocks, items, seq_tables, seq = work_items(call, TILE.kwargs["BLOCK_M"], sequences)
-    k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
+    k, v, walk, walk_flag = walked_keys(call, call.kv_lists, sequences)
     fp8 = call.descale is not None
     if fp8:
         v = transposed_values(v)
     tensors = hopper_tensors(call, k, v, walk)
     descale = call.descale if fp8 else placeholder(q.device, torch.float32)
+
+    no_ints = placeholder(q.device, torch.int32)
+    rows = no_ints if cache is None or cache.rows is None else cache.rows
+    table = no_ints if cache is None or cache.block_table is None else cache.block_table
+    kind = (CACHE_PAGES if table is not no_ints else CACHE_ROWS if rows is not no_ints else CACHE_CONTIGUOUS).value
+    page_size = cache.page_size if kind == CACHE_PAGES.value else 1
+    # The last page, or cache row: what the kernel clamps the indices to.
+    cache_last = k.shape[1] // page_size - 1 if kind == CACHE_PAGES.value else k.shape[0] - 1
 
     wide = head_dim_tile(head_dim) > 128
     # FP8 rows are half as wide: a ring of D-column FP8 tiles is that of D / 2 16-bit ones.
@@ -379,10 +422,15 @@ def hopper_forward(call: Call, out: torch.Tensor, lse: torch.Tensor, signature: 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag, seq)
         stages = STAGED_BIAS_KV_STAGES if stages_pair_bias(call, walk_flag) else KV_STAGES[row_width]
-        own = [*out.stride()[:3], *lse.stride()[:2], items, row_blocks, stages, 1 if wide else 2, fp8, seq]
-        return [*tensors, descale, *seq_tables, *runtime, *flags, out, lse, *own], (q.dtype, *flags)
+        own = [
+            *out.stride()[:3], *lse.stride()[:2], items, row_blocks,
+            rows, table, table.stride(0), page_size, cache_last, k.shape[0],
+            stages, 1 if wide else 2, fp8, seq, kind,
+        ]
+        return [*tensors, descale, *seq_tables, *runtime, *flags, out, lse, *own], (q.dtype, *flags, kind)
 
     hopper_launcher.launch(
-        signature, [*tensors, descale, *seq_tables, out, lse], build, lambda: [WIDE_TILE if wide else TILE],
+        (signature, tensor_layout(rows), tensor_layout(table), page_size),
+        [*tensors, descale, *seq_tables, out, lse, rows, table], build, lambda: [WIDE_TILE if wide else TILE],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )
