@@ -128,8 +128,8 @@ def flash_dma_topk_func(
         is_causal: entry j counts for query i only if ``j <= i + Sk - Sq`` (bottom-right aligned).
         window_size: ``(left, right)``, -1 unbounded, as for :func:`flash_dma_func`.
         softcap: when > 0, scores are ``softcap * tanh(x / softcap)`` before the bias is added.
-        deterministic: accepted for :func:`flash_dma_func`'s signature; the top-k gradients are
-            always bitwise reproducible.
+        deterministic: make the gradients bitwise reproducible (dK and dV summed key by key in a
+            fixed order, instead of added by atomics: about 3x the backward's time).
         return_lse: also return the log-sum-exp of the scores.
         backend: ``"triton"``, ``"reference"`` or None (Triton on CUDA, reference elsewhere).
 

@@ -149,7 +149,7 @@ def as_mask_problem(problem: TopkProblem) -> AttentionProblem:
     query head with GQA, else Hkv) that carries what a bit cannot: a key listed several times (each
     entry is one pair) and a per-pair bias (:class:`_ListedBias`), plus a per-key bias added to its
     columns. Its gradient flows back to the caller's bias in that bias's shape. ``deterministic``
-    is set, so that the gradients stay bitwise reproducible as the index kernels' always are.
+    carries over: reproducible gradients when asked for, as the index kernels give them.
     """
     query, key = problem.query, problem.key
     batch, seqlen_q, num_heads, _ = query.shape
@@ -170,5 +170,5 @@ def as_mask_problem(problem: TopkProblem) -> AttentionProblem:
         plane = plane + bias.float()[:, :, None, :]
     return AttentionProblem(
         query=query, key=key, value=problem.value, attn_mask=mask, attn_bias=plane, block_mask=None,
-        softmax_scale=problem.softmax_scale, window=problem.window, softcap=problem.softcap, deterministic=True,
+        softmax_scale=problem.softmax_scale, window=problem.window, softcap=problem.softcap, deterministic=problem.deterministic,
     )

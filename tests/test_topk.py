@@ -1,6 +1,8 @@
 """flash_dma_topk_func's argument checks (``flash_dma/topk.py``), its semantics on the reference
 backend, and the packed per-query mask problem that states the same call for the dense kernels."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -118,7 +120,8 @@ def test_the_packed_mask_problem_attends_as_the_indices(bias):
     problem = normalize_topk_inputs(**inputs, softmax_scale=None, is_causal=True, window_size=(6, -1), softcap=3.0,
                                     deterministic=False)
     packed = as_mask_problem(problem)
-    assert packed.attn_mask.shape == (B, HKV, SQ, SK) and packed.deterministic
+    assert packed.attn_mask.shape == (B, HKV, SQ, SK) and not packed.deterministic
+    assert as_mask_problem(dataclasses.replace(problem, deterministic=True)).deterministic
     results = []
     for out, lse in (reference.topk_attention(problem), reference.attention(packed)):
         results.append((out, lse, torch.autograd.grad(out.square().sum(), leaves)))

@@ -243,7 +243,8 @@ class Topk:
     head, drawn among the first ``hot`` keys (0: all), with -1 entries, entries past the keys and
     repeats. ``bias``: per pair ``"B,Sq,H,W"``-like, per key ``"B,Hkv,Sk"``-like, or None.
     ``walk``: "indices" (the index kernels) or "packed" (the packed per-query mask), whatever the
-    share of the keys the lists hold."""
+    share of the keys the lists hold. ``deterministic``: dK/dV key-outer over the sorted inverse
+    map, not added by atomics in the dQ walk."""
 
     batch: int
     seqlen_q: int
@@ -259,6 +260,7 @@ class Topk:
     softcap: float = 0
     hot: int = 0
     walk: str = "indices"
+    deterministic: bool = False
 
     def run(self, target: Target, gen: torch.Generator) -> Results:
         sizes = {"B": self.batch, "H": self.heads, "Hkv": self.kv_heads, "Sq": self.seqlen_q, "Sk": self.seqlen_k, "W": self.width}
@@ -274,7 +276,7 @@ class Topk:
         with mock.patch.object(triton_backend, "TOPK_PACKED_KEYS_PER_ENTRY", packed_keys_per_entry):
             out, lse = flash_dma_topk_func(
                 **leaves, indices=target.ints(indices.to(torch.int32)), is_causal=self.causal, window_size=self.window,
-                softcap=self.softcap, return_lse=True, backend=target.backend,
+                softcap=self.softcap, deterministic=self.deterministic, return_lse=True, backend=target.backend,
             )
             return {"out": out, "lse": lse, **_gradients(out, leaves, target, gen)}
 
@@ -593,13 +595,16 @@ CASES = {
         _attention("attn-query-chunks", batch=1, seqlen_q=90, seqlen_k=70, heads=4, kv_heads=2, head_dim=64,
                    mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,1,1,Sk", causal=True, walk="summary",
                    block_size=(16, 16), query_chunks=2),
-        # flash_dma_topk_func: the gathering forward, dQ and key-outer dK/dV kernels.
+        # flash_dma_topk_func: the gathering forward, and dQ with dK/dV added by atomics.
         _topk("topk-gqa-d128-pairs-causal", batch=2, seqlen_q=129, seqlen_k=257, heads=8, kv_heads=2, head_dim=128,
               width=64, bias="B,Sq,H,W", causal=True),
         _topk("topk-mqa-d64-keys-window-hot", batch=1, seqlen_q=257, seqlen_k=129, heads=4, kv_heads=1, head_dim=64,
               width=33, bias="1,1,Sk", window=(32, 8), softcap=5.0, hot=8),
         _topk("topk-len1-d72", batch=3, seqlen_q=1, seqlen_k=1, heads=2, kv_heads=2, head_dim=72, width=5,
               bias="B,Sq,1,W"),
+        # deterministic: dK/dV key-outer over the sorted inverse map (the others add them by atomics).
+        _topk("topk-gqa-d64-keys-deterministic-hot", batch=2, seqlen_q=129, seqlen_k=257, heads=8, kv_heads=2, head_dim=64,
+              width=40, bias="B,H,Sk", causal=True, hot=16, deterministic=True),
         # ... and a short call as it runs: the packed per-query mask of its entries, with its bias plane.
         _topk("topk-packed-gqa-pairs-causal", batch=2, seqlen_q=129, seqlen_k=200, heads=8, kv_heads=2, head_dim=64,
               width=64, bias="1,Sq,Hkv,W", causal=True, hot=40, walk="packed"),

@@ -33,7 +33,7 @@ from flash_dma.backends.triton.layout import (
 )
 from flash_dma.inputs import FP8_DTYPE
 
-HOPPER, TRITON, TOPK = "hopper", "triton", "topk"
+HOPPER, TRITON, TOPK, TOPK_ATOMIC = "hopper", "triton", "topk", "topk-atomic"
 PASSES = ("forward", "dq", "dkdv")
 _WALKS = {WALK_DENSE: "dense", WALK_BLOCKS: "blocks"}
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", FP8_DTYPE: "fp8"}
@@ -85,7 +85,9 @@ _HOPPER_FORMS = dict(
     aligned=(True,),
 )
 ROUTES = (
-    # flash_dma_topk_func: keys listed per query, gathered (``topk_forward.py``, ``topk_backward.py``).
+    # flash_dma_topk_func: keys listed per query, gathered (``topk_forward.py``, ``topk_backward.py``);
+    # dK/dV added by atomics in the dQ walk, or deterministic, key-outer over a sorted inverse map.
+    Route(TOPK_ATOMIC, ("dkdv",), walk=("indices",), deterministic=(False,)),
     Route(TOPK, PASSES, walk=("indices",)),
     Route(HOPPER, ("forward",), **_HOPPER_FORMS, head_dim=FORWARD_HEAD_DIMS),
     Route(HOPPER, ("dq", "dkdv"), **_HOPPER_FORMS, head_dim=HEAD_DIMS),

@@ -1,14 +1,20 @@
-"""Top-k index attention backward: dQ and a per-pair bias gradient query-outer, dK, dV and a per-key
-bias gradient key-outer, every sum in a fixed order (bit-identical runs; no atomics).
+"""Top-k index attention backward: dQ and a per-pair bias gradient query-outer; dK, dV and a per-key
+bias gradient either added by fp32 atomics in the same walk (``dispatch`` kernel ``topk-atomic``),
+or, with ``deterministic=True``, key-outer with every sum in a fixed order (bit-identical runs).
 
 1. ``_topk_dq_kernel``, grid ``(Sq, B x Hkv)``: the forward's walk (``topk_forward.py``) with dO;
    it writes ``delta = rowsum(dO * O)`` of its rows, dQ, and for a per-pair bias dS of its slots.
-2. The inverse map, in torch: per (batch, key/value head) the slots ``i * W + w`` whose entries
-   count, stably sorted by key, and where each key's run starts (``inverse_map``).
-3. ``_topk_dkdv_kernel``, grid ``(Sk, B x Hkv)``: a program owns one key of one key/value head and
-   walks its run of slots in order, ``BLOCK_E`` slots x the group's heads per chunk, recomputing
-   P and dS per (slot, head) row; it writes dK, dV (zeros for a key no query picked) and, for a
-   per-key bias, the sum of dS.
+   With ATOMIC_DKDV it also adds each gathered tile's ``P^T dO`` and ``dS^T Q`` (the group's heads
+   are the rows of its tiles) to fp32 dK and dV at the tile's keys, and a per-key bias's dS: the
+   keys and values are gathered once for both directions, so the backward reads what the forward
+   reads, plus the atomics.
+2. Deterministic: the inverse map, in torch: per (batch, key/value head) the slots ``i * W + w``
+   whose entries count, stably sorted by key, and where each key's run starts (``inverse_map``).
+3. Deterministic: ``_topk_dkdv_kernel``, grid ``(Sk, B x Hkv)``: a program owns one key of one
+   key/value head and walks its run of slots in order, ``BLOCK_E`` slots x the group's heads per
+   chunk, recomputing P and dS per (slot, head) row; it writes dK, dV (zeros for a key no query
+   picked) and, for a per-key bias, the sum of dS. It gathers Q and dO of every entry, the group's
+   heads each: several times the bytes of the atomic walk (design notes, "Top-k index attention").
 
 Bias gradients come out per (batch, key/value head[, head of the group]) in fp32 and are summed
 over the bias's broadcast dimensions afterwards, in a fixed order.
@@ -23,7 +29,7 @@ import triton.language as tl
 from flash_dma.backends.reference import valid_indices
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.backward import softmax_grad
-from flash_dma.backends.triton.dispatch import TOPK
+from flash_dma.backends.triton.dispatch import TOPK, TOPK_ATOMIC, route, topk_form
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import TopkCall
 from flash_dma.backends.triton.tiles import LOG2E, load_tile, scores_log2
@@ -49,14 +55,14 @@ def _lse2(Lse, offsets, ok):
 
 @triton.jit(do_not_specialize=TOPK_NOT_SPECIALIZED)
 def _topk_dq_kernel(
-    Q, K, V, Indices, Bias, Out, DO, Lse, Delta, DQ, DBias,
+    Q, K, V, Indices, Bias, Out, DO, Lse, Delta, DQ, DBias, DKAcc, DVAcc, DBiasKeys,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ib, stride_is, stride_ih, stride_iw, stride_bb, stride_bs, stride_bh, stride_bw,
     seqlen_q, seqlen_k, num_kv_heads, group, head_dim, width, bias_head_div, band_lo, band_hi,
     scale_log2, softcap_log2, scale_over_cap,
     stride_dob, stride_dos, stride_doh, scale,
     HAS_BIAS: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DBIAS_PAIRS: tl.constexpr, DBIAS_PER_HEAD: tl.constexpr,
+    DBIAS_PAIRS: tl.constexpr, DBIAS_PER_HEAD: tl.constexpr, ATOMIC_DKDV: tl.constexpr, DBIAS_KEYS: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
@@ -92,8 +98,22 @@ def _topk_dq_kernel(
             HAS_BIAS, BIAS_PER_KEY, SOFTCAP, DOT_PRECISION,
         )
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        _, ds, dqk = softmax_grad(s, lse2, delta, dp, 0, scale, softcap_log2, SOFTCAP, scores)  # [BLOCK_M, BLOCK_N]
+        p, ds, dqk = softmax_grad(s, lse2, delta, dp, 0, scale, softcap_log2, SOFTCAP, scores)  # [BLOCK_M, BLOCK_N]
         dq += tl.dot(dqk.to(k.dtype), k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
+        if ATOMIC_DKDV:
+            # DKAcc and DVAcc are contiguous fp32 [B, Sk, Hkv, D]; a key listed twice adds twice, as it weighs.
+            key_offsets = ((b * seqlen_k + keys) * num_kv_heads + kv_head)[:, None] * head_dim + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+            key_ok = valid[:, None] & (offs_d < head_dim)[None, :]
+            dv_part = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_D]
+            tl.atomic_add(DVAcc + key_offsets, dv_part, mask=key_ok, sem="relaxed")
+            dk_part = tl.dot(tl.trans(dqk.to(q.dtype)), q, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_D]
+            tl.atomic_add(DKAcc + key_offsets, dk_part, mask=key_ok, sem="relaxed")
+            if DBIAS_KEYS:  # the per-key bias gradient, [B, Hkv, G or 1, Sk]
+                dbias_keys = DBiasKeys + (b * num_kv_heads + kv_head) * (group if DBIAS_PER_HEAD else 1) * seqlen_k
+                if DBIAS_PER_HEAD:
+                    tl.atomic_add(dbias_keys + (r * seqlen_k)[:, None] + keys[None, :], ds, mask=row_ok[:, None] & valid[None, :], sem="relaxed")
+                else:
+                    tl.atomic_add(dbias_keys + keys, tl.sum(ds, 0), mask=valid, sem="relaxed")
         if DBIAS_PAIRS:
             slot_ok = slots < width
             if DBIAS_PER_HEAD:
@@ -174,7 +194,8 @@ def _topk_dkdv_kernel(
 
 DQ_LAUNCHERS = {
     TOPK: Launcher(
-        _topk_dq_kernel, tensors=("Q", "K", "V", "Indices", "Bias", "Out", "DO", "Lse", "Delta", "DQ", "DBias"),
+        _topk_dq_kernel,
+        tensors=("Q", "K", "V", "Indices", "Bias", "Out", "DO", "Lse", "Delta", "DQ", "DBias", "DKAcc", "DVAcc", "DBiasKeys"),
         specialized=(*TOPK_SPECIALIZED, *_GRADIENT_STRIDES),
     ),
 }
@@ -233,22 +254,33 @@ def topk_backward(
     delta = torch.empty(batch, num_heads, seqlen_q, dtype=torch.float32, device=device)
     dq = torch.empty(q.shape, dtype=q.dtype, device=device)
     pair_grad = torch.empty(batch, seqlen_q, num_kv_heads, heads, width if dbias_pairs else 0, dtype=torch.float32, device=device)
+    atomic = route("dkdv", topk_form(call)) == TOPK_ATOMIC
+    keys_shape = (batch, num_kv_heads, heads, seqlen_k if dbias_keys else 0)
+    if atomic:  # dK, dV and a per-key bias gradient added up in the dQ walk
+        dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=device)
+        dv_acc = torch.zeros(k.shape, dtype=torch.float32, device=device)
+        key_grad = torch.zeros(keys_shape, dtype=torch.float32, device=device)
+    else:
+        dk_acc = dv_acc = key_grad = torch.empty(0, dtype=torch.float32, device=device)
     topk_launch(
-        DQ_LAUNCHERS, "dq", call, [out, dout, lse, delta, dq, pair_grad], extra, [dbias_pairs, per_head],
-        lambda: configs.topk_candidates(block_d, group), seqlen_q,
+        DQ_LAUNCHERS, "dq", call, [out, dout, lse, delta, dq, pair_grad, dk_acc, dv_acc, key_grad], extra,
+        [dbias_pairs, per_head, atomic, dbias_keys and atomic], lambda: configs.topk_candidates(block_d, group), seqlen_q,
     )
 
-    order, starts = inverse_map(call)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=device)
-    dv = torch.empty(k.shape, dtype=k.dtype, device=device)
-    key_grad = torch.empty(batch, num_kv_heads, heads, seqlen_k if dbias_keys else 0, dtype=torch.float32, device=device)
-    block_g = configs.next_power_of_2(group)
-    rows = configs.topk_dkdv_rows(block_d, block_g)
-    tile = triton.Config({"BLOCK_E": rows // block_g, "BLOCK_G": block_g}, num_warps=4, num_stages=1)
-    topk_launch(
-        DKDV_LAUNCHERS, "dkdv", call, [dout, lse, delta, order, starts, dk, dv, key_grad], extra, [dbias_keys, per_head],
-        lambda: [tile], seqlen_k,
-    )
+    if atomic:
+        dk, dv = dk_acc.to(k.dtype), dv_acc.to(k.dtype)
+    else:
+        order, starts = inverse_map(call)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=device)
+        dv = torch.empty(k.shape, dtype=k.dtype, device=device)
+        key_grad = torch.empty(keys_shape, dtype=torch.float32, device=device)
+        block_g = configs.next_power_of_2(group)
+        rows = configs.topk_dkdv_rows(block_d, block_g)
+        tile = triton.Config({"BLOCK_E": rows // block_g, "BLOCK_G": block_g}, num_warps=4, num_stages=1)
+        topk_launch(
+            DKDV_LAUNCHERS, "dkdv", call, [dout, lse, delta, order, starts, dk, dv, key_grad], extra, [dbias_keys, per_head],
+            lambda: [tile], seqlen_k,
+        )
 
     dbias = None
     if dbias_pairs:

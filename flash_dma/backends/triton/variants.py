@@ -55,7 +55,8 @@ _POINTER_TYPES = {
     "Mask": "*u8", "Walk": "*i32", "Lse": "*fp32", "Delta": "*fp32", "DBias": "*fp32",
     "ScratchK": "*fp32", "ScratchV": "*fp32", "Turns": "*i32", "State": "*i8", "KeyList": "*i32", "Lists": "*i32",
     "SeqQ": "*i32", "SeqK": "*i32", "Queue": "*i32", "CacheRows": "*i32", "BlockTable": "*i32", "Counts": "*i32",
-    "Indices": "*i32", "Order": "*i64", "Starts": "*i64", "Descale": "*fp32",
+    "Indices": "*i32", "Order": "*i64", "Starts": "*i64", "Descale": "*fp32", "DKAcc": "*fp32", "DVAcc": "*fp32",
+    "DBiasKeys": "*fp32", "Lengths": "*i32",
 }
 _FLOAT_SCALARS = ("scale", "scale_log2", "softcap_log2", "scale_over_cap")
 
@@ -238,8 +239,18 @@ VARIANTS = [
     Variant("dq-dense-mask", dq_launcher, 4, 3, {**_FULL_MASK, **_DQ, "WALK": WALK_DENSE, "BLOCK_M": 64, "BLOCK_N": 64}),
     Variant("topk-forward-pairs", FORWARD_LAUNCHERS[TOPK], 4, 2, {**_TOPK_PAIRS, **_TOPK_TILE}),
     Variant("topk-forward-keys-softcap", FORWARD_LAUNCHERS[TOPK], 4, 2, {**_TOPK_KEYS, **_TOPK_TILE}),
-    Variant("topk-dq-pairs-dbias", DQ_LAUNCHERS[TOPK], 4, 2, {**_TOPK_PAIRS, **_TOPK_TILE, "DBIAS_PAIRS": True, "DBIAS_PER_HEAD": True}),
-    Variant("topk-dq-keys-softcap", DQ_LAUNCHERS[TOPK], 4, 2, {**_TOPK_KEYS, **_TOPK_TILE, "DBIAS_PAIRS": False, "DBIAS_PER_HEAD": False}),
+    Variant("topk-dq-pairs-dbias", DQ_LAUNCHERS[TOPK], 4, 2, {
+        **_TOPK_PAIRS, **_TOPK_TILE, "DBIAS_PAIRS": True, "DBIAS_PER_HEAD": True, "ATOMIC_DKDV": False, "DBIAS_KEYS": False,
+    }),
+    Variant("topk-dq-keys-softcap", DQ_LAUNCHERS[TOPK], 4, 2, {
+        **_TOPK_KEYS, **_TOPK_TILE, "DBIAS_PAIRS": False, "DBIAS_PER_HEAD": False, "ATOMIC_DKDV": False, "DBIAS_KEYS": False,
+    }),
+    Variant("topk-dq-atomic-dkdv-pairs-dbias", DQ_LAUNCHERS[TOPK], 4, 2, {
+        **_TOPK_PAIRS, **_TOPK_TILE, "DBIAS_PAIRS": True, "DBIAS_PER_HEAD": False, "ATOMIC_DKDV": True, "DBIAS_KEYS": False,
+    }),
+    Variant("topk-dq-atomic-dkdv-keys-dbias", DQ_LAUNCHERS[TOPK], 4, 2, {
+        **_TOPK_KEYS, **_TOPK_TILE, "DBIAS_PAIRS": False, "DBIAS_PER_HEAD": True, "ATOMIC_DKDV": True, "DBIAS_KEYS": True,
+    }),
     Variant("topk-dkdv-keys-dbias", DKDV_LAUNCHERS[TOPK], 4, 1, {**_TOPK_KEYS, **_TOPK_DKDV_TILE, "DBIAS_KEYS": True, "DBIAS_PER_HEAD": True}),
     Variant("topk-dkdv-pairs", DKDV_LAUNCHERS[TOPK], 4, 1, {**_TOPK_PAIRS, **_TOPK_DKDV_TILE, "DBIAS_KEYS": False, "DBIAS_PER_HEAD": False}),
     Variant("kept-count", count_launcher, 4, 1, dict(CHUNK=1024)),

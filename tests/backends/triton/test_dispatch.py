@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flash_dma.backends.triton.dispatch import HOPPER, TOPK, TRITON, Form, route, routing_table
+from flash_dma.backends.triton.dispatch import HOPPER, TOPK, TOPK_ATOMIC, TRITON, Form, route, routing_table
 from flash_dma.backends.triton.hopper.common import (
     BIAS_NONE,
     BIAS_PAIRS,
@@ -58,8 +58,9 @@ def test_docs_show_the_table_the_code_routes_by():
         (dict(aligned=False), TRITON, TRITON, TRITON),
         (dict(device="cuda"), TRITON, TRITON, TRITON),
         (dict(device="interpreter"), TRITON, TRITON, TRITON),
-        # flash_dma_topk_func: its own kernels on every device, whatever else the form holds.
-        (dict(walk="indices", mask="none", bias="pairs"), TOPK, TOPK, TOPK),
+        # flash_dma_topk_func: its own kernels on every device, whatever else the form holds; dK/dV
+        # by atomics in the dQ walk unless deterministic.
+        (dict(walk="indices", mask="none", bias="pairs"), TOPK, TOPK, TOPK_ATOMIC),
         (dict(walk="indices", mask="none", device="interpreter", deterministic=True), TOPK, TOPK, TOPK),
     ],
     ids=str,

@@ -71,10 +71,10 @@ def run_triton(case: TopkCase, inputs: dict, **kwargs):
     return out, lse, dout
 
 
-def check_against_reference(case: TopkCase, dtype: torch.dtype) -> None:
+def check_against_reference(case: TopkCase, dtype: torch.dtype, deterministic: bool = False) -> None:
     """Output, LSE and every gradient (in its input's dtype and shape) against the float64 reference."""
     inputs = make_topk_inputs(case, dtype)
-    out, lse, dout = run_triton(case, inputs)
+    out, lse, dout = run_triton(case, inputs, deterministic=deterministic)
     oracle_out, oracle_lse, oracle = reference(case, inputs, dout, torch.float64)
     base_out, base_lse, baseline = reference(case, inputs, dout, dtype)
     assert_close("out", out, oracle_out, base_out)
@@ -99,7 +99,16 @@ TOPK_CASES = [
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", TOPK_CASES, ids=str)
 def test_topk_matches_reference(case, dtype, topk_walk, poison_outputs):
+    """dK and dV added by atomics in the dQ walk (the index kernels), or a packed per-query mask."""
     check_against_reference(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", TOPK_CASES, ids=str)
+def test_deterministic_topk_matches_reference(case, dtype, poison_outputs, monkeypatch):
+    """deterministic=True on the index kernels: dK and dV key-outer, over the sorted inverse map."""
+    monkeypatch.setattr(triton_backend, "TOPK_PACKED_KEYS_PER_ENTRY", 0)
+    check_against_reference(case, dtype, deterministic=True)
 
 
 @pytest.mark.parametrize("seqlen_k, packed", [(32, True), (33, False)])
