@@ -264,7 +264,7 @@ def topk_backward(
         dk_acc = dv_acc = key_grad = torch.empty(0, dtype=torch.float32, device=device)
     topk_launch(
         DQ_LAUNCHERS, "dq", call, [out, dout, lse, delta, dq, pair_grad, dk_acc, dv_acc, key_grad], extra,
-        [dbias_pairs, per_head, atomic, dbias_keys and atomic], lambda: configs.topk_candidates(block_d, group), seqlen_q,
+        [dbias_pairs, per_head, atomic, dbias_keys and atomic], lambda: configs.topk_candidates("dq", block_d, group), seqlen_q,
     )
 
     if atomic:

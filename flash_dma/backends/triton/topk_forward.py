@@ -181,6 +181,6 @@ def topk_forward(call: TopkCall) -> tuple[torch.Tensor, torch.Tensor]:
     group = q.shape[2] // call.k.shape[2]
     topk_launch(
         FORWARD_LAUNCHERS, "forward", call, [out, lse], [], [],
-        lambda: configs.topk_candidates(configs.head_dim_block(q.shape[3]), group), q.shape[1],
+        lambda: configs.topk_candidates("forward", configs.head_dim_block(q.shape[3]), group), q.shape[1],
     )
     return out, lse
