@@ -349,22 +349,26 @@ class FlashDmaVarlen(Method):
     description = (
         "packed documents: `flash_dma_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, "
         "attn_bias=bias, is_causal=True, block_mask=bm)`, q/k/v `[total, heads, D]`, the bias packed "
-        "`[Hkv, total]`; `bm`, each document's block top-k (`topk_block_mask(..., cu_seqlens_k=...)`), is "
-        "built once outside the timed region"
+        "`[Hkv, total]` (these are the leaves, made outside the timed region, as the padded row's are); "
+        "`bm`, each document's block top-k (`topk_block_mask(..., cu_seqlens_k=...)`), is built once "
+        "outside the timed region"
     )
 
     def prepare(self, case: Case, inputs: Inputs) -> Prepared:
         longest = max(case.documents)
+        # Leaves of their own in the packed layout: views of the shared [1, total, ...] leaves would
+        # add autograd's copies of every gradient into a zeroed [1, ...] tensor to the timed step.
+        query, key, value = (t.detach()[0].requires_grad_(t.requires_grad) for t in (inputs.query, inputs.key, inputs.value))
+        bias = None if inputs.bias is None else inputs.bias.detach()[0, :, 0].requires_grad_(inputs.bias.requires_grad)
 
         def forward() -> torch.Tensor:
-            bias = None if inputs.bias is None else inputs.bias[0, :, 0]  # [Hkv, total]
             out = flash_dma_varlen_func(
-                inputs.query[0], inputs.key[0], inputs.value[0], inputs.cu_seqlens, inputs.cu_seqlens, longest,
-                longest, attn_bias=bias, is_causal=True, block_mask=inputs.block_mask,
+                query, key, value, inputs.cu_seqlens, inputs.cu_seqlens, longest, longest,
+                attn_bias=bias, is_causal=True, block_mask=inputs.block_mask,
             )
             return out[None]
 
-        return Prepared(forward, inputs.leaves)
+        return Prepared(forward, tuple(t for t in (query, key, value, bias) if t is not None and t.requires_grad))
 
 
 def padded_document_inputs(case: Case, inputs: Inputs) -> Inputs:

@@ -313,9 +313,12 @@ def test_varlen_and_padded_gradients_match():
     case = _varlen_case()
     inputs = _float32_inputs(case)
     dout = torch.randn(1, sum(DOCUMENTS), 4, 16, generator=torch.Generator().manual_seed(1))
-    METHODS["flash-dma-varlen"].prepare(case, inputs).forward().backward(dout)
-    expected = [t.grad for t in inputs.leaves]
-    assert inputs.bias.grad.shape == (1, 2, 1, sum(DOCUMENTS))
+    varlen = METHODS["flash-dma-varlen"].prepare(case, inputs)
+    assert len(varlen.leaves) == 4 and varlen.leaves[0].shape == (sum(DOCUMENTS), 4, 16)  # the packed layout's own leaves
+    varlen.forward().backward(dout)
+    query, key, value, bias = varlen.leaves
+    expected = [t.grad[None] for t in (query, key, value)] + [bias.grad[None, :, None]]
+    assert bias.grad.shape == (2, sum(DOCUMENTS))
 
     padded = METHODS["flash-dma-padded"].prepare(case, inputs)
     assert all(leaf.grad is None for leaf in padded.leaves) and len(padded.leaves) == 4
