@@ -116,7 +116,8 @@ _HOPPER_PAIRS = dict(_HOPPER, MASK=MASK_BITS.value, BIAS=BIAS_PAIRS.value, HEAD_
 _HOPPER_ROWS = dict(_HOPPER, MASK=MASK_ROWS.value, BIAS=BIAS_ROWS.value, WALK=WALK_DENSE)
 _HOPPER_DKDV = dict(
     MASK=MASK_KEYS.value, BIAS=BIAS_KEYS.value, WALK=WALK_BLOCKS, HEAD_DIM=128, COLUMNS=128, STAGED_BIAS=False, SOFTCAP=False,
-    DBIAS=DBIAS_PER_KEY, DBIAS_ATOMIC=False, DBIAS_HEAD_SHARED=True, SLICES=False, Q_STAGES=2, SEQ=SEQ_FIXED,
+    DBIAS=DBIAS_PER_KEY, DBIAS_ATOMIC=False, DBIAS_HEAD_SHARED=True, SLICES=False, Q_STAGES=2, KV_BUFFERS=2, ROLES=False,
+    SEQ=SEQ_FIXED,
 )
 _HOPPER_DKDV_PAIRS = dict(
     _HOPPER_DKDV, MASK=MASK_BITS.value, BIAS=BIAS_PAIRS.value, HEAD_DIM=64, COLUMNS=64, Q_STAGES=3, DBIAS=DBIAS_FULL,
@@ -216,6 +217,15 @@ VARIANTS = [
         ("per-key-blocks-varlen", dict(_HOPPER_DKDV, SEQ=SEQ_PACKED)),
         ("key-list", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_KEYS)),
         ("key-list-pairs-atomic", dict(_HOPPER_DKDV_PAIRS, MASK=MASK_NONE.value, WALK=WALK_KEYS, DBIAS_ATOMIC=True)),
+    ),
+    *_gluon_variants(
+        "dkdv-hopper", hopper_dkdv.hopper_dkdv_launcher, hopper_dkdv.WIDE_TILE,
+        *((name, dict(_HOPPER_DKDV, HEAD_DIM=256, KV_BUFFERS=1, ROLES=True, **flags)) for name, flags in (
+            ("per-key-blocks-d256", dict(COLUMNS=256)),
+            ("per-key-blocks-d192-slices", dict(COLUMNS=192, SLICES=True)),
+            ("pairs-d256-softcap", dict(COLUMNS=256, MASK=MASK_NONE.value, BIAS=BIAS_PAIRS.value, WALK=WALK_DENSE, DBIAS=DBIAS_FULL,
+                                        SOFTCAP=True)),
+        )),
     ),
     *_gluon_variants(
         "dq-hopper", hopper_dq.hopper_dq_launcher, hopper_dq.TILE,

@@ -56,7 +56,9 @@ tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 HEAD_DIMS = (32, 64, 96, 128)  # of every Hopper kernel
-FORWARD_HEAD_DIMS = (*HEAD_DIMS, 192, 256)  # of the forward: D = 256 in tiles of 64 keys, with one Q slot
+# Of the forward (D = 256 in tiles of 64 keys, with one Q slot) and of dK/dV (items of 64 keys whose
+# dK and dV two warpgroups keep, ``dkdv.ROLES``).
+FORWARD_HEAD_DIMS = DKDV_HEAD_DIMS = (*HEAD_DIMS, 192, 256)
 
 
 def head_dim_tile(head_dim: int) -> int:

@@ -95,7 +95,12 @@ from flash_dma.backends.triton.layout import (
 from flash_dma.integers import cdiv
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dkdv"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
-Q_STAGES = {32: 3, 64: 3, 128: 2}  # Q/dO tiles in flight per tile head dim; with two K/V buffers, D = 128 fills 192 KB
+# Head dims 192 and 256 (tiles of 256 columns): items of 64 keys, which both gradient warpgroups
+# share, one keeping dV and the other dK (``ROLES``): a 64 x 256 fp32 accumulator is 128 of a
+# warpgroup's 240 registers, so one warpgroup cannot keep both. One K/V buffer (64 KB) and two
+# Q/dO stages (128 KB) fill 192 KB of shared memory.
+WIDE_TILE = triton.Config(dict(BLOCK_M=TILE.kwargs["BLOCK_M"], BLOCK_N=64), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
+Q_STAGES = {32: 3, 64: 3, 128: 2, 256: 2}  # Q/dO tiles in flight per tile head dim; with two K/V buffers, D = 128 fills 192 KB
 _PER_KEY = gl.constexpr(DBIAS_PER_KEY)
 _FULL = gl.constexpr(DBIAS_FULL)
 
@@ -179,6 +184,8 @@ class _Problem:
     SOFTCAP: gl.constexpr
     SLICES: gl.constexpr
     Q_STAGES: gl.constexpr
+    KV_BUFFERS: gl.constexpr  # K/V tiles in shared memory: this item's and the next's, or one (ROLES)
+    ROLES: gl.constexpr  # the warpgroups share an item's keys, one keeping dV and the other dK (D = 256)
     SEQ: gl.constexpr  # ``tiles.SEQ_FIXED`` or ``SEQ_PACKED`` (``SeqQ`` and ``SeqK`` its cu_seqlens)
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -367,8 +374,8 @@ def _load_columns(p, bufs):
             _publish(bufs, published, index, count)
             published += 1
         if count > 0:
-            kv = kv_loaded % 2
-            mbarrier.wait(bufs.kv_empty.index(kv), (kv_loaded // 2) & 1 ^ 1)
+            kv = kv_loaded % p.KV_BUFFERS
+            mbarrier.wait(bufs.kv_empty.index(kv), (kv_loaded // p.KV_BUFFERS) & 1 ^ 1)
             mbarrier.expect(bufs.kv_ready.index(kv), kv_bytes)
             key_tile_at = [span.tokens, span.k_start + key_tile * p.BLOCK_N, kv_head, 0]
             tma_load(p.k_desc, key_tile_at, bufs.kv_ready.index(kv), bufs.k.index(kv))
@@ -448,10 +455,28 @@ def _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row,
 
 
 @gluon.jit
+def _store_gradient(p, target, scratch, chunk, offsets, values, ok):
+    """dK or dV of a warpgroup's keys: into ``target`` with one query chunk; with several, each
+    chunk's into a slice of ``scratch`` of its own (SLICES: every item writes, empty ones zeros) or
+    added into ``scratch`` by atomics."""
+    if p.chunks == 1:
+        gl.store(target + offsets, values.to(target.dtype.element_ty), mask=ok)
+    elif p.SLICES:
+        slice_offset = chunk.to(gl.int64) * p.batch * p.seqlen_k * p.num_kv_heads * p.COLUMNS
+        gl.store(scratch + slice_offset + offsets, values, mask=ok)
+    else:
+        gl.atomic_add(scratch + offsets, values, mask=ok, sem="relaxed")
+
+
+@gluon.jit
 def _gradient_keys(p, bufs, HALF: gl.constexpr):
-    """One warpgroup: keys ``[HALF * 64, HALF * 64 + 64)`` of every work item it takes. Tiles are
-    ``[keys, queries]``."""
-    KEYS: gl.constexpr = p.BLOCK_N // 2
+    """One warpgroup: keys ``[HALF * 64, HALF * 64 + 64)`` of every work item it takes, their dK
+    and dV; with ROLES every key of the item, their dV (HALF 0) or their dK and the bias gradient
+    (HALF 1). Tiles are ``[keys, queries]``."""
+    KEYS: gl.constexpr = p.BLOCK_N if p.ROLES else p.BLOCK_N // 2
+    FIRST: gl.constexpr = 0 if p.ROLES else HALF * KEYS  # this warpgroup's first key in the item
+    OWNS_DV: gl.constexpr = not p.ROLES or HALF == 0
+    OWNS_DK: gl.constexpr = not p.ROLES or HALF == 1
     D: gl.constexpr = p.HEAD_DIM
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, p.BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -468,7 +493,7 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
         taken += 1
         key_tile, chunk, batch, kv_head = _column_position(p, index)
         span = entry_span(p, batch)
-        first_key = key_tile * p.BLOCK_N + HALF * KEYS  # the first slot (a key, unless a key list is walked)
+        first_key = key_tile * p.BLOCK_N + FIRST  # the first slot (a key, unless a key list is walked)
         keys, kept, k_first, k_last = _column_keys(p, first_key, batch, kv_head, span, KEYS, keys_of_s)  # [KEYS]
         dk = gl.zeros([KEYS, D], gl.float32, acc_layout)
         dv = gl.zeros([KEYS, D], gl.float32, acc_layout)
@@ -476,10 +501,10 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
         dbias_tile = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)  # a tile's dS over the group's heads
         head = kv_head * p.group
         if count > 0:
-            kv = kv_taken % 2
-            mbarrier.wait(bufs.kv_ready.index(kv), (kv_taken // 2) & 1)
-            k = bufs.k.index(kv).reshape([p.BLOCK_N, D]).slice(HALF * KEYS, KEYS)  # [KEYS, D]
-            v = bufs.v.index(kv).reshape([p.BLOCK_N, D]).slice(HALF * KEYS, KEYS)
+            kv = kv_taken % p.KV_BUFFERS
+            mbarrier.wait(bufs.kv_ready.index(kv), (kv_taken // p.KV_BUFFERS) & 1)
+            k = bufs.k.index(kv).reshape([p.BLOCK_N, D]).slice(FIRST, KEYS)  # [KEYS, D]
+            v = bufs.v.index(kv).reshape([p.BLOCK_N, D]).slice(FIRST, KEYS)
             key_scores = _key_scores(p, batch, head, keys, _slots_below(first_key, kept, KEYS, keys_of_s))
             for _ in range(count):
                 stage = consumed % p.Q_STAGES
@@ -487,7 +512,7 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
                 g = get(bufs.heads.index(stage))
                 tile_head = kv_head * p.group + g
                 if tile_head != head:  # the loader walks the group's heads in order (or, HEADS_INNER, in turn)
-                    if p.DBIAS == _PER_KEY and not p.DBIAS_HEAD_SHARED:
+                    if (p.DBIAS == _PER_KEY) and (not p.DBIAS_HEAD_SHARED) and OWNS_DK:
                         _flush_key_gradient(p, chunk, batch, head, keys, dbias, _slots_below(first_key, span.seqlen_k, KEYS, keys_of_s))
                         dbias = gl.zeros([KEYS], gl.float32, keys_of_s)
                     head = tile_head
@@ -496,10 +521,11 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
                 do = bufs.do.index(stage).reshape([p.BLOCK_M, D])
                 zeros = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
                 st = warpgroup_mma(k, q.permute((1, 0)), zeros, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
-                dpt = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
+                if OWNS_DK:  # dP is for dS, which dK takes
+                    dpt = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
                 first_row = get(bufs.tiles.index(stage)) * p.BLOCK_M
                 rows = first_row + gl.arange(0, p.BLOCK_M, rows_of_s)  # [BLOCK_M]
-                st = warpgroup_mma_wait(1, deps=[st])
+                st = warpgroup_mma_wait(1 if OWNS_DK else 0, deps=[st])
                 s = log2_scores(p, st) + key_scores[:, None]
                 if p.STAGED_BIAS:
                     staged = bufs.bias.index(stage).slice(HALF * KEYS, KEYS, dim=1).permute((1, 0))  # [KEYS, BLOCK_M]
@@ -515,32 +541,41 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
                     offset = keys[:, None] - rows[None, :]
                     s = gl.where((offset >= span.band_lo) & (offset <= span.band_hi), s, float("-inf"))
                 pt = gl.exp2(s - bufs.lse.index(stage).load(rows_of_s)[None, :])
-                dpt = warpgroup_mma_wait(0, deps=[dpt])
-                ds = pt * (dpt - bufs.delta.index(stage).load(rows_of_s)[None, :])
-                if p.DBIAS == _PER_KEY:
-                    dbias += gl.sum(ds, 1)
-                if p.DBIAS == _FULL:
-                    if p.HEADS_INNER:
-                        dbias_tile += ds
-                        if g == p.group - 1:
-                            _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row, dbias_tile, HALF)
-                            dbias_tile = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
-                    else:
-                        _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row, ds, HALF)
-                if p.SOFTCAP:
-                    ds = ds * softcap_slope(p, st)  # after the bias gradient, which is dS itself
+                if OWNS_DK:
+                    dpt = warpgroup_mma_wait(0, deps=[dpt])
+                    ds = pt * (dpt - bufs.delta.index(stage).load(rows_of_s)[None, :])
+                    if p.DBIAS == _PER_KEY:
+                        dbias += gl.sum(ds, 1)
+                    if p.DBIAS == _FULL:
+                        if p.HEADS_INNER:
+                            dbias_tile += ds
+                            if g == p.group - 1:
+                                _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row, dbias_tile, HALF)
+                                dbias_tile = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
+                        else:
+                            _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row, ds, HALF)
+                    if p.SOFTCAP:
+                        ds = ds * softcap_slope(p, st)  # after the bias gradient, which is dS itself
                 # Both products are issued once S^T and dP^T are spent: their registers hold P^T and dS^T.
-                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), operand_layout), do, dv, is_async=True)
-                dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), q, dk, is_async=True)
-                dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+                if OWNS_DV and OWNS_DK:
+                    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), operand_layout), do, dv, is_async=True)
+                    dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), q, dk, is_async=True)
+                    dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+                elif OWNS_DV:
+                    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), operand_layout), do, dv, is_async=True)
+                    dv = warpgroup_mma_wait(0, deps=[dv])
+                else:
+                    dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), q, dk, is_async=True)
+                    dk = warpgroup_mma_wait(0, deps=[dk])
                 mbarrier.arrive(bufs.q_empty.index(stage), count=1)
                 consumed += 1
             mbarrier.arrive(bufs.kv_empty.index(kv), count=1)
             kv_taken += 1
-            if p.DBIAS == _PER_KEY:
+            if (p.DBIAS == _PER_KEY) and OWNS_DK:
                 _flush_key_gradient(p, chunk, batch, head, keys, dbias, _slots_below(first_key, span.seqlen_k, KEYS, keys_of_s))
 
-        dk = dk * p.scale  # dS is the gradient of scale * q.k
+        if OWNS_DK:
+            dk = dk * p.scale  # dS is the gradient of scale * q.k
         out_keys = gl.convert_layout(keys, gl.SliceLayout(1, acc_layout))
         out_written = _slots_below(first_key, span.seqlen_k, KEYS, gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
@@ -549,16 +584,10 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
             + ((span.k_start + out_keys).to(gl.int64) * p.stride_gs)[:, None] + cols[None, :]
         )
         ok = out_written[:, None] & (cols < p.COLUMNS)[None, :]
-        if p.chunks == 1:
-            gl.store(p.DK + offsets, dk.to(p.DK.dtype.element_ty), mask=ok)
-            gl.store(p.DV + offsets, dv.to(p.DV.dtype.element_ty), mask=ok)
-        elif p.SLICES:  # every item writes its chunk's slice, empty ones zeros
-            slice_offset = chunk.to(gl.int64) * p.batch * p.seqlen_k * p.num_kv_heads * p.COLUMNS
-            gl.store(p.ScratchK + slice_offset + offsets, dk, mask=ok)
-            gl.store(p.ScratchV + slice_offset + offsets, dv, mask=ok)
-        else:
-            gl.atomic_add(p.ScratchK + offsets, dk, mask=ok, sem="relaxed")
-            gl.atomic_add(p.ScratchV + offsets, dv, mask=ok, sem="relaxed")
+        if OWNS_DK:
+            _store_gradient(p, p.DK, p.ScratchK, chunk, offsets, dk, ok)
+        if OWNS_DV:
+            _store_gradient(p, p.DV, p.ScratchV, chunk, offsets, dv, ok)
         index, count = _take(bufs, taken)
     if p.STAGED_DBIAS:
         tma.store_wait(0)  # the staging tile lives in shared memory, which ends with the program
@@ -590,7 +619,8 @@ def _dkdv_hopper_kernel(
     stride_dob, stride_dos, stride_doh, stride_gb, stride_gs, stride_gh,
     stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk, dbias_head_div, dbias_rows, chunks, items, entries,
     DBIAS: gl.constexpr, DBIAS_ATOMIC: gl.constexpr, DBIAS_HEAD_SHARED: gl.constexpr, SLICES: gl.constexpr,
-    Q_STAGES: gl.constexpr, SEQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    Q_STAGES: gl.constexpr, KV_BUFFERS: gl.constexpr, ROLES: gl.constexpr, SEQ: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
 ):
     # Descriptors of the whole [B, S, heads, D] tensors, made once per (persistent) program.
     q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
@@ -617,8 +647,8 @@ def _dkdv_hopper_kernel(
     bufs = _Buffers(
         gl.allocate_shared_memory(gl.int32, [2, 1], PLAIN),
         gl.allocate_shared_memory(gl.int32, [2, 1], PLAIN),
-        gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout),
-        gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout),
+        gl.allocate_shared_memory(k_desc.dtype, [KV_BUFFERS] + k_desc.block_type.shape, k_desc.layout),
+        gl.allocate_shared_memory(v_desc.dtype, [KV_BUFFERS] + v_desc.block_type.shape, v_desc.layout),
         gl.allocate_shared_memory(q_desc.dtype, [Q_STAGES] + q_desc.block_type.shape, q_desc.layout),
         gl.allocate_shared_memory(do_desc.dtype, [Q_STAGES] + do_desc.block_type.shape, do_desc.layout),
         words,
@@ -631,14 +661,15 @@ def _dkdv_hopper_kernel(
         gl.allocate_shared_memory(gl.float32, [Q_STAGES, BLOCK_M], PLAIN),
         gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
-        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
-        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], barrier),
     )
     for i in gl.static_range(2):
         mbarrier.init(bufs.item_ready.index(i), count=1)
         mbarrier.init(bufs.item_empty.index(i), count=2)  # both gradient warpgroups release it
+    for i in gl.static_range(KV_BUFFERS):
         mbarrier.init(bufs.kv_ready.index(i), count=1)
         mbarrier.init(bufs.kv_empty.index(i), count=2)
     for i in gl.static_range(Q_STAGES):
@@ -656,7 +687,7 @@ def _dkdv_hopper_kernel(
         mask_head_div, bias_head_div, walk_head_div, dbias_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
         MASK, BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEADS_INNER, HEAD_DIM, COLUMNS, STAGED_BIAS, STAGED_DBIAS, SOFTCAP, SLICES, Q_STAGES,
-        SEQ, BLOCK_M, BLOCK_N,
+        KV_BUFFERS, ROLES, SEQ, BLOCK_M, BLOCK_N,
     )
     gl.warp_specialize(
         [(_gradient_lower, (p, bufs)), (_gradient_upper, (p, bufs)), (_load_columns, (p, bufs))],
@@ -695,7 +726,9 @@ def hopper_dkdv(
     # Work items span each entry's key tiles; packed sequences get those of the longest, and the
     # tiles past a shorter one's keys have no query tiles (``_head_walk``).
     entries, _, keys, seq_tables, seq = entry_tables(call, sequences)
-    items = chunks * cdiv(keys, TILE.kwargs["BLOCK_N"]) * entries * num_kv_heads
+    wide = head_dim_tile(head_dim) > 128
+    tile = WIDE_TILE if wide else TILE
+    items = chunks * cdiv(keys, tile.kwargs["BLOCK_N"]) * entries * num_kv_heads
     slices = call.deterministic and chunks > 1
     scratch_k = scratch_v = placeholder(device, torch.float32)
     if slices:  # [chunks, B, Sk, Hkv, D], each element written once
@@ -717,12 +750,12 @@ def hopper_dkdv(
             *dout.stride()[:3], *dk.stride()[:3],
             0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0), *broadcast_strides(dbias_slice),
             head_divisor(dbias_slice, num_heads), 0 if dbias_slice is None else dbias_slice.numel() // seqlen_k,
-            chunks, items, entries, *dbias_flags, slices, Q_STAGES[head_dim_tile(head_dim)], seq,
+            chunks, items, entries, *dbias_flags, slices, Q_STAGES[head_dim_tile(head_dim)], 1 if wide else 2, wide, seq,
         ]
         return [*tensors, *seq_tables, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags, slices)
 
     hopper_dkdv_launcher.launch(
-        (signature, chunks, dbias_flags), [*tensors, *seq_tables, *own_tensors], build, lambda: [TILE],
+        (signature, chunks, dbias_flags), [*tensors, *seq_tables, *own_tensors], build, lambda: [tile],
         lambda meta: (min(items, configs.multiprocessor_count(device)),),
     )
     if slices:  # summed in chunk order: the same bits on every run

@@ -185,20 +185,21 @@ def _descaled(p, x, descale):
     return x
 
 
-@gluon.jit(noinline=True)  # a call: its code would otherwise hold registers the softmax spills for
+@gluon.jit
 def _zero_rows_past(values, count):
-    """Zero the rows of a V tile ``[BLOCK_N, D]`` in shared memory from ``count`` on, 8 at a
-    time: a cache's slots past an entry's length may hold anything, NaN included, and a zero
+    """Zero the rows of a V tile ``[BLOCK_N, D]`` in shared memory from ``count`` on, ``ROWS`` at
+    a time: a cache's slots past an entry's length may hold anything, NaN included, and a zero
     probability times NaN is NaN. Both warpgroups write the same zeros, so neither's product can
     read a slot the other has yet to clear."""
     BLOCK_N: gl.constexpr = values.shape[0]
     D: gl.constexpr = values.shape[1]
+    ROWS: gl.constexpr = 16
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    for c in gl.static_range(BLOCK_N // 8):
-        if (c + 1) * 8 > count:
-            chunk = values.slice(c * 8, 8)  # [8, D]
-            rows = c * 8 + gl.arange(0, 8, gl.SliceLayout(1, layout))
-            chunk.store(gl.where((rows < count)[:, None], chunk.load(layout), gl.zeros([8, D], chunk.dtype, layout)))
+    for c in gl.static_range(BLOCK_N // ROWS):
+        if (c + 1) * ROWS > count:
+            chunk = values.slice(c * ROWS, ROWS)  # [ROWS, D]
+            rows = c * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+            chunk.store(gl.where((rows < count)[:, None], chunk.load(layout), gl.zeros([ROWS, D], chunk.dtype, layout)))
     fence_async_shared()
 
 
