@@ -580,8 +580,8 @@ CASES = {
         _attention("attn-summary-d96-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
                    head_dim=96, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True,
                    walk="summary", block_size=(128, 128)),
-        # A head dim of 256: the Hopper forward in tiles of 64 keys with one Q slot, the Hopper dK/dV in
-        # items of 64 keys (dK and dV in a warpgroup each), the Triton dQ.
+        # A head dim of 256: the Hopper forward in tiles of 64 keys with one Q slot, the Hopper dQ (one Q/dO
+        # slot, K/V tiles of 32 keys) and dK/dV (items of 64 keys, dK and dV in a warpgroup each).
         _attention("attn-summary-d256-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
                    head_dim=256, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True,
                    walk="summary", block_size=(128, 128)),

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from flash_dma.backends.triton import configs
-from flash_dma.backends.triton.hopper.common import DKDV_HEAD_DIMS, FORWARD_HEAD_DIMS, HEAD_DIMS, TILES
+from flash_dma.backends.triton.hopper.common import FORWARD_HEAD_DIMS, HEAD_DIMS, TILES, WIDE_HEAD_DIMS
 from flash_dma.backends.triton.layout import (
     SEQ_PACKED,
     WALK_BLOCKS,
@@ -91,9 +91,9 @@ ROUTES = (
     Route(TOPK, PASSES, walk=("indices",)),
     Route(HOPPER, ("forward",), **_HOPPER_FORMS, head_dim=FORWARD_HEAD_DIMS),
     Route(HOPPER, ("dq", "dkdv"), **_HOPPER_FORMS, head_dim=HEAD_DIMS),
-    # dK/dV at head dims 192 and 256: items of 64 keys, one warpgroup keeping dV and the other dK (a
-    # BitMask's words are staged for tiles of 128 keys). dQ there is the Triton kernel's.
-    Route(HOPPER, ("dkdv",), **{**_HOPPER_FORMS, "mask": ("none", "keys", "rows")}, head_dim=DKDV_HEAD_DIMS),
+    # The backward at head dims 192 and 256 (tiles of 256 columns), without a BitMask: dK/dV's words
+    # are staged for items of 128 keys, these take 64.
+    Route(HOPPER, ("dq", "dkdv"), **{**_HOPPER_FORMS, "mask": ("none", "keys", "rows")}, head_dim=WIDE_HEAD_DIMS),
     # Packed sequences (varlen): per-key masks and biases only, walked by summaries or densely (a key
     # list is gathered per batch entry, not per sequence).
     Route(HOPPER, PASSES, **{**_HOPPER_FORMS, "sequences": ("packed",), "mask": ("none", "keys")}, head_dim=HEAD_DIMS,

@@ -229,7 +229,7 @@ VARIANTS = [
     ),
     *_gluon_variants(
         "dq-hopper", hopper_dq.hopper_dq_launcher, hopper_dq.TILE,
-        *((name, {"SEQ": SEQ_FIXED, **flags}) for name, flags in (
+        *((name, {"SEQ": SEQ_FIXED, "Q_SLOTS": 2, **flags}) for name, flags in (
             ("per-key-blocks", _HOPPER),
             ("key-list", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_KEYS)),
             ("dense-d64", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, COLUMNS=64, KV_STAGES=3)),
@@ -241,6 +241,12 @@ VARIANTS = [
             ("per-key-blocks-d96", dict(_HOPPER, COLUMNS=96)),
             ("per-key-blocks-varlen", dict(_HOPPER, SEQ=SEQ_PACKED)),
         )),
+    ),
+    *_gluon_variants(
+        "dq-hopper", hopper_dq.hopper_dq_launcher, hopper_dq.WIDE_TILE,
+        ("per-key-blocks-d256", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, KV_STAGES=2, Q_SLOTS=1, SEQ=SEQ_FIXED)),
+        ("pairs-d192-softcap", dict(_HOPPER, MASK=MASK_NONE.value, BIAS=BIAS_PAIRS.value, WALK=WALK_DENSE, HEAD_DIM=256, COLUMNS=192,
+                                    SOFTCAP=True, KV_STAGES=2, Q_SLOTS=1, SEQ=SEQ_FIXED)),
     ),
     Variant("dq-key-list", dq_launcher, 8, 2, {**_KEYS, **_DQ}),
     Variant("dq-per-key-blocks", dq_launcher, 8, 2, {**_PER_KEY, **_DQ}),

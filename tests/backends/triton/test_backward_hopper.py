@@ -63,8 +63,8 @@ CASES = [
     Case(seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=32, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
     Case(seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=96, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
     Case(seqlen_q=200, seqlen_k=300, head_dim=96, bias="B,H,Sq,Sk", window=(40, 40), softcap=2.0),
-    # Head dims of 256 and 192 (tiles of 256 columns): dK/dV in items of 64 keys, one warpgroup
-    # keeping dV and the other dK; dQ is the Triton kernel's.
+    # Head dims of 256 and 192 (tiles of 256 columns): dQ with one Q/dO slot and K/V tiles of 32
+    # keys, dK/dV in items of 64 keys, one warpgroup keeping dV and the other dK.
     Case(seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=256, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True,
          block_size=(128, 128)),
     Case(seqlen_q=200, seqlen_k=300, head_dim=192, bias="B,H,Sq,Sk", window=(40, 40), softcap=2.0),
@@ -83,10 +83,10 @@ PAIR_CASES = [
 
 def _hopper_kernels(case: Case) -> list[str]:
     """The Hopper kernels the case's backward takes: both, unless a per-pair bool mask stays a
-    bool mask (a small problem: the Triton kernels); dK/dV alone at head dims past 128."""
+    bool mask (a small problem: the Triton kernels)."""
     shape = case.dims(case.mask) if case.mask else (1, 1, 1, 1)
     bool_pairs = shape[2] > 1 and shape[3] > 1 and not case.packed and not case.listed
-    return [] if bool_pairs else ["dkdv"] if case.head_dim > 128 else ["dkdv", "dq"]
+    return [] if bool_pairs else ["dkdv", "dq"]
 
 
 @pytest.fixture

@@ -44,9 +44,9 @@ def test_docs_show_the_table_the_code_routes_by():
         (dict(dtype="fp8"), HOPPER, TRITON, TRITON),
         (dict(dtype="fp8", sequences="packed"), TRITON, TRITON, TRITON),
         (dict(head_dim=96), HOPPER, HOPPER, HOPPER),  # tiles of 128 columns, 32 of them zeros
-        # One Q slot and tiles of 64 keys; dK/dV in items of 64 keys, dK and dV in a warpgroup each.
-        (dict(head_dim=256), HOPPER, TRITON, HOPPER),
-        (dict(head_dim=192), HOPPER, TRITON, HOPPER),
+        # Tiles of 256 columns: one Q slot; dK/dV in items of 64 keys, dK and dV in a warpgroup each.
+        (dict(head_dim=256), HOPPER, HOPPER, HOPPER),
+        (dict(head_dim=192), HOPPER, HOPPER, HOPPER),
         (dict(head_dim=256, mask="bits", bias="pairs"), HOPPER, TRITON, TRITON),  # words staged for 128-key tiles
         (dict(head_dim=48), TRITON, TRITON, TRITON),
         (dict(sequences="packed"), HOPPER, HOPPER, HOPPER),

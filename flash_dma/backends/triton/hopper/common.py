@@ -55,10 +55,12 @@ _tile_start = gluon.jit(tiles.tile_start.fn)
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
-HEAD_DIMS = (32, 64, 96, 128)  # of every Hopper kernel
-# Of the forward (D = 256 in tiles of 64 keys, with one Q slot) and of dK/dV (items of 64 keys whose
-# dK and dV two warpgroups keep, ``dkdv.ROLES``).
-FORWARD_HEAD_DIMS = DKDV_HEAD_DIMS = (*HEAD_DIMS, 192, 256)
+HEAD_DIMS = (32, 64, 96, 128)  # of every Hopper kernel, with every form of mask
+# In tiles of 256 columns: the forward's in tiles of 64 keys with one Q slot, dQ's with one Q/dO
+# slot and K/V tiles of 32 keys, dK/dV's in items of 64 keys whose dK and dV two warpgroups keep
+# (``dkdv.ROLES``).
+WIDE_HEAD_DIMS = (192, 256)
+FORWARD_HEAD_DIMS = (*HEAD_DIMS, *WIDE_HEAD_DIMS)
 
 
 def head_dim_tile(head_dim: int) -> int:

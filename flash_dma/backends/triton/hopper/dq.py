@@ -49,7 +49,10 @@ from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import Call, Sequences
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dq"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
-KV_STAGES = {32: 3, 64: 3, 128: 2}  # per tile head dim; with two Q/dO buffers, D = 128 fills 192 KB
+# Head dims 192 and 256 (tiles of 256 columns): one Q/dO slot (128 KB) and two K/V stages of 32 keys
+# (64 KB), as the forward keeps one Q slot there; a warpgroup's dQ is 128 of its 240 registers.
+WIDE_TILE = triton.Config(dict(BLOCK_M=TILE.kwargs["BLOCK_M"], BLOCK_N=32), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
+KV_STAGES = {32: 3, 64: 3, 128: 2, 256: 2}  # per tile head dim; with two Q/dO buffers, D = 128 fills 192 KB
 
 
 @record
@@ -153,7 +156,7 @@ def _dq_hopper_kernel(
     STAGED_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
     DO, Lse, Delta, DQ, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, items, row_blocks,
-    KV_STAGES: gl.constexpr, SEQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    KV_STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, SEQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
     do_desc = tile_descriptor(DO, batch, seqlen_q, num_heads, COLUMNS, stride_dob, stride_dos, stride_doh, BLOCK_M, BLOCK_M, HEAD_DIM)
@@ -166,21 +169,21 @@ def _dq_hopper_kernel(
     words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, KV_STAGES, BLOCK_N)
     barrier: gl.constexpr = mbarrier.MBarrierLayout()
     bufs = _Buffers(
-        gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout),
-        gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout),
+        gl.allocate_shared_memory(q_desc.dtype, [Q_SLOTS] + q_desc.block_type.shape, q_desc.layout),
+        gl.allocate_shared_memory(do_desc.dtype, [Q_SLOTS] + do_desc.block_type.shape, do_desc.layout),
         gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout),
         gl.allocate_shared_memory(v_desc.dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout),
         words,
         bias,
-        gl.allocate_shared_memory(gl.int32, [2, 1], PLAIN),
-        gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], PLAIN),
-        gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], PLAIN),
+        gl.allocate_shared_memory(gl.int32, [Q_SLOTS, 1], PLAIN),
+        gl.allocate_shared_memory(gl.float32, [Q_SLOTS, BLOCK_M], PLAIN),
+        gl.allocate_shared_memory(gl.float32, [Q_SLOTS, BLOCK_M], PLAIN),
         gl.allocate_shared_memory(gl.int32, [2 * KV_STAGES, 1], PLAIN),
         gl.allocate_shared_memory(gl.int32, [KV_STAGES, BLOCK_N], PLAIN),
         gl.allocate_shared_memory(gl.int32, [KV_STAGES, 1], PLAIN),
         gl.allocate_shared_memory(gl.float32, [KV_STAGES, BLOCK_N], PLAIN),
-        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
-        gl.allocate_shared_memory(gl.int64, [2, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [Q_SLOTS, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
@@ -218,16 +221,17 @@ def hopper_dq(
     signature."""
     q = call.q
     num_heads, head_dim = q.shape[2], q.shape[3]
+    wide = head_dim_tile(head_dim) > 128
     row_blocks, items, seq_tables, seq = work_items(call, TILE.kwargs["BLOCK_M"], sequences)
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
     tensors = hopper_tensors(call, k, v, walk)
 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag, seq)
-        own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, KV_STAGES[head_dim_tile(head_dim)], seq]
+        own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, KV_STAGES[head_dim_tile(head_dim)], 1 if wide else 2, seq]
         return [*tensors, *seq_tables, *runtime, *flags, dout, lse, delta, dq, *own], (q.dtype, dq.dtype, *flags)
 
     hopper_dq_launcher.launch(
-        signature, [*tensors, *seq_tables, dout, lse, delta, dq], build, lambda: [TILE],
+        signature, [*tensors, *seq_tables, dout, lse, delta, dq], build, lambda: [WIDE_TILE if wide else TILE],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )
