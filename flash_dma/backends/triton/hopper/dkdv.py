@@ -23,6 +23,12 @@ converts, or, deterministic (SLICES), each chunk into a slice of its own, which 
 in chunk order. (Chunks that waited for their turn to add, as the Triton kernel's do, made the
 step 2.9x slower: a chunk's program can be two items behind its neighbours'.)
 
+With a key list (a per-key mask's kept keys, ``key_list.py``) an item's keys are slots of the
+list, gathered as for the forward (``common.walked_keys``); dK and dV go back to the keys' own
+rows (``_column_keys``). At head dims 192 and 256 (``ROLES``) an item is 64 keys that both
+warpgroups take, one keeping dV and the other dK, as one warpgroup's registers hold one 64 x 256
+fp32 accumulator but not two.
+
 The bias gradient: per key, the column sums of dS (flushed per head, or once for a bias the
 group shares); per pair, dS itself, each tile written once. For a per-pair bias the group's
 heads share, the loader visits a tile's heads one after the other (``HEADS_INNER``) and the
