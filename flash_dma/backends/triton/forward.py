@@ -31,12 +31,12 @@ from flash_dma.backends.triton.layout import (
     CachePages,
     Call,
     Sequences,
+    cache_tables,
     call_signature,
     common_arguments,
     common_tensors,
     copy_engine_reads,
     grid_sizes,
-    placeholder,
     sequences_signature,
     tensor_layout,
 )
@@ -359,18 +359,15 @@ def attention_forward(
     block_d = configs.head_dim_block(head_dim)
     heads = num_kv_heads if pack_gqa else num_heads
     decode = rows <= 64
-    no_ints = placeholder(q.device, torch.int32)
-    cache_rows = no_ints if cache is None or cache.rows is None else cache.rows
-    table = no_ints if cache is None or cache.block_table is None else cache.block_table
-    paged = cache is not None and cache.block_table is not None
-    cache_last = k.shape[1] // cache.page_size - 1 if paged else k.shape[0] - 1  # the last page, or cache row
+    cache_rows, table, kernel_page_size, cache_last = cache_tables(cache, k)
+    paged = page_size > 0
     def kv_reads() -> tuple[bool, bool, int]:
         """``(tma, page_tiles, fit_block_k)``: whether K/V tiles are copied whole (TMA), whether a
         paged cache's are (key tiles of a power of two up to the page size lie within one page),
         and the largest key tile. Decided once per layout, by ``build`` and ``candidates``."""
         tma = copy_engine_reads(block_d, seqlen_k, q, k, call.v)
-        page_tiles = paged and tma and cache.page_size >= configs.MIN_TILE and cache.page_size & (cache.page_size - 1) == 0
-        return tma, page_tiles, min(b for b in (list_block_k, cache.page_size if page_tiles else 0, 1 << 30) if b > 0)
+        page_tiles = paged and tma and page_size >= configs.MIN_TILE and page_size & (page_size - 1) == 0
+        return tma, page_tiles, min(b for b in (list_block_k, page_size if page_tiles else 0, 1 << 30) if b > 0)
 
     def build():
         runtime, flags = common_arguments(call, kv_lists, pack_gqa, sequences)
@@ -381,7 +378,7 @@ def attention_forward(
             lse_strides = (0, *lse.stride())
         args = [
             *runtime, out_target, lse_target, *out_target.stride()[:4], *lse_strides, rows,
-            cache_rows, table, table.stride(0) if paged else 0, cache.page_size if paged else 1,
+            cache_rows, table, table.stride(0) if paged else 0, kernel_page_size,
             int(cache is not None and cache.rows is not None), cache_last,
             *flags, tma, pack_gqa, num_splits > 1, paged, page_tiles, block_d,
         ]
@@ -393,7 +390,7 @@ def attention_forward(
         fit_block_k = kv_reads()[2]
         return configs.fit_to_problem(configs.forward_candidates(q.device, block_d, decode), rows, list_block_q, fit_block_k)
 
-    layout = (signature, tensor_layout(cache_rows), tensor_layout(table), cache.page_size if paged else 0)
+    layout = (signature, tensor_layout(cache_rows), tensor_layout(table), page_size)
     forward_launcher.launch(
         layout, [*common_tensors(call, walked, sequences), out_target, lse_target, cache_rows, table],
         build, candidates, lambda meta: (cdiv(rows, meta["BLOCK_M"]), batch * heads, num_splits),

@@ -225,6 +225,17 @@ class CachePages(NamedTuple):
     page_size: int
 
 
+def cache_tables(cache: CachePages | None, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``(rows, block_table, page_size, last)`` as the forward kernels take a cache's entries: the
+    tables (int32 placeholders where absent), the page size (1 unpaged) and the last cache row, or
+    page, of ``k`` (the cache, or its pool of pages), to which the kernels clamp indices."""
+    none = placeholder(k.device, torch.int32)
+    rows = none if cache is None or cache.rows is None else cache.rows
+    paged = cache is not None and cache.block_table is not None
+    page_size = cache.page_size if paged else 1
+    return rows, cache.block_table if paged else none, page_size, (k.shape[1] // page_size if paged else k.shape[0]) - 1
+
+
 def grid_sizes(q: torch.Tensor, k: torch.Tensor, sequences: Sequences | None) -> tuple[int, int, int]:
     """``(entries, queries, keys)`` that the grids span: the tensors' own, or at most one entry's."""
     if sequences is None:

@@ -74,9 +74,7 @@ def test_hopper_launches_bind_to_their_kernels(case, deterministic, bound_launch
         deterministic=deterministic, backend="triton",
     )
     out.sum().backward()
-    assert "_attn_fwd_hopper_kernel" in bound_launches
-    if case.head_dim <= 128:
-        assert {"_dq_hopper_kernel", "_dkdv_hopper_kernel"} <= set(bound_launches), bound_launches
+    assert {"_attn_fwd_hopper_kernel", "_dq_hopper_kernel", "_dkdv_hopper_kernel"} <= set(bound_launches), bound_launches
 
 
 def test_the_fp8_forward_launch_binds_to_its_kernel(bound_launches):
@@ -104,8 +102,12 @@ def test_the_packed_launches_bind_to_their_kernels(bound_launches):
     assert {"_attn_fwd_hopper_kernel", "_dq_hopper_kernel", "_dkdv_hopper_kernel"} <= set(bound_launches), bound_launches
 
 
-def test_the_cache_prefill_launch_binds_to_its_kernel(bound_launches):
-    """A chunk of prefill over a contiguous KV cache, not split over its keys: the Hopper forward."""
-    case = CacheCase(seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100, head_dim=64, listed=True, num_splits=1)
+@pytest.mark.parametrize(
+    "layout", [dict(listed=True), dict(rows=True), dict(page_size=128)], ids=["contiguous-listed", "rows", "pages"],
+)
+def test_the_cache_prefill_launch_binds_to_its_kernel(layout, bound_launches):
+    """A chunk of prefill over a KV cache (its own rows, rows cache_batch_idx names, or pages of
+    whole key tiles), not split over its keys: the Hopper forward."""
+    case = CacheCase(seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100, head_dim=64, num_splits=1, **layout)
     run_cache(case, make_cache_inputs(case, torch.float16), "triton")
     assert bound_launches[-1] == "_attn_fwd_hopper_kernel"

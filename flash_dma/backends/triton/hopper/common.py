@@ -63,6 +63,12 @@ WIDE_HEAD_DIMS = (192, 256)
 FORWARD_HEAD_DIMS = (*HEAD_DIMS, *WIDE_HEAD_DIMS)
 
 
+def wide_tiles(head_dim: int) -> bool:
+    """Whether ``head_dim`` takes tiles of 256 columns (``WIDE_HEAD_DIMS``), and with them each
+    kernel's wide configuration."""
+    return head_dim_tile(head_dim) > 128
+
+
 def head_dim_tile(head_dim: int) -> int:
     """The head dim of the kernels' tiles (their HEAD_DIM): ``head_dim`` rounded up to a power of
     two. The TMA copies fill the columns past ``head_dim`` with zeros, which add nothing to the

@@ -86,6 +86,7 @@ from flash_dma.backends.triton.hopper.common import (
     tma_load,
     tma_store,
     walked_keys,
+    wide_tiles,
     words_staged,
 )
 from flash_dma.backends.triton.launch import Launcher
@@ -732,7 +733,7 @@ def hopper_dkdv(
     # Work items span each entry's key tiles; packed sequences get those of the longest, and the
     # tiles past a shorter one's keys have no query tiles (``_head_walk``).
     entries, _, keys, seq_tables, seq = entry_tables(call, sequences)
-    wide = head_dim_tile(head_dim) > 128
+    wide = wide_tiles(head_dim)
     tile = WIDE_TILE if wide else TILE
     items = chunks * cdiv(keys, tile.kwargs["BLOCK_N"]) * entries * num_kv_heads
     slices = call.deterministic and chunks > 1

@@ -43,6 +43,7 @@ from flash_dma.backends.triton.hopper.common import (
     visible_scores,
     wait_for_scores,
     walked_keys,
+    wide_tiles,
     work_items,
 )
 from flash_dma.backends.triton.launch import Launcher
@@ -221,7 +222,7 @@ def hopper_dq(
     signature."""
     q = call.q
     num_heads, head_dim = q.shape[2], q.shape[3]
-    wide = head_dim_tile(head_dim) > 128
+    wide = wide_tiles(head_dim)
     row_blocks, items, seq_tables, seq = work_items(call, TILE.kwargs["BLOCK_M"], sequences)
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
     tensors = hopper_tensors(call, k, v, walk)

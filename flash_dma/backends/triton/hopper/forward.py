@@ -67,10 +67,11 @@ from flash_dma.backends.triton.hopper.common import (
     work_items,
     wait_for_scores,
     walked_keys,
+    wide_tiles,
 )
 from flash_dma.backends.triton.hopper.transpose import transposed_values
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import CachePages, Call, Sequences, placeholder, tensor_layout
+from flash_dma.backends.triton.layout import CachePages, Call, Sequences, cache_tables, placeholder, tensor_layout
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["forward"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
 # D = 256: tiles of 64 keys (a warpgroup's 64 x 256 accumulator is 128 of its 240 registers) and one
@@ -408,15 +409,12 @@ def hopper_forward(
     tensors = hopper_tensors(call, k, v, walk)
     descale = call.descale if fp8 else placeholder(q.device, torch.float32)
 
-    no_ints = placeholder(q.device, torch.int32)
-    rows = no_ints if cache is None or cache.rows is None else cache.rows
-    table = no_ints if cache is None or cache.block_table is None else cache.block_table
-    kind = (CACHE_PAGES if table is not no_ints else CACHE_ROWS if rows is not no_ints else CACHE_CONTIGUOUS).value
-    page_size = cache.page_size if kind == CACHE_PAGES.value else 1
-    # The last page, or cache row: what the kernel clamps the indices to.
-    cache_last = k.shape[1] // page_size - 1 if kind == CACHE_PAGES.value else k.shape[0] - 1
-
-    wide = head_dim_tile(head_dim) > 128
+    rows, table, page_size, cache_last = cache_tables(cache, k)
+    kind = (
+        CACHE_CONTIGUOUS if cache is None else CACHE_PAGES if cache.block_table is not None
+        else CACHE_ROWS if cache.rows is not None else CACHE_CONTIGUOUS
+    ).value
+    wide = wide_tiles(head_dim)
     # FP8 rows are half as wide: a ring of D-column FP8 tiles is that of D / 2 16-bit ones.
     row_width = max(32, head_dim_tile(head_dim) * q.element_size() // 2)
 
