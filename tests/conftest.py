@@ -41,15 +41,21 @@ def poison_outputs(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", poisoned_empty(torch.empty_like))
 
 
-# flash_dma_topk_func on the Triton backend runs either way, by the share of the keys its lists hold:
-# the values of TOPK_PACKED_KEYS_PER_ENTRY that force its indices to be walked, or the packed mask.
-TOPK_WALKS = {"indices": 0, "packed": 1 << 30}
+# flash_dma_topk_func on the Triton backend walks its indices or, by the share of the keys its lists
+# hold, the packed mask (TOPK_PACKED_KEYS_PER_ENTRY); its backward walks them per query or over each
+# query block's union of keys, block by block by the union's size (topk_union.UNION_SHARE). Each
+# walk: (TOPK_PACKED_KEYS_PER_ENTRY, the union share, None for the default).
+TOPK_WALKS = {"per-query": (0, -1.0), "union": (0, 1.0), "split": (0, None), "packed": (1 << 30, None)}
 
 
 @pytest.fixture(params=TOPK_WALKS)
 def topk_walk(request, monkeypatch):
     """Each way a top-k call runs on the Triton backend, in turn."""
     from flash_dma.backends import triton as triton_backend
+    from flash_dma.backends.triton import topk_union
 
-    monkeypatch.setattr(triton_backend, "TOPK_PACKED_KEYS_PER_ENTRY", TOPK_WALKS[request.param])
+    keys_per_entry, share = TOPK_WALKS[request.param]
+    monkeypatch.setattr(triton_backend, "TOPK_PACKED_KEYS_PER_ENTRY", keys_per_entry)
+    if share is not None:
+        monkeypatch.setattr(topk_union, "UNION_SHARE", share)
     return request.param

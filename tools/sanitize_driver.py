@@ -46,6 +46,7 @@ from flash_dma import (
     topk_block_mask,
 )
 from flash_dma.backends.triton import backward as triton_backward
+from flash_dma.backends.triton import topk_union
 from flash_dma.backends.triton.block_summary import block_lists, block_state
 from flash_dma.backends.triton.key_list import build_key_list
 from flash_dma.inputs import DESCALES, FP8_DTYPE
@@ -242,8 +243,9 @@ class Topk:
     """``flash_dma_topk_func`` forward and backward: ``width`` keys listed per query and key/value
     head, drawn among the first ``hot`` keys (0: all), with -1 entries, entries past the keys and
     repeats. ``bias``: per pair ``"B,Sq,H,W"``-like, per key ``"B,Hkv,Sk"``-like, or None.
-    ``walk``: "indices" (the index kernels) or "packed" (the packed per-query mask), whatever the
-    share of the keys the lists hold. ``deterministic``: dK/dV key-outer over the sorted inverse
+    ``walk``: "indices" (the index kernels, the backward split between the union and per-query
+    walks by the default share), "union" or "per-query" (every query block's backward on one of
+    them), or "packed" (the packed per-query mask), whatever the share of the keys the lists hold. ``deterministic``: dK/dV key-outer over the sorted inverse
     map, not added by atomics in the dQ walk."""
 
     batch: int
@@ -272,8 +274,13 @@ class Topk:
             (self.batch, self.seqlen_k, self.kv_heads, self.head_dim),
             tuple(sizes.get(s, 1) for s in self.bias.split(",")) if self.bias else None,
         )
-        packed_keys_per_entry = {"indices": 0, "packed": self.seqlen_k}[self.walk]
-        with mock.patch.object(triton_backend, "TOPK_PACKED_KEYS_PER_ENTRY", packed_keys_per_entry):
+        packed_keys_per_entry, share = {
+            "indices": (0, topk_union.UNION_SHARE), "union": (0, 1.0), "per-query": (0, -1.0), "packed": (self.seqlen_k, topk_union.UNION_SHARE),
+        }[self.walk]
+        with (
+            mock.patch.object(triton_backend, "TOPK_PACKED_KEYS_PER_ENTRY", packed_keys_per_entry),
+            mock.patch.object(topk_union, "UNION_SHARE", share),
+        ):
             out, lse = flash_dma_topk_func(
                 **leaves, indices=target.ints(indices.to(torch.int32)), is_causal=self.causal, window_size=self.window,
                 softcap=self.softcap, deterministic=self.deterministic, return_lse=True, backend=target.backend,
@@ -603,6 +610,12 @@ CASES = {
               width=33, bias="1,1,Sk", window=(32, 8), softcap=5.0, hot=8),
         _topk("topk-len1-d72", batch=3, seqlen_q=1, seqlen_k=1, heads=2, kv_heads=2, head_dim=72, width=5,
               bias="B,Sq,1,W"),
+        # The backward over each query block's union of keys (dK/dV by atomics, from 64-row tiles),
+        # every block, and a call split between it and the per-query walk (hot keys: small unions).
+        _topk("topk-union-gqa-d128-keys-causal", batch=2, seqlen_q=129, seqlen_k=257, heads=8, kv_heads=2, head_dim=128,
+              width=48, bias="B,Hkv,Sk", causal=True, walk="union"),
+        _topk("topk-split-gqa16-d64-heads-window-hot", batch=1, seqlen_q=200, seqlen_k=300, heads=32, kv_heads=2, head_dim=64,
+              width=24, bias="1,H,Sk", window=(100, 0), softcap=5.0, hot=20),
         # deterministic: dK/dV key-outer over the sorted inverse map (the others add them by atomics).
         _topk("topk-gqa-d64-keys-deterministic-hot", batch=2, seqlen_q=129, seqlen_k=257, heads=8, kv_heads=2, head_dim=64,
               width=40, bias="B,H,Sk", causal=True, hot=16, deterministic=True),

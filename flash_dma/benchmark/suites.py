@@ -90,7 +90,11 @@ PQTOKEN_LENGTH = 16384
 PQTOKEN_KEPT_KEYS = 2048  # per query
 # The per-query suites' own rows: the same call with no mask, beside flash-dma's.
 PER_QUERY_METHODS = ("flash-dma", "flash-dma-nomask")
-PER_QUERY_SELECTIONS = ("query-token", "query-index")  # masks of each query's top keys of a per-pair score
+# Each query's top keys of a per-pair score, as top-k indices: random scores, or scores smooth in the
+# query, so that neighbouring queries' selections overlap (``inputs.overlapping_topk_indices``).
+INDEX_SELECTIONS = ("query-index", "query-index-overlap")
+PER_QUERY_SELECTIONS = ("query-token", *INDEX_SELECTIONS)  # masks of each query's top keys of a per-pair score
+INDEX_LABELS = {"query-index": " (indices)", "query-index-overlap": " (indices, overlapping)"}
 TOPK_LENGTH = 32768
 TOPK_LONG_LENGTH = 131072
 TOPK_KEPT_KEYS = 2048  # per query and K/V head: DSA's
@@ -231,7 +235,8 @@ class Case:
     window: int | None = None  # keys per row (seed suite) or per head ("token") that ``keep`` comes from
     # "block": block top-k per key | "query-block": per query block | "token" | "random"
     # | "query-token": each query's top-k keys of a per-pair score, as a BitMask
-    # | "query-index": the same selection as top-k indices (flash_dma_topk_func), with its BitMask | "none"
+    # | "query-index": the same selection as top-k indices (flash_dma_topk_func), with its BitMask
+    # | "query-index-overlap": top-k indices of a score smooth in the query, with its BitMask | "none"
     mask: str = "block"
     cache: str | None = None  # "warm" | "cold" compiler caches: the first call in a new process; None: here
     documents: tuple[int, ...] | None = None  # lengths of the packed documents (varlen suite); None: unpacked
@@ -344,7 +349,7 @@ class Case:
         if self.mask == "token":
             return f"top-{self.kept_keys} keys"
         if self.mask in PER_QUERY_SELECTIONS:
-            return f"top-{self.kept_keys} keys per query" + (" (indices)" if self.mask == "query-index" else "")
+            return f"top-{self.kept_keys} keys per query" + INDEX_LABELS.get(self.mask, "")
         if self.mask == "none":
             return "bias only" if self.bias != "none" else "no mask, no bias"
         if self.mask == "random":
@@ -419,17 +424,20 @@ def pqtoken_cases(quick: bool = False) -> list[Case]:
 
 def topk_cases(quick: bool = False) -> list[Case]:
     """Each query's top-2048 keys as indices: at 32K against the packed per-query mask of the same
-    selection, and at 128K (not with ``quick``) against dense causal attention, in the llm shape and
-    with a wide group; the issue's targets."""
+    selection, random and overlapping (neighbouring queries picking many of the same keys), and at
+    128K (not with ``quick``) against dense causal attention, in the llm shape and with a wide
+    group; the issue's targets."""
     selection = dict(modes=MODES, window=TOPK_KEPT_KEYS, mask="query-index")
-    cases = [
-        Case("topk", "prefill", **LLM_SHAPE, seqlen_q=TOPK_LENGTH, seqlen_k=TOPK_LENGTH,
-             keep=TOPK_KEPT_KEYS / TOPK_LENGTH, methods=TOPK_METHODS, **selection)
-    ]
+    short = dict(seqlen_q=TOPK_LENGTH, seqlen_k=TOPK_LENGTH, keep=TOPK_KEPT_KEYS / TOPK_LENGTH)
+    cases = [Case("topk", "prefill", **LLM_SHAPE, **short, methods=TOPK_METHODS, **selection)]
     if not quick:
         long = dict(seqlen_q=TOPK_LONG_LENGTH, seqlen_k=TOPK_LONG_LENGTH, keep=TOPK_KEPT_KEYS / TOPK_LONG_LENGTH)
         cases += [
+            Case("topk", "prefill", **LLM_SHAPE, **short, methods=("flash-dma-topk", "flash-dma"),
+                 **{**selection, "mask": "query-index-overlap"}),
             Case("topk", "prefill", **LLM_SHAPE, **long, methods=TOPK_LONG_METHODS, **selection),
+            Case("topk", "prefill", **LLM_SHAPE, **long, methods=("flash-dma-topk", "flash-dma-nomask"),
+                 **{**selection, "mask": "query-index-overlap"}),
             Case("topk", "prefill", **TOPK_WIDE_SHAPE, **long, methods=("flash-dma-topk",), **selection),
         ]
     return cases

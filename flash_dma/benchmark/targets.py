@@ -182,8 +182,8 @@ def _paged_vs_contiguous(keep: float) -> Measure:
 
 
 def _topk(method: str, mode: str, seqlen: int, heads: int = 16) -> Pick:
-    """A topk-suite row (the llm shape, or the wide group with ``heads=64``)."""
-    return _pick(method, mode, suite="topk", seqlen_k=seqlen, heads=heads)
+    """A topk-suite row of random selections (the llm shape, or the wide group with ``heads=64``)."""
+    return _pick(method, mode, suite="topk", seqlen_k=seqlen, heads=heads, mask="query-index")
 
 
 def _forward_tflops(pick: Pick) -> Measure:

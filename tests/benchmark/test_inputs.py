@@ -214,9 +214,18 @@ def test_a_paged_cache_needs_whole_pages():
         make_inputs(_cache_case("paged", length=1000), "cpu")
 
 
-def test_query_index_cases_get_topk_indices_and_their_bit_mask():
-    case = _case(mask="query-index", window=20, keep=20 / 256)
+@pytest.mark.parametrize("mask", ["query-index", "query-index-overlap"])
+def test_query_index_cases_get_topk_indices_and_their_bit_mask(mask):
+    case = _case(mask=mask, window=20, keep=20 / 256)
     inputs = make_inputs(case, "cpu")
     assert inputs.indices.shape == (case.batch, case.seqlen_q, case.kv_heads, 20) and inputs.indices.dtype == torch.int32
     assert torch.equal(inputs.indices[0], inputs.indices[1])  # the scores, and so the selection, are shared
     assert torch.equal(inputs.mask.dense().sum(-1).transpose(1, 2), (inputs.indices[:1] >= 0).sum(-1))
+
+
+def test_overlapping_selections_share_more_keys_between_neighbours_than_random_ones():
+    def neighbours_shared(mask: str) -> float:
+        indices = make_inputs(_case(mask=mask, window=20, keep=20 / 256), "cpu").indices[0, -64:, 0]  # [64, W]
+        return sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(indices[1:], indices[:-1])) / (63 * 20)
+
+    assert neighbours_shared("query-index-overlap") > 2 * neighbours_shared("query-index")

@@ -85,10 +85,14 @@ def test_topkq_suite_keeps_one_eighth_of_the_blocks_per_query_block():
 
 
 def test_topk_suite_compares_indices_with_the_packed_mask_dense_causal_and_flex():
-    c, long, wide = topk_cases()
-    for case in (c, long, wide):
-        assert (case.suite, case.mask, case.bias, case.window, case.modes) == ("topk", "query-index", "key", 2048, ("fwd", "fwdbwd"))
+    c, overlap, long, long_overlap, wide = topk_cases()
+    assert (long_overlap.seqlen_k, long_overlap.mask, long_overlap.methods) == (131072, "query-index-overlap", ("flash-dma-topk", "flash-dma-nomask"))
+    for case in (c, overlap, long, wide):
+        assert (case.suite, case.bias, case.window, case.modes) == ("topk", "key", 2048, ("fwd", "fwdbwd"))
         assert (case.batch, case.kv_heads, case.head_dim) == (1, 4, 128)
+        assert case.mask == ("query-index-overlap" if case is overlap else "query-index")
+    assert (overlap.seqlen_k, overlap.heads, overlap.methods) == (32768, 16, ("flash-dma-topk", "flash-dma"))
+    assert overlap.label == "S=32768 top-2048 keys per query (indices, overlapping)"
     assert (c.seqlen_q, c.seqlen_k, c.heads) == (32768, 32768, 16)
     assert c.methods == ("flash-dma-topk", "flash-dma", "flash-dma-nomask", "flex")
     assert c.kept_text == "2048/32768 keys per query" and c.label == "S=32768 top-2048 keys per query (indices)"

@@ -25,6 +25,7 @@ import flash_dma
 from flash_dma import BitMask, BlockMask, build_block_mask, pack_mask
 from flash_dma.backends.reference import reference_attention, reference_topk_attention, valid_indices, visible_positions
 from flash_dma.backends.triton import backward as triton_backward
+from flash_dma.backends.triton import topk_union
 from flash_dma.block_mask import effective_mask_rows
 from flash_dma.inputs import FP8_DTYPE, FP8_OUT_DTYPE, dequantize, head_descale, output_dtype
 from flash_dma.masks import topk_block_mask
@@ -164,6 +165,19 @@ def _dequantized(inputs: dict) -> dict:
 def _case(trial: Trial) -> Case:
     """The suite's description of the call's settings (what ``triton_call`` and ``reference_outputs`` read)."""
     return Case(causal=trial.causal, window=trial.window, softcap=trial.softcap, listed=trial.walk == "listed")
+
+
+@contextlib.contextmanager
+def _forced_union_share(share: float | None):
+    """The top-k backward's union share (``topk_union.UNION_SHARE``) forced for the trial: every
+    query block over its union of keys (1), or none (-1); None keeps the default split."""
+    real = topk_union.UNION_SHARE
+    if share is not None:
+        topk_union.UNION_SHARE = share
+    try:
+        yield
+    finally:
+        topk_union.UNION_SHARE = real
 
 
 @contextlib.contextmanager
@@ -428,7 +442,7 @@ def run_trial(trial: Trial, device) -> Outcome:
     stage = "inputs"
     try:
         # Poisoned from here on: block summaries built on the GPU included.
-        with _poisoned_outputs(), _forced_query_chunks(trial.query_chunks):
+        with _poisoned_outputs(), _forced_query_chunks(trial.query_chunks), _forced_union_share(trial.union_share):
             inputs, block_mask, dout = make_inputs(trial, device)
             before = _snapshot(inputs, block_mask) if trial.check_inputs else None
             leaves = [name for name in _GRADIENTS if inputs[name] is not None and inputs[name].requires_grad]
@@ -450,9 +464,11 @@ def run_trial(trial: Trial, device) -> Outcome:
                 grads = dict(zip(leaves, torch.autograd.grad(out, tensors, dout, retain_graph=trial.repeat_backward)))
                 again = torch.autograd.grad(out, tensors, dout) if trial.repeat_backward else ()
         stage = "compare"
+        # dQ never uses atomics; dK, dV and the bias gradient may, unless deterministic. The top-k
+        # backward over a block's union of keys walks them in the order its build's atomics landed.
+        union_order = trial.walk == INDICES and trial.union_share != -1.0
         for name, grad in zip(leaves, again):
-            # dQ never uses atomics; dK, dV and the bias gradient may, unless deterministic.
-            if (name == "query" or trial.deterministic) and not torch.equal(grad, grads[name]):
+            if ((name == "query" and not union_order) or trial.deterministic) and not torch.equal(grad, grads[name]):
                 outcome.problems.append(f"{name} gradient: a second backward gave different bits")
         if trial.walk == INDICES:
             _compare_topk(trial, inputs, dout, out.detach(), lse, grads, outcome)

@@ -153,6 +153,7 @@ class Trial:
     check_inputs: bool  # require the inputs unchanged afterwards
     packed: bool = False  # summary walk: the mask passed as a BitMask, which carries its own summary
     width: int = 0  # indices walk: W, the keys listed per query
+    union_share: float | None = None  # indices walk: the backward's union share forced (-1: no block, 1: every block)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -197,6 +198,8 @@ class Trial:
         flags = [n for n in ("deterministic", "padded") if getattr(self, n)] + ([] if self.grad_qkv else ["bias-grad-only"])
         if self.query_chunks > 1:
             flags.append(f"chunks{self.query_chunks}")
+        if self.union_share is not None:
+            flags.append({-1.0: "per-query-backward", 1.0: "union-backward"}[self.union_share])
         return " ".join(parts + flags)
 
 
@@ -354,4 +357,5 @@ def sample_trial(space: Space, seed: int, index: int) -> Trial:
         # Drawn last, so that a seed's other draws stay as they were.
         packed=family.walk == "summary" and family.mask is not None and family.block_size[1] >= 32 and rng.random() < 0.5,
         width=rng.choice(WIDTHS) if family.walk == INDICES else 0,
+        union_share=rng.choice((None, -1.0, 1.0)) if family.walk == INDICES else None,
     )

@@ -55,6 +55,7 @@ def features(trial: Trial, outcome: Outcome) -> list[str]:
         "padded layout": trial.padded,
         "bias gradient only": not trial.grad_qkv,
         "dK/dV query chunks forced": trial.query_chunks > 1,
+        "top-k backward over unions forced": trial.union_share == 1.0,
         "top-k per query block": bool(trial.topk and trial.topk["per_query"]),
         "rows with no visible key": outcome.empty_rows,
         "backward twice (bitwise)": trial.repeat_backward,

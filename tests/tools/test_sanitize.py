@@ -109,7 +109,7 @@ def test_the_cases_cover_odd_shapes():
     assert splits == {False, True}  # split-KV over contiguous and paged caches
     topk = [spec for spec in specs if isinstance(spec, Topk)]
     assert {spec.bias.count(",") for spec in topk} == {2, 3} and any(spec.hot for spec in topk)  # per key and per pair; shared keys
-    assert {spec.walk for spec in topk} == {"indices", "packed"}
+    assert {spec.walk for spec in topk} == {"indices", "union", "packed"}
     fp8 = [spec for spec in specs if isinstance(spec, Fp8)]
     assert {spec.head_dim for spec in fp8} == {64, 256} and any(spec.walk == "summary" for spec in fp8)
 

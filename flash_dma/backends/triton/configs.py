@@ -90,6 +90,11 @@ _TOPK = {
     "forward": {64: (64, 4, 3), 128: (32, 2, 2), 256: (32, 4, 2)},
     "dq": {64: (64, 4, 3), 128: (32, 2, 3), 256: (32, 4, 2)},
 }
+# The top-k backward over a query block's union of keys (``topk_union.py``): (BLOCK_N, warps, stages)
+# by head-dim bucket; BLOCK_M is the block's queries x the group's padded heads (64 rows). D = 128
+# by a sweep on the H100 (32K, W = 2048, H = 16 and 64: BLOCK_N 16-64, 4-8 warps, 1-3 stages); the
+# others untuned.
+_TOPK_UNION = {64: (64, 4, 2), 128: (32, 4, 3), 256: (32, 8, 1)}
 # Elements (rows of queries x group heads, times BLOCK_D) per chunk of the key-outer dK/dV kernel:
 # its q and dO chunks live in registers (at D = 128, 64 rows spilled on sm90, 32 did not).
 TOPK_DKDV_ELEMENTS = 4096
@@ -176,6 +181,15 @@ def topk_candidates(pass_: str, block_d: int, group: int) -> list[triton.Config]
         return [_config(block_m, _INTERPRETER_TILE, 4, 1)]
     table = _TOPK[pass_]
     block_n, num_warps, num_stages = table[min(b for b in table if b >= block_d)]
+    return [_config(block_m, block_n, num_warps, num_stages)]
+
+
+def union_candidates(block_d: int, group: int, queries: int) -> list[triton.Config]:
+    """The tile of the union backward for blocks of ``queries`` queries."""
+    block_m = queries * next_power_of_2(group)
+    if triton_interpreting():
+        return [_config(block_m, _INTERPRETER_TILE, 4, 1)]
+    block_n, num_warps, num_stages = _TOPK_UNION[min(b for b in _TOPK_UNION if b >= block_d)]
     return [_config(block_m, block_n, num_warps, num_stages)]
 
 

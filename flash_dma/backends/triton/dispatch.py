@@ -33,7 +33,7 @@ from flash_dma.backends.triton.layout import (
 )
 from flash_dma.inputs import FP8_DTYPE
 
-HOPPER, TRITON, TOPK, TOPK_ATOMIC = "hopper", "triton", "topk", "topk-atomic"
+HOPPER, TRITON, TOPK, TOPK_ATOMIC, TOPK_UNION = "hopper", "triton", "topk", "topk-atomic", "topk-union"
 PASSES = ("forward", "dq", "dkdv")
 _WALKS = {WALK_DENSE: "dense", WALK_BLOCKS: "blocks"}
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", FP8_DTYPE: "fp8"}
@@ -85,8 +85,12 @@ _HOPPER_FORMS = dict(
     aligned=(True,),
 )
 ROUTES = (
-    # flash_dma_topk_func: keys listed per query, gathered (``topk_forward.py``, ``topk_backward.py``);
-    # dK/dV added by atomics in the dQ walk, or deterministic, key-outer over a sorted inverse map.
+    # flash_dma_topk_func: keys listed per query, gathered (``topk_forward.py``, ``topk_backward.py``).
+    # The backward splits by query block: a block whose queries' union of keys is small walks it
+    # once (``topk_union.py``), the others per query; dK/dV by atomics. A bias per listed pair has
+    # no place in the union: dK/dV added by atomics in the dQ walk, or deterministic, key-outer
+    # over a sorted inverse map.
+    Route(TOPK_UNION, ("dq", "dkdv"), walk=("indices",), bias=("none", "keys"), deterministic=(False,)),
     Route(TOPK_ATOMIC, ("dkdv",), walk=("indices",), deterministic=(False,)),
     Route(TOPK, PASSES, walk=("indices",)),
     Route(HOPPER, ("forward",), **_HOPPER_FORMS, head_dim=FORWARD_HEAD_DIMS),

@@ -29,60 +29,50 @@ import triton.language as tl
 from flash_dma.backends.reference import valid_indices
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.backward import softmax_grad
-from flash_dma.backends.triton.dispatch import TOPK, TOPK_ATOMIC, route, topk_form
+from flash_dma.backends.triton.dispatch import TOPK_ATOMIC, TOPK_UNION, route, topk_form
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import TopkCall
 from flash_dma.backends.triton.tiles import LOG2E, load_tile, scores_log2
-from flash_dma.backends.triton.topk_forward import (
+from flash_dma.backends.triton.topk_forward import topk_rows, topk_tile
+from flash_dma.backends.triton.topk_tiles import (
+    GRADIENT_STRIDES,
     TOPK_NOT_SPECIALIZED,
     TOPK_SPECIALIZED,
+    add_key_gradients,
+    gradient_rows,
+    lse2_rows,
     topk_launch,
-    topk_rows,
     topk_scores,
-    topk_tile,
+    union_size,
 )
+from flash_dma.backends.triton.topk_union import UNION_NOT_SPECIALIZED, UnionSplit, union_backward, union_split
 
-_GRADIENT_STRIDES = ("stride_dob", "stride_dos", "stride_doh")
-
-
-@triton.jit
-def _lse2(Lse, offsets, ok):
-    """log2-domain LSE at ``offsets``; rows with no counting key (LSE -inf) and rows not ``ok``
-    get +inf, so that their probabilities, and hence their gradients, are exactly 0."""
-    lse = tl.load(Lse + offsets, mask=ok, other=float("inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
-
-
-@triton.jit(do_not_specialize=TOPK_NOT_SPECIALIZED)
+@triton.jit(do_not_specialize=(*TOPK_NOT_SPECIALIZED, *UNION_NOT_SPECIALIZED))
 def _topk_dq_kernel(
-    Q, K, V, Indices, Bias, Out, DO, Lse, Delta, DQ, DBias, DKAcc, DVAcc, DBiasKeys,
+    Q, K, V, Indices, Bias, Out, DO, Lse, Delta, DQ, DBias, DKAcc, DVAcc, DBiasKeys, Lengths,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ib, stride_is, stride_ih, stride_iw, stride_bb, stride_bs, stride_bh, stride_bw,
     seqlen_q, seqlen_k, num_kv_heads, group, head_dim, width, bias_head_div, band_lo, band_hi,
     scale_log2, softcap_log2, scale_over_cap,
-    stride_dob, stride_dos, stride_doh, scale,
+    stride_dob, stride_dos, stride_doh, scale, num_blocks, union_limit,
     HAS_BIAS: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DBIAS_PAIRS: tl.constexpr, DBIAS_PER_HEAD: tl.constexpr, ATOMIC_DKDV: tl.constexpr, DBIAS_KEYS: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UNION_QUERIES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     b = (tl.program_id(1) // num_kv_heads).to(tl.int64)
     kv_head = tl.program_id(1) % num_kv_heads
+    if UNION_QUERIES > 0:  # the union kernel serves this query's block (``topk_union.py``)
+        if union_size(Lengths, tl.program_id(1).to(tl.int64) * num_blocks + i // UNION_QUERIES) <= union_limit:
+            return
     num_heads = group * num_kv_heads
     head, row_ok, q, index_row, bias_rows = topk_rows(
         Q, Indices, Bias, b, i, kv_head, group, seqlen_q, head_dim, bias_head_div,
         stride_qb, stride_qs, stride_qh, stride_ib, stride_is, stride_ih, stride_bb, stride_bs, stride_bh, BLOCK_M, BLOCK_D,
     )
-    offs_d = tl.arange(0, BLOCK_D)
-    tile_ok = row_ok[:, None] & (offs_d < head_dim)[None, :]
-    # Out and DQ are contiguous [B, Sq, H, D]; Lse and Delta [B, H, Sq].
-    row_offsets = ((b * seqlen_q + i) * num_heads + head)[:, None] * head_dim + offs_d[None, :]  # [BLOCK_M, BLOCK_D]
-    do = tl.load(DO + b * stride_dob + i * stride_dos + (head.to(tl.int64) * stride_doh)[:, None] + offs_d[None, :], mask=tile_ok, other=0.0)
-    o = tl.load(Out + row_offsets, mask=tile_ok, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # [BLOCK_M]
-    lse_offsets = (b * num_heads + head) * seqlen_q + i
-    tl.store(Delta + lse_offsets, delta, mask=row_ok)
-    lse2 = _lse2(Lse, lse_offsets, row_ok)
+    do, delta, lse2, row_offsets, tile_ok = gradient_rows(
+        Out, DO, Lse, Delta, b, i, head, row_ok, seqlen_q, num_heads, head_dim, stride_dob, stride_dos, stride_doh, BLOCK_D,
+    )
     k_rows = K + b * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_rows = V + b * stride_vb + kv_head.to(tl.int64) * stride_vh
     # The per-pair bias gradient, contiguous [B, Sq, Hkv, G or 1, W].
@@ -101,19 +91,10 @@ def _topk_dq_kernel(
         p, ds, dqk = softmax_grad(s, lse2, delta, dp, 0, scale, softcap_log2, SOFTCAP, scores)  # [BLOCK_M, BLOCK_N]
         dq += tl.dot(dqk.to(k.dtype), k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
         if ATOMIC_DKDV:
-            # DKAcc and DVAcc are contiguous fp32 [B, Sk, Hkv, D]; a key listed twice adds twice, as it weighs.
-            key_offsets = ((b * seqlen_k + keys) * num_kv_heads + kv_head)[:, None] * head_dim + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
-            key_ok = valid[:, None] & (offs_d < head_dim)[None, :]
-            dv_part = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_D]
-            tl.atomic_add(DVAcc + key_offsets, dv_part, mask=key_ok, sem="relaxed")
-            dk_part = tl.dot(tl.trans(dqk.to(q.dtype)), q, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_D]
-            tl.atomic_add(DKAcc + key_offsets, dk_part, mask=key_ok, sem="relaxed")
-            if DBIAS_KEYS:  # the per-key bias gradient, [B, Hkv, G or 1, Sk]
-                dbias_keys = DBiasKeys + (b * num_kv_heads + kv_head) * (group if DBIAS_PER_HEAD else 1) * seqlen_k
-                if DBIAS_PER_HEAD:
-                    tl.atomic_add(dbias_keys + (r * seqlen_k)[:, None] + keys[None, :], ds, mask=row_ok[:, None] & valid[None, :], sem="relaxed")
-                else:
-                    tl.atomic_add(dbias_keys + keys, tl.sum(ds, 0), mask=valid, sem="relaxed")
+            add_key_gradients(
+                DKAcc, DVAcc, DBiasKeys, p, ds, dqk, q, do, keys, valid, r, row_ok, b, kv_head, seqlen_k, num_kv_heads, group,
+                head_dim, DBIAS_KEYS, DBIAS_PER_HEAD, DOT_PRECISION, BLOCK_D,
+            )
         if DBIAS_PAIRS:
             slot_ok = slots < width
             if DBIAS_PER_HEAD:
@@ -172,7 +153,7 @@ def _topk_dkdv_kernel(
             bias = tl.load(Bias + b * stride_bb + i * stride_bs + (head // bias_head_div) * stride_bh + column * stride_bw, mask=ok, other=0.0)
             s += bias.to(tl.float32) * LOG2E
         lse_offsets = (b * num_heads + head) * seqlen_q + i
-        lse2 = _lse2(Lse, lse_offsets, ok)
+        lse2 = lse2_rows(Lse, lse_offsets, ok)
         delta = tl.load(Delta + lse_offsets, mask=ok, other=0.0)
         dp = tl.sum(do * v[None, :], 1)
         p, ds, dqk = softmax_grad(s[:, None], lse2, delta, dp[:, None], 0, scale, softcap_log2, SOFTCAP, scores[:, None])  # [BLOCK_E * BLOCK_G, 1]
@@ -192,20 +173,16 @@ def _topk_dkdv_kernel(
             tl.store(DBias + bh * seqlen_k + j, tl.sum(dbias, 0))
 
 
-DQ_LAUNCHERS = {
-    TOPK: Launcher(
-        _topk_dq_kernel,
-        tensors=("Q", "K", "V", "Indices", "Bias", "Out", "DO", "Lse", "Delta", "DQ", "DBias", "DKAcc", "DVAcc", "DBiasKeys"),
-        specialized=(*TOPK_SPECIALIZED, *_GRADIENT_STRIDES),
-    ),
-}
-DKDV_LAUNCHERS = {
-    TOPK: Launcher(
-        _topk_dkdv_kernel,
-        tensors=("Q", "K", "V", "Indices", "Bias", "DO", "Lse", "Delta", "Order", "Starts", "DK", "DV", "DBias"),
-        specialized=(*TOPK_SPECIALIZED, *_GRADIENT_STRIDES),
-    ),
-}
+DQ_LAUNCHER = Launcher(
+    _topk_dq_kernel,
+    tensors=("Q", "K", "V", "Indices", "Bias", "Out", "DO", "Lse", "Delta", "DQ", "DBias", "DKAcc", "DVAcc", "DBiasKeys", "Lengths"),
+    specialized=(*TOPK_SPECIALIZED, *GRADIENT_STRIDES),
+)
+DKDV_LAUNCHER = Launcher(
+    _topk_dkdv_kernel,
+    tensors=("Q", "K", "V", "Indices", "Bias", "DO", "Lse", "Delta", "Order", "Starts", "DK", "DV", "DBias"),
+    specialized=(*TOPK_SPECIALIZED, *GRADIENT_STRIDES),
+)
 
 
 def inverse_map(call: TopkCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,22 +228,27 @@ def topk_backward(
     device = q.device
     extra = [*dout.stride()[:3], call.softmax_scale]
 
+    kernel = route("dkdv", topk_form(call))
+    atomic = kernel in (TOPK_ATOMIC, TOPK_UNION)
+    keys_shape = (batch, num_kv_heads, heads, seqlen_k if dbias_keys else 0)
     delta = torch.empty(batch, num_heads, seqlen_q, dtype=torch.float32, device=device)
     dq = torch.empty(q.shape, dtype=q.dtype, device=device)
     pair_grad = torch.empty(batch, seqlen_q, num_kv_heads, heads, width if dbias_pairs else 0, dtype=torch.float32, device=device)
-    atomic = route("dkdv", topk_form(call)) == TOPK_ATOMIC
-    keys_shape = (batch, num_kv_heads, heads, seqlen_k if dbias_keys else 0)
-    if atomic:  # dK, dV and a per-key bias gradient added up in the dQ walk
+    if atomic:  # dK, dV and a per-key bias gradient added up in the dQ walks
         dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=device)
         dv_acc = torch.zeros(k.shape, dtype=torch.float32, device=device)
         key_grad = torch.zeros(keys_shape, dtype=torch.float32, device=device)
     else:
         dk_acc = dv_acc = key_grad = torch.empty(0, dtype=torch.float32, device=device)
+    # A per-pair bias never takes the union (``dispatch``), so pair_grad is the per-query walk's alone.
+    split = union_split(call) if kernel == TOPK_UNION else UnionSplit.none(device)
+    if split.queries:  # first: the per-query walk reads the blocks' union sizes
+        union_backward(dout, call, split, out, lse, delta, dq, dk_acc, dv_acc, key_grad, per_head)
     topk_launch(
-        DQ_LAUNCHERS, "dq", call, [out, dout, lse, delta, dq, pair_grad, dk_acc, dv_acc, key_grad], extra,
-        [dbias_pairs, per_head, atomic, dbias_keys and atomic], lambda: configs.topk_candidates("dq", block_d, group), seqlen_q,
+        DQ_LAUNCHER, call, [out, dout, lse, delta, dq, pair_grad, dk_acc, dv_acc, key_grad, split.lengths],
+        [*extra, *split.runtime()], [dbias_pairs, per_head, atomic, dbias_keys and atomic, split.queries],
+        lambda: configs.topk_candidates("dq", block_d, group), seqlen_q,
     )
-
     if atomic:
         dk, dv = dk_acc.to(k.dtype), dv_acc.to(k.dtype)
     else:
@@ -278,7 +260,7 @@ def topk_backward(
         rows = configs.topk_dkdv_rows(block_d, block_g)
         tile = triton.Config({"BLOCK_E": rows // block_g, "BLOCK_G": block_g}, num_warps=4, num_stages=1)
         topk_launch(
-            DKDV_LAUNCHERS, "dkdv", call, [dout, lse, delta, order, starts, dk, dv, key_grad], extra, [dbias_keys, per_head],
+            DKDV_LAUNCHER, call, [dout, lse, delta, order, starts, dk, dv, key_grad], extra, [dbias_keys, per_head],
             lambda: [tile], seqlen_k,
         )
 

@@ -34,9 +34,10 @@ from flash_dma.backends.triton.hopper.common import (
     MASK_ROWS,
 )
 from flash_dma.backends.triton.key_list import count_launcher, gather_launcher, key_list_launcher
-from flash_dma.backends.triton.topk_backward import DKDV_LAUNCHERS, DQ_LAUNCHERS
-from flash_dma.backends.triton.topk_forward import FORWARD_LAUNCHERS
-from flash_dma.backends.triton.dispatch import TOPK
+from flash_dma.backends.triton import topk_union
+from flash_dma.backends.triton.topk_backward import DKDV_LAUNCHER as topk_dkdv_launcher
+from flash_dma.backends.triton.topk_backward import DQ_LAUNCHER as topk_dq_launcher
+from flash_dma.backends.triton.topk_forward import FORWARD_LAUNCHER as topk_forward_launcher
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
     DBIAS_FULL,
@@ -56,7 +57,7 @@ _POINTER_TYPES = {
     "ScratchK": "*fp32", "ScratchV": "*fp32", "Turns": "*i32", "State": "*i8", "KeyList": "*i32", "Lists": "*i32",
     "SeqQ": "*i32", "SeqK": "*i32", "Queue": "*i32", "CacheRows": "*i32", "BlockTable": "*i32", "Counts": "*i32",
     "Indices": "*i32", "Order": "*i64", "Starts": "*i64", "Descale": "*fp32", "DKAcc": "*fp32", "DVAcc": "*fp32",
-    "DBiasKeys": "*fp32", "Lengths": "*i32",
+    "DBiasKeys": "*fp32", "Lengths": "*i32", "Keys": "*i32", "Words": "*i32", "Scratch": "*i32",
 }
 _FLOAT_SCALARS = ("scale", "scale_log2", "softcap_log2", "scale_over_cap")
 
@@ -129,9 +130,13 @@ _WORDS = {"Mask": "*i32"}
 _FP8 = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16", "Bias": "*bf16"}
 # Top-k index attention (topk_forward.py, topk_backward.py): a GQA group of 4 heads padded to 16 rows.
 _TOPK_PAIRS = dict(HAS_BIAS=True, BIAS_PER_KEY=False, SOFTCAP=False, DOT_PRECISION="tf32", BLOCK_D=128)
+_TOPK_SPLIT = dict(UNION_QUERIES=16)  # the per-query dQ walk beside the union kernel (topk_union.py)
 _TOPK_KEYS = dict(_TOPK_PAIRS, BIAS_PER_KEY=True, SOFTCAP=True)
 _TOPK_TILE = dict(BLOCK_M=16, BLOCK_N=64)
+_TOPK_DQ_TILE = dict(_TOPK_TILE, UNION_QUERIES=0)
 _TOPK_DKDV_TILE = dict(BLOCK_E=8, BLOCK_G=4)
+# The top-k backward over a query block's union (topk_union.py): 16 queries x a group of 4 heads, 64 rows.
+_UNION_KEYS = dict(_TOPK_KEYS, SOFTCAP=False, QUERIES=16, BLOCK_M=64)
 
 
 def _gluon_variants(prefix: str, launcher, tile, *named_flags: tuple[str, dict]) -> list[Variant]:
@@ -253,22 +258,29 @@ VARIANTS = [
     Variant("dq-varlen", dq_launcher, 8, 2, {**_KEYS, **_DQ, "SEQ": SEQ_PACKED}),
     Variant("dq-full-mask", dq_launcher, 8, 2, {**_FULL_MASK, **_DQ}),
     Variant("dq-dense-mask", dq_launcher, 4, 3, {**_FULL_MASK, **_DQ, "WALK": WALK_DENSE, "BLOCK_M": 64, "BLOCK_N": 64}),
-    Variant("topk-forward-pairs", FORWARD_LAUNCHERS[TOPK], 4, 2, {**_TOPK_PAIRS, **_TOPK_TILE}),
-    Variant("topk-forward-keys-softcap", FORWARD_LAUNCHERS[TOPK], 4, 2, {**_TOPK_KEYS, **_TOPK_TILE}),
-    Variant("topk-dq-pairs-dbias", DQ_LAUNCHERS[TOPK], 4, 2, {
-        **_TOPK_PAIRS, **_TOPK_TILE, "DBIAS_PAIRS": True, "DBIAS_PER_HEAD": True, "ATOMIC_DKDV": False, "DBIAS_KEYS": False,
+    Variant("topk-forward-pairs", topk_forward_launcher, 4, 2, {**_TOPK_PAIRS, **_TOPK_TILE}),
+    Variant("topk-forward-keys-softcap", topk_forward_launcher, 4, 2, {**_TOPK_KEYS, **_TOPK_TILE}),
+    Variant("topk-dq-pairs-dbias", topk_dq_launcher, 4, 2, {
+        **_TOPK_PAIRS, **_TOPK_DQ_TILE, "DBIAS_PAIRS": True, "DBIAS_PER_HEAD": True, "ATOMIC_DKDV": False, "DBIAS_KEYS": False,
     }),
-    Variant("topk-dq-keys-softcap", DQ_LAUNCHERS[TOPK], 4, 2, {
-        **_TOPK_KEYS, **_TOPK_TILE, "DBIAS_PAIRS": False, "DBIAS_PER_HEAD": False, "ATOMIC_DKDV": False, "DBIAS_KEYS": False,
+    Variant("topk-dq-keys-softcap", topk_dq_launcher, 4, 2, {
+        **_TOPK_KEYS, **_TOPK_DQ_TILE, "DBIAS_PAIRS": False, "DBIAS_PER_HEAD": False, "ATOMIC_DKDV": False, "DBIAS_KEYS": False,
     }),
-    Variant("topk-dq-atomic-dkdv-pairs-dbias", DQ_LAUNCHERS[TOPK], 4, 2, {
-        **_TOPK_PAIRS, **_TOPK_TILE, "DBIAS_PAIRS": True, "DBIAS_PER_HEAD": False, "ATOMIC_DKDV": True, "DBIAS_KEYS": False,
+    Variant("topk-dq-atomic-dkdv-pairs-dbias", topk_dq_launcher, 4, 2, {
+        **_TOPK_PAIRS, **_TOPK_DQ_TILE, "DBIAS_PAIRS": True, "DBIAS_PER_HEAD": False, "ATOMIC_DKDV": True, "DBIAS_KEYS": False,
     }),
-    Variant("topk-dq-atomic-dkdv-keys-dbias", DQ_LAUNCHERS[TOPK], 4, 2, {
-        **_TOPK_KEYS, **_TOPK_TILE, "DBIAS_PAIRS": False, "DBIAS_PER_HEAD": True, "ATOMIC_DKDV": True, "DBIAS_KEYS": True,
+    Variant("topk-dq-atomic-dkdv-keys-dbias-split", topk_dq_launcher, 4, 2, {
+        **_TOPK_KEYS, **_TOPK_DQ_TILE, **_TOPK_SPLIT, "DBIAS_PAIRS": False, "DBIAS_PER_HEAD": True, "ATOMIC_DKDV": True, "DBIAS_KEYS": True,
     }),
-    Variant("topk-dkdv-keys-dbias", DKDV_LAUNCHERS[TOPK], 4, 1, {**_TOPK_KEYS, **_TOPK_DKDV_TILE, "DBIAS_KEYS": True, "DBIAS_PER_HEAD": True}),
-    Variant("topk-dkdv-pairs", DKDV_LAUNCHERS[TOPK], 4, 1, {**_TOPK_PAIRS, **_TOPK_DKDV_TILE, "DBIAS_KEYS": False, "DBIAS_PER_HEAD": False}),
+    Variant("topk-dkdv-keys-dbias", topk_dkdv_launcher, 4, 1, {**_TOPK_KEYS, **_TOPK_DKDV_TILE, "DBIAS_KEYS": True, "DBIAS_PER_HEAD": True}),
+    Variant("topk-dkdv-pairs", topk_dkdv_launcher, 4, 1, {**_TOPK_PAIRS, **_TOPK_DKDV_TILE, "DBIAS_KEYS": False, "DBIAS_PER_HEAD": False}),
+    Variant("topk-union-backward-keys-dbias", topk_union.BACKWARD_LAUNCHER, 4, 3, {
+        **_UNION_KEYS, "BLOCK_N": 32, "DBIAS_PER_HEAD": True, "DBIAS_KEYS": True,
+    }),
+    Variant("topk-union-backward-softcap", topk_union.BACKWARD_LAUNCHER, 4, 3, {
+        **_UNION_KEYS, "HAS_BIAS": False, "SOFTCAP": True, "BLOCK_N": 32, "DBIAS_PER_HEAD": False, "DBIAS_KEYS": False,
+    }),
+    Variant("topk-union-lists", topk_union.BUILD_LAUNCHER, 4, 1, dict(QUERIES=16, CHUNK=1024)),
     Variant("kept-count", count_launcher, 4, 1, dict(CHUNK=1024)),
     Variant("key-list", key_list_launcher, 4, 1, dict(CHUNK=1024, CHUNKS=1024)),
     Variant("gather-kept-keys", gather_launcher, 4, 1, dict(BLOCK=128, BLOCK_D=128)),
