@@ -614,7 +614,7 @@ CASES = {
         # every block, and a call split between it and the per-query walk (hot keys: small unions).
         _topk("topk-union-gqa-d128-keys-causal", batch=2, seqlen_q=129, seqlen_k=257, heads=8, kv_heads=2, head_dim=128,
               width=48, bias="B,Hkv,Sk", causal=True, walk="union"),
-        _topk("topk-split-gqa16-d64-heads-window-hot", batch=1, seqlen_q=200, seqlen_k=300, heads=32, kv_heads=2, head_dim=64,
+        _topk("topk-split-gqa8-d64-heads-window-hot", batch=1, seqlen_q=200, seqlen_k=300, heads=16, kv_heads=2, head_dim=64,
               width=24, bias="1,H,Sk", window=(100, 0), softcap=5.0, hot=20),
         # deterministic: dK/dV key-outer over the sorted inverse map (the others add them by atomics).
         _topk("topk-gqa-d64-keys-deterministic-hot", batch=2, seqlen_q=129, seqlen_k=257, heads=8, kv_heads=2, head_dim=64,

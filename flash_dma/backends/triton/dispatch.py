@@ -36,6 +36,9 @@ from flash_dma.inputs import FP8_DTYPE
 HOPPER, TRITON, TOPK, TOPK_ATOMIC, TOPK_UNION = "hopper", "triton", "topk", "topk-atomic", "topk-union"
 PASSES = ("forward", "dq", "dkdv")
 _WALKS = {WALK_DENSE: "dense", WALK_BLOCKS: "blocks"}
+# GQA groups this wide fill a top-k tile's 16 rows with one query's heads: the backward's union of a
+# query block's keys (``topk_union.py``) does not pay there.
+WIDE_GROUP = 16
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", FP8_DTYPE: "fp8"}
 
 
@@ -45,6 +48,7 @@ class Form(NamedTuple):
     device: str  # "hopper" (sm90, FLASH_DMA_HOPPER not 0), "cuda" (other GPUs, or Hopper turned off), "interpreter"
     dtype: str  # "fp16" | "bf16" | "fp32" | "fp8" (e4m3, forward only)
     head_dim: int
+    wide_group: bool  # WIDE_GROUP query heads or more per key/value head (GQA)
     mask: str  # "none" | "keys" [., ., 1, Sk|1] | "rows" [., ., Sq, 1] | "pairs" (bool per pair) | "bits" (a BitMask's words)
     bias: str  # "none" | "keys" [., ., 1, Sk|1] | "rows" [., ., Sq, 1] | "pairs" [., ., Sq, Sk]
     walk: str  # "dense" | "blocks" (a block summary's lists) | "keys" (a key list) | "indices" (top-k indices per query)
@@ -65,6 +69,7 @@ class Route:
     device: tuple | None = None
     dtype: tuple | None = None
     head_dim: tuple | None = None
+    wide_group: tuple | None = None
     mask: tuple | None = None
     bias: tuple | None = None
     walk: tuple | None = None
@@ -87,10 +92,11 @@ _HOPPER_FORMS = dict(
 ROUTES = (
     # flash_dma_topk_func: keys listed per query, gathered (``topk_forward.py``, ``topk_backward.py``).
     # The backward splits by query block: a block whose queries' union of keys is small walks it
-    # once (``topk_union.py``), the others per query; dK/dV by atomics. A bias per listed pair has
-    # no place in the union: dK/dV added by atomics in the dQ walk, or deterministic, key-outer
-    # over a sorted inverse map.
-    Route(TOPK_UNION, ("dq", "dkdv"), walk=("indices",), bias=("none", "keys"), deterministic=(False,)),
+    # once (``topk_union.py``), the others per query; dK/dV by atomics. Not for groups of 16 heads
+    # and more, whose blocks of 4 queries or fewer share too few keys, nor with a bias per listed
+    # pair, which has no place in the union: dK/dV added by atomics in the dQ walk, or
+    # deterministic, key-outer over a sorted inverse map.
+    Route(TOPK_UNION, ("dq", "dkdv"), wide_group=(False,), walk=("indices",), bias=("none", "keys"), deterministic=(False,)),
     Route(TOPK_ATOMIC, ("dkdv",), walk=("indices",), deterministic=(False,)),
     Route(TOPK, PASSES, walk=("indices",)),
     Route(HOPPER, ("forward",), **_HOPPER_FORMS, head_dim=FORWARD_HEAD_DIMS),
@@ -154,6 +160,7 @@ def form_of(
         device=device_kind(q.device),
         dtype=_DTYPES[q.dtype],
         head_dim=q.shape[3],
+        wide_group=q.shape[2] >= WIDE_GROUP * call.k.shape[2],
         mask=input_form(call.mask, call.mask_bits),
         bias=input_form(call.bias),
         walk=walk,
@@ -172,6 +179,7 @@ def topk_form(call: TopkCall) -> Form:
         device=device_kind(call.q.device),
         dtype=_DTYPES[call.q.dtype],
         head_dim=call.q.shape[3],
+        wide_group=call.q.shape[2] >= WIDE_GROUP * call.k.shape[2],
         mask="none",
         bias="none" if bias is None else ("keys" if bias.dim() == 3 else "pairs"),
         walk="indices",

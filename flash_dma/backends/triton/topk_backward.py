@@ -7,7 +7,8 @@ or, with ``deterministic=True``, key-outer with every sum in a fixed order (bit-
    With ATOMIC_DKDV it also adds each gathered tile's ``P^T dO`` and ``dS^T Q`` (the group's heads
    are the rows of its tiles) to fp32 dK and dV at the tile's keys, and a per-key bias's dS: the
    keys and values are gathered once for both directions, so the backward reads what the forward
-   reads, plus the atomics.
+   reads, plus the atomics. With UNION_QUERIES (``dispatch`` kernel ``topk-union``) it skips the
+   queries whose block the union kernel walks (``topk_union.py``, launched first).
 2. Deterministic: the inverse map, in torch: per (batch, key/value head) the slots ``i * W + w``
    whose entries count, stably sorted by key, and where each key's run starts (``inverse_map``).
 3. Deterministic: ``_topk_dkdv_kernel``, grid ``(Sk, B x Hkv)``: a program owns one key of one

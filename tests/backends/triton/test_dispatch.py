@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flash_dma.backends.triton.dispatch import HOPPER, TOPK, TOPK_ATOMIC, TRITON, Form, route, routing_table
+from flash_dma.backends.triton.dispatch import HOPPER, TOPK, TOPK_ATOMIC, TOPK_UNION, TRITON, Form, route, routing_table
 from flash_dma.backends.triton.hopper.common import (
     BIAS_NONE,
     BIAS_PAIRS,
@@ -19,7 +19,7 @@ from flash_dma.backends.triton.layout import WALK_DENSE, Call, input_form
 
 API = Path(__file__).resolve().parents[3] / "docs" / "api.md"
 PLAIN = Form(
-    device="hopper", dtype="bf16", head_dim=128, mask="keys", bias="keys", walk="blocks", sequences="fixed", split=False,
+    device="hopper", dtype="bf16", head_dim=128, wide_group=False, mask="keys", bias="keys", walk="blocks", sequences="fixed", split=False,
     deterministic=False, softcap=False, aligned=True,
 )
 
@@ -60,8 +60,12 @@ def test_docs_show_the_table_the_code_routes_by():
         (dict(aligned=False), TRITON, TRITON, TRITON),
         (dict(device="cuda"), TRITON, TRITON, TRITON),
         (dict(device="interpreter"), TRITON, TRITON, TRITON),
-        # flash_dma_topk_func: its own kernels on every device, whatever else the form holds; dK/dV
-        # by atomics in the dQ walk unless deterministic.
+        # flash_dma_topk_func: its own kernels on every device, whatever else the form holds; the
+        # backward split between the union and per-query walks, or with a per-pair bias or a group
+        # of 16 heads dK/dV by atomics in the per-query dQ walk, unless deterministic.
+        (dict(walk="indices", mask="none"), TOPK, TOPK_UNION, TOPK_UNION),
+        (dict(walk="indices", mask="none", bias="none", device="interpreter"), TOPK, TOPK_UNION, TOPK_UNION),
+        (dict(walk="indices", mask="none", wide_group=True), TOPK, TOPK, TOPK_ATOMIC),
         (dict(walk="indices", mask="none", bias="pairs"), TOPK, TOPK, TOPK_ATOMIC),
         (dict(walk="indices", mask="none", device="interpreter", deterministic=True), TOPK, TOPK, TOPK),
     ],
