@@ -48,6 +48,7 @@ from flash_dma.backends.triton.topk_tiles import (
 )
 from flash_dma.backends.triton.topk_union import UNION_NOT_SPECIALIZED, UnionSplit, union_backward, union_split
 
+
 @triton.jit(do_not_specialize=(*TOPK_NOT_SPECIALIZED, *UNION_NOT_SPECIALIZED))
 def _topk_dq_kernel(
     Q, K, V, Indices, Bias, Out, DO, Lse, Delta, DQ, DBias, DKAcc, DVAcc, DBiasKeys, Lengths,

@@ -91,8 +91,8 @@ def _union_lists_kernel(
     QUERIES: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Persistent: a program builds the lists of rows ``pid, pid + programs, ...`` of the group of
-    ``group_blocks`` blocks from ``block_start`` (see :func:`union_lists`) with its own scratch row ``[key_range]`` of membership words, all zero
-    between passes. A pass takes the block's entries whose keys lie in one range of ``key_range``
+    ``group_blocks`` blocks from ``block_start`` (see :func:`union_lists`) with its own scratch row
+    ``[key_range]`` of membership words, all zero between passes (and left so). A pass takes the block's entries whose keys lie in one range of ``key_range``
     keys: each ORs its query's bit into its key's word; the entry that finds the word 0 brings a new
     key (appended from the front), one that finds its own bit set is a repeat (appended from the
     back, with its bit). Then each new key's word is taken, and its scratch word cleared, by one
@@ -152,17 +152,28 @@ BUILD_LAUNCHER = Launcher(
 
 def union_lists(call: TopkCall, queries: int, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(keys, words, lengths)`` of each query block's union (module doc), in rows ``(b * Hkv +
-    kv_head) * blocks + block``: ``keys`` and ``words`` ``[rows, queries * W]`` int32, ``lengths``
-    ``[rows, 2]`` int32: the union's distinct keys lie at the front of a row, ``lengths[row, 0]``
-    of them, and its repeats at the back, ``lengths[row, 1]`` (:func:`union_tile` walks both). A
-    block whose union outgrows ``limit`` entries (None: no limit) is left part-built, its lengths
-    summing to more than ``limit``. No host synchronisation; the order of keys within a row is the
-    order the entries reached them."""
+    kv_head) * blocks + block``: ``keys`` and ``words`` ``[rows, entries]`` int32 (``entries``:
+    ``queries * W``, or fewer with a ``limit``, :func:`_row_size`), ``lengths`` ``[rows, 2]`` int32:
+    the union's distinct keys lie at the front of a row, ``lengths[row, 0]`` of them, and its repeats
+    at the back, ``lengths[row, 1]`` (:func:`union_tile` walks both). A block whose union outgrows
+    ``limit`` entries (None: no limit) is left part-built, its lengths summing to more than
+    ``limit``. No host synchronisation; the order of keys within a row is the order the entries
+    reached them."""
     batch, seqlen_q, num_kv_heads, width = call.indices.shape
     blocks = triton.cdiv(seqlen_q, queries)
     lengths = torch.empty(batch * num_kv_heads * blocks, 2, dtype=torch.int32, device=call.indices.device)
-    keys, words = _build_group(call, queries, queries * width if limit is None else limit, lengths, 0, blocks)
+    limit = queries * width if limit is None else limit
+    keys, words = _build_group(call, queries, limit, lengths, _scratch(call, blocks), 0, blocks)
     return keys, words, lengths
+
+
+def _scratch(call: TopkCall, group_blocks: int) -> torch.Tensor:
+    """The build's membership words ``[programs, key_range]`` int32, zero: one row per program of a
+    build of ``group_blocks`` blocks, which leaves it zero again for the next group."""
+    batch, _, num_kv_heads, _ = call.indices.shape
+    device = call.indices.device
+    programs = max(1, min(batch * num_kv_heads * group_blocks, _BUILD_PROGRAMS_PER_SM * configs.multiprocessor_count(device)))
+    return torch.zeros(programs, max(1, min(call.k.shape[1], _BUILD_KEY_RANGE)), dtype=torch.int32, device=device)
 
 
 def _row_size(queries: int, width: int, limit: int) -> int:
@@ -172,11 +183,11 @@ def _row_size(queries: int, width: int, limit: int) -> int:
 
 
 def _build_group(
-    call: TopkCall, queries: int, limit: int, lengths: torch.Tensor, block_start: int, group_blocks: int,
+    call: TopkCall, queries: int, limit: int, lengths: torch.Tensor, scratch: torch.Tensor, block_start: int, group_blocks: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Build the lists of blocks ``[block_start, block_start + group_blocks)`` of every (batch,
     key/value head), rows ``(b * Hkv + kv_head) * group_blocks + block - block_start``, writing their
-    rows of ``lengths`` (all the call's blocks)."""
+    rows of ``lengths`` (all the call's blocks), with the zero ``scratch`` (:func:`_scratch`)."""
     indices, seqlen_k = call.indices, call.k.shape[1]
     batch, seqlen_q, num_kv_heads, width = indices.shape
     rows, capacity = batch * num_kv_heads * group_blocks, _row_size(queries, width, limit)
@@ -185,9 +196,7 @@ def _build_group(
     words = torch.empty(rows, capacity, dtype=torch.int32, device=device)
     if rows == 0:
         return keys, words
-    programs = min(rows, _BUILD_PROGRAMS_PER_SM * configs.multiprocessor_count(device))
-    key_range = max(1, min(seqlen_k, _BUILD_KEY_RANGE))
-    scratch = torch.zeros(programs, key_range, dtype=torch.int32, device=device)
+    programs, key_range = min(rows, scratch.shape[0]), scratch.shape[1]
     band_lo, band_hi = band(call.window_left, call.window_right, seqlen_q, seqlen_k)
     tensors = [indices, keys, words, lengths, scratch]
     args = [
@@ -338,10 +347,11 @@ def union_backward(
     batch, _, num_kv_heads, width = call.indices.shape
     group = call.q.shape[2] // num_kv_heads
     row_size = _row_size(split.queries, width, split.limit)
-    group_blocks = max(1, _GROUP_ENTRIES // (batch * num_kv_heads * row_size))
+    group_blocks = min(split.blocks, max(1, _GROUP_ENTRIES // (batch * num_kv_heads * row_size)))
+    scratch = _scratch(call, group_blocks)  # every group's: each build leaves it zero
     for block_start in range(0, split.blocks, group_blocks):
         blocks = min(group_blocks, split.blocks - block_start)
-        keys, words = _build_group(call, split.queries, split.limit, split.lengths, block_start, blocks)
+        keys, words = _build_group(call, split.queries, split.limit, split.lengths, scratch, block_start, blocks)
         topk_launch(
             BACKWARD_LAUNCHER, call, [keys, words, split.lengths, out, dout, lse, delta, dq, dk_acc, dv_acc, key_grad],
             [row_size, *split.runtime(), block_start, blocks, *dout.stride()[:3], call.softmax_scale],
