@@ -67,9 +67,10 @@ _BUILD_NOT_SPECIALIZED = (
 )
 # Entries a builder program takes at a time; programs per SM; keys per pass over a block's entries.
 # Each program owns a scratch row of key_range membership words: 32K keys keep the scratch of every
-# program (66 MiB on an H100) mostly in L2. H100, llm shape, W = 2048, one backward's build: 6.7 ms
-# at 32K, 60 at 128K; 2, 8 and 16 programs per SM and passes of 64K keys measured within -8 % and
-# +23 % of that, and passes of 16K keys 1.7x slower at 128K (at 1 program per SM).
+# program (66 MiB on an H100) mostly in L2. H100, llm shape, W = 2048, one backward's build: 6.6 ms
+# at 32K, 48 (random selections) to 58 (overlapping) at 128K; 2, 8 and 16 programs per SM and passes
+# of 64K keys measured within -8 % and +23 % of the settings here, and passes of 16K keys 1.7x
+# slower at 128K (at 1 program per SM).
 _BUILD_CHUNK = 1024
 _BUILD_PROGRAMS_PER_SM = 4
 _BUILD_KEY_RANGE = 32768
@@ -96,7 +97,7 @@ def _union_lists_kernel(
     keys: each ORs its query's bit into its key's word; the entry that finds the word 0 brings a new
     key (appended from the front), one that finds its own bit set is a repeat (appended from the
     back, with its bit). Then each new key's word is taken, and its scratch word cleared, by one
-    exchange. A block stops adding entries once its union holds more than ``limit``: the per-query
+    exchange. A block stops reading entries once its union holds more than ``limit``: the per-query
     walk takes it, and its lengths say so."""
     pid = tl.program_id(0)
     scratch = Scratch + pid.to(tl.int64) * key_range
@@ -113,16 +114,19 @@ def _union_lists_kernel(
         index_rows = Indices + b * stride_ib + kv_head * stride_ih
         distinct = 0
         repeats = 0
-        for low in range(0, seqlen_k, key_range):
+        # A block that has passed its limit reads no more entries: while loops, not masked ones.
+        low = 0
+        while (low < seqlen_k) & (distinct + repeats <= limit):
             first = distinct
-            for e0 in range(0, QUERIES * width, CHUNK):
+            e0 = 0
+            while (e0 < QUERIES * width) & (distinct + repeats <= limit):
                 entry = e0 + e  # [CHUNK]: query of the block (major), slot (minor)
                 member = entry // width
                 query = block * QUERIES + member
                 listed = (entry < QUERIES * width) & (query < seqlen_q)
                 keys = tl.load(index_rows + query.to(tl.int64) * stride_is + (entry % width) * stride_iw, mask=listed, other=-1)
                 counts = listed & counts_in_band(keys, query, seqlen_q, seqlen_k, band_lo, band_hi)
-                counts = counts & (keys >= low) & (keys < low + key_range) & (distinct + repeats <= limit)
+                counts = counts & (keys >= low) & (keys < low + key_range)
                 bit = (tl.zeros_like(member) + 1) << member
                 old = tl.atomic_or(scratch + (keys - low), bit, mask=counts, sem="relaxed")
                 new = counts & (old == 0)
@@ -133,13 +137,15 @@ def _union_lists_kernel(
                 tl.store(Words + back, bit, mask=repeat)
                 distinct += tl.sum(new.to(tl.int32), 0)
                 repeats += tl.sum(repeat.to(tl.int32), 0)
+                e0 += CHUNK
             tl.debug_barrier()  # every OR done, every new key stored
-            for n0 in range(first, distinct, CHUNK):
+            for n0 in range(first, distinct, CHUNK):  # this pass's keys, also when the block stopped in it
                 n = n0 + e
                 ok = n < distinct
                 keys = tl.load(Keys + lists + n, mask=ok, other=low)
                 tl.store(Words + lists + n, tl.atomic_xchg(scratch + (keys - low), 0, mask=ok, sem="relaxed"), mask=ok)
             tl.debug_barrier()  # the scratch row is clear before the next pass's ORs
+            low += key_range
         tl.store(lengths, distinct)
         tl.store(lengths + 1, repeats)
 
