@@ -174,23 +174,21 @@ def backward_candidates(device: torch.device, block_d: int, kernel: str) -> list
     return _table(_BACKWARD[kernel], device, block_d)
 
 
-def topk_candidates(pass_: str, block_d: int, group: int) -> list[triton.Config]:
-    """The tile of the top-k ``pass_`` (``"forward"`` or ``"dq"``)."""
-    block_m = max(MIN_TILE, next_power_of_2(group))
+def _topk_tile(table: dict, block_m: int, block_d: int) -> list[triton.Config]:
+    """The top-k tile of ``BLOCK_M`` rows from ``table``'s (BLOCK_N, warps, stages) by head-dim bucket."""
     if triton_interpreting():
         return [_config(block_m, _INTERPRETER_TILE, 4, 1)]
-    table = _TOPK[pass_]
-    block_n, num_warps, num_stages = table[min(b for b in table if b >= block_d)]
-    return [_config(block_m, block_n, num_warps, num_stages)]
+    return [_config(block_m, *table[min(b for b in table if b >= block_d)])]
+
+
+def topk_candidates(pass_: str, block_d: int, group: int) -> list[triton.Config]:
+    """The tile of the top-k ``pass_`` (``"forward"`` or ``"dq"``)."""
+    return _topk_tile(_TOPK[pass_], max(MIN_TILE, next_power_of_2(group)), block_d)
 
 
 def union_candidates(block_d: int, group: int, queries: int) -> list[triton.Config]:
     """The tile of the union backward for blocks of ``queries`` queries."""
-    block_m = queries * next_power_of_2(group)
-    if triton_interpreting():
-        return [_config(block_m, _INTERPRETER_TILE, 4, 1)]
-    block_n, num_warps, num_stages = _TOPK_UNION[min(b for b in _TOPK_UNION if b >= block_d)]
-    return [_config(block_m, block_n, num_warps, num_stages)]
+    return _topk_tile(_TOPK_UNION, queries * next_power_of_2(group), block_d)
 
 
 def topk_dkdv_rows(block_d: int, block_g: int) -> int:

@@ -137,6 +137,11 @@ def device_kind(device: torch.device) -> str:
     return "cuda"
 
 
+def _wide_group(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the GQA group of ``q`` ``[B, Sq, H, D]`` over ``k`` ``[B, Sk, Hkv, D]`` has WIDE_GROUP heads or more."""
+    return q.shape[2] >= WIDE_GROUP * k.shape[2]
+
+
 def form_of(
     pass_: str, call: Call, sequences: Sequences | None = None, split: bool = False, dout: torch.Tensor | None = None,
     indexed: bool = False, page_size: int = 0,
@@ -160,7 +165,7 @@ def form_of(
         device=device_kind(q.device),
         dtype=_DTYPES[q.dtype],
         head_dim=q.shape[3],
-        wide_group=q.shape[2] >= WIDE_GROUP * call.k.shape[2],
+        wide_group=_wide_group(q, call.k),
         mask=input_form(call.mask, call.mask_bits),
         bias=input_form(call.bias),
         walk=walk,
@@ -179,7 +184,7 @@ def topk_form(call: TopkCall) -> Form:
         device=device_kind(call.q.device),
         dtype=_DTYPES[call.q.dtype],
         head_dim=call.q.shape[3],
-        wide_group=call.q.shape[2] >= WIDE_GROUP * call.k.shape[2],
+        wide_group=_wide_group(call.q, call.k),
         mask="none",
         bias="none" if bias is None else ("keys" if bias.dim() == 3 else "pairs"),
         walk="indices",
