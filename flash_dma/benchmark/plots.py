@@ -4,6 +4,10 @@ Panels, each drawn only where the run has its rows: llm keep 1/8 forward and for
 time vs S (dense ceilings dashed); llm S=16K forward + backward time vs the fraction of blocks
 kept; seed decode bandwidth vs Sk (keep 1 solid, keep 1/8 dotted) against the copy ceiling; the
 seed window sweep, time vs window.
+
+Every measured point has a marker, and a line joins two points only when they are neighbours on
+the axes' doubling grid: a line never crosses an x that was not measured. The figure holds the
+panels and nothing else, the last row centred when it has fewer panels than the others.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ PALETTE = ("tab:red", "tab:orange", "tab:blue", "tab:purple", "tab:pink", "tab:g
 COLORS = dict(zip(METHODS, PALETTE, strict=True))
 LLM_PLOT_KEEP = 1 / 8
 LLM_KEEP_PLOT_LENGTH = 16384
+# The x axes are logarithmic in base 2: a line joins two points at most one doubling apart, so a
+# line never stands for an x that was not measured (the llm suite skips 64K between 32K and 128K).
+LINE_SPAN = 2
+PANELS_PER_ROW = 3
 
 
 @dataclass(frozen=True)
@@ -45,9 +53,10 @@ class Panel:
     ceiling: tuple[float, str] | None = None  # a horizontal line: (value, label)
 
     def add(self, rows: list[Result], x: str, y: str, method: str, label: str, style: str = "-") -> None:
+        """A line through ``rows``' (x, y) points, in order of x; none without rows."""
         if rows:
-            xs, ys = [getattr(r.case, x) for r in rows], [getattr(r, y) for r in rows]
-            self.lines.append(Line(method, label, xs, ys, style))
+            points = sorted((getattr(r.case, x), getattr(r, y)) for r in rows)
+            self.lines.append(Line(method, label, [px for px, _ in points], [py for _, py in points], style))
 
 
 def _llm_time(results: list[Result], mode: str, title: str) -> Panel:
@@ -69,7 +78,7 @@ def _llm_keep(results: list[Result]) -> Panel:
         if method.applies_mask:
             rows = select(results, name, "fwdbwd", suite="llm", kind="prefill", bias="key",
                           seqlen_k=LLM_KEEP_PLOT_LENGTH)
-            panel.add(sorted(rows, key=lambda r: r.case.keep), "keep", "ms", name, name)
+            panel.add(rows, "keep", "ms", name, name)
     return panel
 
 
@@ -104,9 +113,24 @@ def panels(results: list[Result]) -> list[Panel]:
     return [panel for panel in every if panel.lines]
 
 
+def broken_at_gaps(xs: list, ys: list) -> tuple[list, list]:
+    """``xs`` and ``ys`` (ascending x) with a NaN point between two points more than ``LINE_SPAN``
+    times apart in x: matplotlib ends a line at NaN, so the line stops at the gap and the points on
+    either side keep their markers."""
+    out_x, out_y = [], []
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if i and x > xs[i - 1] * LINE_SPAN:
+            out_x.append(math.nan)
+            out_y.append(math.nan)
+        out_x.append(x)
+        out_y.append(y)
+    return out_x, out_y
+
+
 def _draw(ax, panel: Panel) -> None:
     for line in panel.lines:
-        ax.plot(line.xs, line.ys, line.style, marker="o", ms=3, color=COLORS[line.method], label=line.label)
+        xs, ys = broken_at_gaps(line.xs, line.ys)
+        ax.plot(xs, ys, line.style, marker="o", ms=3, color=COLORS[line.method], label=line.label)
     if panel.ceiling is not None:
         ax.axhline(panel.ceiling[0], color="black", lw=0.8, ls="--", label=panel.ceiling[1])
     ax.set_title(panel.title, fontsize=10)
@@ -118,20 +142,32 @@ def _draw(ax, panel: Panel) -> None:
     ax.legend(fontsize=7)
 
 
+def figure(results: list[Result]) -> Figure | None:
+    """The panels that have rows in ``results``, one axes each and no empty one: up to
+    ``PANELS_PER_ROW`` a row, the rows as even as possible and a shorter last row centred. None
+    when no panel has rows."""
+    drawn = panels(results)
+    if not drawn:
+        return None
+    rows = math.ceil(len(drawn) / PANELS_PER_ROW)
+    columns = math.ceil(len(drawn) / rows)
+    result = Figure(figsize=(6.5 * columns, 4.5 * rows), layout="constrained")
+    # Two grid columns per panel, so that a row of fewer panels can start half a panel in.
+    grid = result.add_gridspec(rows, 2 * columns)
+    for i, panel in enumerate(drawn):
+        row, place = divmod(i, columns)
+        in_row = min(columns, len(drawn) - row * columns)
+        start = columns - in_row + 2 * place
+        _draw(result.add_subplot(grid[row, start:start + 2]), panel)
+    return result
+
+
 def plot_results(path: Path, results: list[Result]) -> bool:
     """Write the panels that have rows to ``path``; with none, write nothing (and remove an earlier
     plot there, which would show another run). Returns whether a plot was written."""
-    drawn = panels(results)
-    if not drawn:
+    drawn = figure(results)
+    if drawn is None:
         path.unlink(missing_ok=True)
         return False
-    columns = min(2, len(drawn))
-    rows = math.ceil(len(drawn) / columns)
-    figure = Figure(figsize=(6.5 * columns, 4.5 * rows), layout="constrained")
-    axes = figure.subplots(rows, columns, squeeze=False).flatten()
-    for ax, panel in zip(axes, drawn):
-        _draw(ax, panel)
-    for ax in axes[len(drawn):]:
-        ax.set_visible(False)
-    figure.savefig(path, dpi=110)
+    drawn.savefig(path, dpi=110)
     return True

@@ -1,6 +1,5 @@
 import json
 
-from flash_dma.benchmark.plots import panels, plot_results
 from flash_dma.benchmark.report import render_markdown, write_json, write_markdown
 from flash_dma.benchmark.targets import TARGETS, evaluate
 from tests.benchmark.fakes import case, passing_results, row, skipped
@@ -153,19 +152,3 @@ def test_targets_of_suites_not_run_are_not_reported():
     assert targets.count("**PASS**") == 15
     assert f"All {len(TARGETS)} targets concern" in render_markdown(ENVIRONMENT, [], evaluate(passing_results()))
 
-
-def test_plot_has_a_panel_per_headline_the_run_has(tmp_path):
-    everything = _results() + passing_results()
-    assert [p.title.split(":")[0] for p in panels(everything)] == [
-        "llm B=1 H=16 Hkv=4 D=128, keep 1/8", "llm B=1 H=16 Hkv=4 D=128, keep 1/8", "llm S=16384",
-        "seed decode (Sq=1, CUDA graphs)",
-    ]
-    assert plot_results(tmp_path / "results.png", everything)
-    data = (tmp_path / "results.png").read_bytes()
-    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
-    seed_only = [r for r in everything if r.case.suite == "seed"]
-    assert [p.title for p in panels(seed_only)] == ["seed decode (Sq=1, CUDA graphs): K/V bandwidth"]
-    # Nothing to plot (a host-only run): no file, and no earlier run's plot left behind.
-    host_only = [r for r in everything if r.case.suite == "host"]
-    assert panels(host_only) == [] and not plot_results(tmp_path / "results.png", host_only)
-    assert not (tmp_path / "results.png").exists()
