@@ -65,9 +65,22 @@ def pack_words(rows_of, shape: tuple[int, int, int, int], device: torch.device) 
     return words
 
 
+def additive_floor(dtype: torch.dtype) -> float | None:
+    """The value at or below which an additive float mask of ``dtype`` drops a pair (the dtype's
+    minimum, as transformers' eager masks and v1's ``create_mask(min_dtype=...)`` fill it; -inf and
+    NaN drop it too); None for bool and integer masks, whose zeros drop pairs."""
+    return float(torch.finfo(dtype).min) if dtype.is_floating_point else None
+
+
+def kept_pairs(mask: torch.Tensor) -> torch.Tensor:
+    """bool: the pairs a bool, 0/1 integer or additive float mask keeps (:func:`additive_floor`)."""
+    floor = additive_floor(mask.dtype)
+    return mask != 0 if floor is None else mask > floor
+
+
 def pack_mask_words(mask: torch.Tensor) -> torch.Tensor:
-    """The words of a bool or 0/1 integer mask ``[Bm, Hm, Sqm, Skm]``, a chunk of rows at a time."""
-    return pack_words(lambda start, stop: mask[:, :, start:stop] != 0, tuple(mask.shape), mask.device)
+    """The words of a bool, 0/1 integer or additive float mask ``[Bm, Hm, Sqm, Skm]``, a chunk of rows at a time."""
+    return pack_words(lambda start, stop: kept_pairs(mask[:, :, start:stop]), tuple(mask.shape), mask.device)
 
 
 def unpack_rows(words: torch.Tensor, key_len: int) -> torch.Tensor:

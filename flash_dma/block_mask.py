@@ -146,6 +146,13 @@ def check_block_size(block_size) -> None:
         raise ValueError(f"block_size: expected a pair of values from {SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
 
 
+def state_shape(mask_shape, block_q: int, block_k: int) -> tuple[int, int, int, int]:
+    """``(Bm, Hm, NQB, NKB)``: the block states of a mask of ``mask_shape`` in blocks of
+    ``block_q x block_k``, an axis of size 1 being one block."""
+    nb, nh, sq, sk = mask_shape
+    return nb, nh, 1 if sq == 1 else cdiv(sq, block_q), 1 if sk == 1 else cdiv(sk, block_k)
+
+
 def summarize_mask(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
     """Per-block EMPTY/PARTIAL/FULL states of a 4-D mask, reading it once in bounded chunks."""
     nb, nh, sq, sk = mask.shape

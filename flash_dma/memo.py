@@ -1,9 +1,13 @@
-"""Bounded memos for the host path of a call: what a layout (a hashable record of shapes,
-strides, dtypes, devices and settings) decides is worked out once and looked up afterwards."""
+"""Memos for the host path of a call: what a layout (a hashable record of shapes, strides,
+dtypes, devices and settings) decides is worked out once and looked up afterwards
+(:class:`Memo`); values checked once per tensor version (:class:`CheckedValues`); and tensors
+derived from an input, made once per version of it (:class:`DerivedTensors`)."""
 
 from __future__ import annotations
 
 import weakref
+
+import torch
 
 MAX_ENTRIES = 4096  # layouts a memo remembers; past that it starts afresh
 
@@ -76,3 +80,40 @@ def forget_memos() -> None:
     """Empty every memo, so that the next calls decide afresh."""
     for memo in _MEMOS:
         memo.clear()
+
+
+def _traced_or_captured() -> bool:
+    """Whether the current call is traced (``torch.compile``) or captured in a CUDA graph: a
+    memoised result would then be baked into the graph, and a later replay would not see a change."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+class DerivedTensors:
+    """Tensors derived from a source tensor (a dense mask's bits and summary), kept while the
+    source lives and its version counter stays: a mask that every layer shares, in the forward
+    and the backward, is worked on once per step, and one changed in place is worked on again.
+
+    Keyed by identity, held by weak reference (an entry goes with its source). A source without a
+    version counter (an inference tensor), or a call being traced or captured, is never memoised.
+    """
+
+    def __init__(self):
+        self._entries: dict[int, tuple] = {}  # id(source) -> (weakref, version, {key: value})
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, source: torch.Tensor, key, make):
+        """``make()``, or what it returned for ``source`` and ``key`` as ``source`` is now."""
+        if source.is_inference() or _traced_or_captured():
+            return make()
+        entry = self._entries.get(id(source))
+        version = source._version
+        if entry is None or entry[0]() is not source or entry[1] != version:
+            if entry is None or entry[0]() is not source:
+                weakref.finalize(source, self._entries.pop, id(source), None)
+            entry = self._entries[id(source)] = (weakref.ref(source), version, {})
+        values = entry[2]
+        if key not in values:
+            values[key] = make()
+        return values[key]

@@ -4,14 +4,15 @@
 On a CUDA device the block states and their lists come from the Triton kernels of
 ``backends/triton/block_summary.py`` (no host synchronisation: a summary can be built inside a
 CUDA graph, and under ``torch.compile`` each step is a custom op); elsewhere from the plain-torch
-versions in ``block_mask.py``. Bits are packed with torch on every device (``bit_mask.py``).
+versions in ``block_mask.py``. Bits are packed, with their block states, by one Triton kernel on a
+CUDA device (``backends/triton/bit_pack.py``), with torch elsewhere (``bit_mask.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from flash_dma.backends.triton.ops import summary_lists, summary_state
+from flash_dma.backends.triton.ops import packed_bits, summary_lists, summary_state
 from flash_dma.bit_mask import WORD_BITS, BitMask, block_states, pack_mask_words
 from flash_dma.block_mask import (
     DEFAULT_BLOCK_SIZE,
@@ -19,9 +20,9 @@ from flash_dma.block_mask import (
     BlockMask,
     block_lists,
     check_block_size,
+    state_shape,
     summarize_mask,
 )
-from flash_dma.integers import cdiv
 from flash_dma.packed import packed_rows
 
 def block_mask_from_state(
@@ -37,12 +38,7 @@ def block_mask_from_state(
     summary); None reads it off the states, which synchronises with the device once.
     """
     check_block_size(block_size)
-    expected = (
-        mask_shape[0],
-        mask_shape[1],
-        1 if mask_shape[2] == 1 else cdiv(mask_shape[2], block_size[0]),
-        1 if mask_shape[3] == 1 else cdiv(mask_shape[3], block_size[1]),
-    )
+    expected = state_shape(mask_shape, *block_size)
     if tuple(state.shape) != expected:
         raise ValueError(
             f"state: expected shape {expected} for a mask of shape {tuple(mask_shape)} in blocks of "
@@ -65,15 +61,17 @@ def block_mask_from_state(
     )
 
 
-def _check_bool_mask(attn_mask) -> None:
+def _check_mask_tensor(attn_mask, floats: bool = False) -> None:
+    """A 4-D bool or integer mask (or, with ``floats``, an additive float one)."""
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(attn_mask).__name__}")
     if attn_mask.dim() != 4:
         raise ValueError(
             f"attn_mask: expected a 4-D mask [1|B, 1|Hkv|H, 1|Sq, 1|Sk], got shape {tuple(attn_mask.shape)}"
         )
-    if attn_mask.dtype.is_floating_point or attn_mask.dtype.is_complex:
-        raise TypeError(f"attn_mask: expected a bool or 0/1 integer tensor, got {attn_mask.dtype}")
+    if attn_mask.dtype.is_complex or (attn_mask.dtype.is_floating_point and not floats):
+        kinds = "a bool, 0/1 integer or additive float" if floats else "a bool or 0/1 integer"
+        raise TypeError(f"attn_mask: expected {kinds} tensor, got {attn_mask.dtype}")
 
 
 def build_block_mask(
@@ -102,7 +100,7 @@ def build_block_mask(
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(attn_mask).__name__}")
         attn_mask, _ = packed_rows("attn_mask", attn_mask, cu_seqlens_k, max_seqlen_k, False)
-    _check_bool_mask(attn_mask)
+    _check_mask_tensor(attn_mask)
     check_block_size(block_size)
     state = summary_state(attn_mask, *block_size) if attn_mask.is_cuda else summarize_mask(attn_mask, *block_size)
     return block_mask_from_state(state, tuple(attn_mask.shape), block_size, needs_mask=True)
@@ -124,16 +122,24 @@ def bit_mask_from_words(words: torch.Tensor, shape: tuple[int, int, int, int], b
 
 
 def pack_mask(attn_mask: torch.Tensor, *, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BitMask:
-    """Pack a boolean mask into a :class:`BitMask`: one bit per element, with its block summary.
+    """Pack a mask into a :class:`BitMask`: one bit per element, with its block summary.
 
     Args:
-        attn_mask: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` bool (True = attend) or 0/1 integer.
+        attn_mask: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` bool (True = attend) or 0/1 integer; or an
+            additive float mask (SDPA's and transformers' eager form), whose pairs at or below the
+            dtype's minimum (or -inf, or NaN) are dropped. Pass an additive mask as ``attn_bias``
+            too for the values it adds: the bits only say which pairs are kept.
         block_size: ``(block_q, block_k)`` of the summary; ``block_k >= 32``.
 
     Returns:
-        A :class:`BitMask` on the mask's device, its words 1/8 of the mask's bytes. The mask is
-        read once, a chunk of rows at a time; nothing synchronises with the host.
+        A :class:`BitMask` on the mask's device, its words 1/8 of a bool mask's bytes. The mask
+        is read once (on a CUDA device by one kernel that writes the words and the block states
+        together, at memory speed); nothing synchronises with the host.
     """
-    _check_bool_mask(attn_mask)
+    _check_mask_tensor(attn_mask, floats=True)
     check_bit_block_size(block_size)
-    return bit_mask_from_words(pack_mask_words(attn_mask), tuple(attn_mask.shape), block_size)
+    shape = tuple(attn_mask.shape)
+    if not attn_mask.is_cuda:
+        return bit_mask_from_words(pack_mask_words(attn_mask), shape, block_size)
+    words, state = packed_bits(attn_mask, *block_size)
+    return BitMask(words=words, shape=shape, summary=block_mask_from_state(state, shape, block_size, True))

@@ -9,10 +9,14 @@ How the kernels walk a mask's sparsity is chosen here, from shapes alone (no hos
 - a per-key mask alone (``[., 1|Hkv, 1, Sk]``): a key list, so that tiles hold only kept keys,
   however scattered (``key_list.py``);
 - a per-pair mask that the Hopper kernels serve (``dispatch.py``): packed into bits (a
-  ``BitMask``'s words, 1/8 of its bytes), walked by the summary given or one of the bits;
+  ``BitMask``'s words, 1/8 of its bytes) with their summary in one read (``bit_pack.py``),
+  walked by the summary given or that one;
   a ``BitMask`` passed in is walked by its own summary;
 - any other mask alone: the lists of a summary built here;
 - no mask: every tile inside the causal/window band.
+
+What a mask tensor becomes (bits, summary, key list) is made once per version of the tensor
+(:data:`_DERIVED`), so a mask shared by every layer is read once per step, not once per call.
 
 A top-k call (``flash_dma_topk_func``) walks its indices, unless its lists cover a large share of
 the keys (:data:`TOPK_PACKED_KEYS_PER_ENTRY`): it then runs as the same attention over the packed
@@ -32,12 +36,14 @@ from flash_dma.backends.triton.ops import (
     key_list,
     kvcache_forward,
     launch_forward,
+    packed_bits,
     summary_lists,
     summary_state,
     topk_attention_op,
 )
-from flash_dma.bit_mask import BitMask, block_states, pack_mask_words
+from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE
+from flash_dma.memo import DerivedTensors
 from flash_dma.topk import as_mask_problem
 
 SMALL_PROBLEM = 1 << 24  # B x H x Sq x Sk
@@ -52,6 +58,9 @@ KEY_LIST_CACHE_BYTES = 8 << 20
 # It also bounds what the conversion allocates: a float32 plane of 4 Sk bytes per query and head,
 # at most 16 bytes per list entry, as much as the index backward's sorted map.
 TOPK_PACKED_KEYS_PER_ENTRY = 4
+# What a dense mask becomes for the kernels (its bits, summary or key list), made once per version
+# of the mask: every layer that shares a mask, forward and backward, reuses one read of it.
+_DERIVED = DerivedTensors()
 
 
 def _per_key(mask, num_heads: int, num_kv_heads: int) -> bool:
@@ -96,16 +105,21 @@ def _call(problem) -> Call:
         return call
     if input_form(mask) == "pairs" and hopper_takes_bits(call):
         # The Hopper kernels read a per-pair mask as bits (1/8 of its bytes), walked by a summary.
-        words = pack_mask_words(mask)
-        if summary is None:
-            state = block_states(words, tuple(mask.shape), DEFAULT_BLOCK_SIZE)
-            call = call._replace(**walk_fields(state, DEFAULT_BLOCK_SIZE))
-        return call._replace(mask=words, mask_bits=True)
+        words, walk = _DERIVED.get(mask, "bits", lambda: _bits_and_walk(mask))
+        return call._replace(mask=words, mask_bits=True, **({} if summary is not None else walk))
     if summary is not None:
         return call
     if _per_key(mask, num_heads, num_kv_heads):
-        return call._replace(mask=None, key_list=key_list(mask, seqlen_k))
-    return call._replace(**walk_fields(summary_state(mask, *DEFAULT_BLOCK_SIZE), DEFAULT_BLOCK_SIZE))
+        keys = _DERIVED.get(mask, ("keys", seqlen_k), lambda: key_list(mask, seqlen_k))
+        return call._replace(mask=None, key_list=keys)
+    walk = _DERIVED.get(mask, "summary", lambda: walk_fields(summary_state(mask, *DEFAULT_BLOCK_SIZE), DEFAULT_BLOCK_SIZE))
+    return call._replace(**walk)
+
+
+def _bits_and_walk(mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """A dense per-pair mask's BitMask words and the walk fields of their summary, in one read of the mask."""
+    words, state = packed_bits(mask, *DEFAULT_BLOCK_SIZE)
+    return words, walk_fields(state, DEFAULT_BLOCK_SIZE)
 
 
 def attention(problem):

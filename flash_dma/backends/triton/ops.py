@@ -15,6 +15,7 @@ import typing
 import torch
 
 from flash_dma.backends.triton.backward import attention_backward
+from flash_dma.backends.triton.bit_pack import pack_bits
 from flash_dma.backends.triton.block_summary import block_lists, block_state
 from flash_dma.backends.triton.block_topk import block_topk_state
 from flash_dma.backends.triton.forward import attention_forward
@@ -32,6 +33,8 @@ from flash_dma.backends.triton.layout import (
 )
 from flash_dma.backends.triton.topk_backward import topk_backward
 from flash_dma.backends.triton.topk_forward import topk_forward
+from flash_dma.bit_mask import words_per_row
+from flash_dma.block_mask import state_shape
 from flash_dma.inputs import output_dtype
 
 
@@ -57,10 +60,7 @@ def block_state_op(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tens
 
 @block_state_op.register_fake
 def _block_state_fake(mask, block_q, block_k):
-    nb, nh, sq, sk = mask.shape
-    nqb = 1 if sq == 1 else (sq + block_q - 1) // block_q
-    nkb = 1 if sk == 1 else (sk + block_k - 1) // block_k
-    return mask.new_empty(nb, nh, nqb, nkb, dtype=torch.int8)
+    return mask.new_empty(state_shape(mask.shape, block_q, block_k), dtype=torch.int8)
 
 
 @torch.library.custom_op("flash_dma::block_lists", mutates_args=())
@@ -84,6 +84,23 @@ def summary_state(mask: torch.Tensor, block_q: int, block_k: int) -> torch.Tenso
 def summary_lists(state: torch.Tensor, transpose: bool) -> torch.Tensor:
     """``block_lists``, through the custom op when compiling."""
     return (block_lists_op if torch.compiler.is_compiling() else block_lists)(state, transpose)
+
+
+@torch.library.custom_op("flash_dma::pack_bits", mutates_args=())
+def pack_bits_op(mask: torch.Tensor, block_q: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return pack_bits(mask, block_q, block_k)
+
+
+@pack_bits_op.register_fake
+def _pack_bits_fake(mask, block_q, block_k):
+    nb, nh, sq, sk = mask.shape
+    words = mask.new_empty(nb, nh, sq, words_per_row(sk), dtype=torch.int32)
+    return words, mask.new_empty(state_shape(mask.shape, block_q, block_k), dtype=torch.int8)
+
+
+def packed_bits(mask: torch.Tensor, block_q: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_bits``, through the custom op when compiling."""
+    return (pack_bits_op if torch.compiler.is_compiling() else pack_bits)(mask, block_q, block_k)
 
 
 @torch.library.custom_op("flash_dma::block_topk_state", mutates_args=())

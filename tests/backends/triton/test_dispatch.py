@@ -105,3 +105,28 @@ def test_hopper_kernels_are_told_the_forms_the_table_routed():
         call = Call(q, k, v, mask, bias, None, None, None, None, None, None, 0, 0, 0.125, -1, 0, 0.0, False, 0, 0, bits)
         _, flags = hopper_arguments(call, k, v, None, WALK_DENSE)
         assert tuple(flags[:2]) == codes
+
+
+def test_a_shared_mask_is_summarised_once_per_version(monkeypatch):
+    """Layers that share a dense mask read it once per step; a mask changed in place is read again."""
+    import flash_dma.backends.triton as triton_backend
+    from flash_dma import flash_dma_func
+    from tests.helpers import Case, assert_close, make_inputs, reference_outputs
+
+    summarised = []
+    for name in ("summary_state", "packed_bits"):  # the Triton kernels' summary, or the Hopper kernels' bits
+        real = getattr(triton_backend, name)
+        monkeypatch.setattr(triton_backend, name, lambda *a, real=real: summarised.append(1) or real(*a))
+    monkeypatch.setattr(triton_backend, "SMALL_PROBLEM", 0)
+    case = Case(batch=1, seqlen_q=70, seqlen_k=90, heads=2, kv_heads=1, mask="1,1,Sq,Sk", causal=True)
+    inputs = make_inputs(case, torch.float32)
+    mask = inputs["attn_mask"]
+    for _ in range(3):
+        out = flash_dma_func(**inputs, is_causal=True, backend="triton")
+    assert len(summarised) == 1
+    mask[:, :, 30:] = ~mask[:, :, 30:]  # in place: the next call must see the new mask
+    out = flash_dma_func(**inputs, is_causal=True, backend="triton")
+    assert len(summarised) == 2
+    oracle = reference_outputs(case, inputs, None, torch.float64)[0]
+    baseline = reference_outputs(case, inputs, None, torch.float32)[0]
+    assert_close("out", out, oracle, baseline)
