@@ -14,7 +14,8 @@
 
 Masks, as the attention function receives them:
 
-- None: no mask; causal if the layer is (``is_causal`` argument, else ``module.is_causal``).
+- None: no mask; causal if the layer is (``is_causal`` argument, else ``module.is_causal``), per
+  document where ``position_ids`` pack several into one row (below).
 - ``[B, Sk]`` padding mask (True or 1 = real token): the mask function returns this for plain
   causal masks over keys that end where the queries end (no cache, a DynamicCache), so a padded
   batch costs O(B * Sk) rather than a ``[B, 1, Sq, Sk]`` tensor; causal as above. A shorter mask
@@ -36,6 +37,21 @@ the keys the layer read from it (5.24 on); the requests then run through
 (one row with ``cu_seq_lens_q``/``cu_seq_lens_k``). transformers' decode fast path (a
 block table for ``flash_attn_with_kvcache``) is only taken for flash_attention_2/3 kernels; a block
 table handed to flash_dma is refused (``NotImplementedError``) rather than attended without the cache.
+
+Documents packed by ``position_ids`` alone (``DataCollatorWithFlattening``'s default: one row,
+positions restarting per document, no mask or an all-ones one) are found as transformers'
+flash-attention path finds them. Where the attention function gets no mask, a row (batch of 1)
+whose keys are its queries and whose positions return to their smallest value is split there
+(``cu_seqlens`` as ``prepare_fa_kwargs_from_position_ids`` derives them), and each document runs
+as its own problem through :func:`flash_dma.flash_dma_varlen_func`, with a cache object (the
+DynamicCache a model makes when ``use_cache`` is on) or without. The positions are read on the
+host once per tensor and version, so once per step whatever the number of layers, and never inside
+a CUDA graph capture or a torch.compile trace; an ordinary batch of several rows is not read at
+all. Without a cache, transformers' mask builders find the documents themselves and hand a
+complete 4-D mask, in a trace too. Models that use that mask beyond attention (Doge's selection,
+Falcon's ALiBi, DeepSeek V3.2's indexer) ask for it materialised, and the mask function cannot
+tell their call from another, so it is built and taken as complete. In a trace with a cache,
+pass ``cu_seq_lens_q``/``cu_seq_lens_k`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``).
 """
 
 from __future__ import annotations
@@ -44,6 +60,7 @@ import functools
 import inspect
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from flash_dma.integrations import doge
 from flash_dma.interface import flash_dma_func, flash_dma_varlen_func
@@ -174,6 +191,59 @@ def _cached_keys(module, key, value, cache, kwargs: dict):
     return k, v, cu_k, max_k, kwargs["max_seqlen_q"]
 
 
+# What a position_ids tensor says of the documents in its row, with the version it was read at.
+# A model hands every layer the same tensor: it is read once per step, not once per layer.
+_DOCUMENTS = WeakIdKeyDictionary()
+
+
+def _packed_documents(position_ids, query: torch.Tensor, key: torch.Tensor):
+    """The documents that ``position_ids`` packs into one row, found as transformers'
+    flash-attention path finds them: ``(cu_seqlens [N + 1] int32, longest)``, or None for a row
+    of one document, for any other layout, and where ``position_ids`` may not be read.
+
+    ``position_ids`` ``[1, S]``; ``query`` ``[1, H, S, D]``; ``key`` ``[1, Hkv, S, D]``. Only a row
+    whose keys are its queries (no earlier tokens in a cache) is split, and only where
+    :func:`values_checkable` allows the read, once per tensor and version (an inference tensor,
+    which has no version, on every call).
+    """
+    seqlen = query.shape[2]
+    if not (
+        isinstance(position_ids, torch.Tensor)
+        and position_ids.shape == (1, seqlen)
+        and query.shape[0] == 1
+        and seqlen > 1
+        and key.shape[2] == seqlen
+        and values_checkable(position_ids)
+    ):
+        return None
+    version = None if position_ids.is_inference() else position_ids._version
+    known = _DOCUMENTS.get(position_ids)
+    if version is not None and known is not None and known[0] == version:
+        return known[1]
+    documents = _documents_of(position_ids[0])
+    if version is not None:
+        _DOCUMENTS[position_ids] = (version, documents)
+    return documents
+
+
+def _documents_of(positions: torch.Tensor):
+    """``positions`` ``[S]`` -> ``(cu_seqlens [N + 1] int32, longest)``, or None for one document.
+
+    A document starts wherever the position is the row's smallest (transformers'
+    ``prepare_fa_kwargs_from_position_ids``: packed documents restart from the same first
+    position, not always 0). Where that does not hold for the first token, the row's head counts
+    as a document too, where flash-attention would leave those rows out.
+    """
+    starts = positions == positions.min()
+    starts[0] = True
+    bounds = starts.nonzero().flatten().tolist()
+    if len(bounds) == 1:
+        return None
+    bounds.append(positions.shape[0])
+    longest = max(end - start for start, end in zip(bounds, bounds[1:]))
+    return torch.tensor(bounds, dtype=torch.int32, device=positions.device), longest
+
+
 def flash_dma_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -205,7 +275,8 @@ def flash_dma_attention_forward(
             otherwise.
         kwargs: other model arguments; only those of packed sequences are read
             (``cu_seq_lens_q``/``cu_seq_lens_k``, ``max_length_q``/``max_length_k`` and, with a
-            paged cache, its indices).
+            paged cache, its indices), and ``position_ids`` ``[1, S]`` where no mask comes (documents
+            packed in one row, see the module doc).
 
     Returns:
         ``(out [B, Sq, H, D], None)``: attention weights are never materialised.
@@ -222,12 +293,23 @@ def flash_dma_attention_forward(
         settings = dict(softmax_scale=scaling, window_size=(window_left, -1), softcap=softcap)
         paged = cache if _is_paged_cache(cache) else None
         return _packed_attention(module, query, key, value, paged, kwargs, **settings), None
-    query, key, value = (t.transpose(1, 2) for t in (query, key, value))
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    attn_mask = attn_bias = None
     selection = doge.take_selection(module)
     if selection is None and _DOGE_MISFIT is not None and type(module).__name__ == "DogeAttention":
         raise _DOGE_MISFIT
+    documents = None
+    if selection is None and attention_mask is None:
+        documents = _packed_documents(kwargs.get("position_ids"), query, key)
+    if documents is not None:
+        cu_seqlens, longest = documents
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [S, H|Hkv, D]
+        out = flash_dma_varlen_func(
+            q, k, v, cu_seqlens, cu_seqlens, longest, longest, is_causal=causal, softmax_scale=scaling,
+            window_size=(window_left, -1), softcap=softcap,
+        )
+        return out[None], None
+    query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+    attn_mask = attn_bias = None
     if selection is not None:
         # Doge (``doge.py``): its bias per key comes as the mask, its selection (which holds the
         # causal rule) packed on the layer.

@@ -2,18 +2,22 @@
 
 import copy
 import dataclasses
+import inspect
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, DogeConfig, GenerationConfig, LlamaConfig, modeling_utils
+from transformers import AutoModelForCausalLM, DogeConfig, DynamicCache, GenerationConfig, LlamaConfig, modeling_utils
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.masking_utils import create_causal_mask, sliding_window_causal_mask_function
+from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
+import flash_dma.integrations.transformers as hf_integration
 from flash_dma import flash_dma_varlen_func
 from flash_dma.integrations.transformers import (
     ATTENTION_NAME,
     _packed_attention,
+    _packed_documents,
     flash_dma_attention_forward,
     flash_dma_mask,
     register,
@@ -199,6 +203,125 @@ def test_packed_keys_without_a_cache_are_attended_as_packed_sequences():
     kwargs = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=3, max_length_k=6)
     out, _ = flash_dma_attention_forward(CausalLayer(), q, k, v, None, **kwargs)
     assert torch.equal(out, _packed_attention(CausalLayer(), q, None, None, PackedCache(k, v), dict(kwargs)))
+
+
+def packed_documents(lengths=(5, 9, 3, 7)):
+    """Random documents, alone ``[1, n]`` each, and packed as ``DataCollatorWithFlattening`` packs them
+    by default: ``(documents, input_ids [1, S], position_ids [1, S])``, positions restarting per document."""
+    gen = torch.Generator().manual_seed(4)
+    documents = [torch.randint(1, 97, (1, n), generator=gen) for n in lengths]
+    return documents, torch.cat(documents, 1), torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+def cache_argument(model) -> str:
+    """The name under which ``model``'s forward takes a cache object in the installed transformers."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def spy_on_varlen(monkeypatch) -> list:
+    """The ``cu_seqlens_q`` of every flash_dma_varlen_func call the attention function makes from now on."""
+    calls = []
+
+    def spy(q, k, v, cu_seqlens_q, *args, **kwargs):
+        calls.append(cu_seqlens_q.tolist())
+        return flash_dma_varlen_func(q, k, v, cu_seqlens_q, *args, **kwargs)
+
+    monkeypatch.setattr(hf_integration, "flash_dma_varlen_func", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "cache", ["made-by-the-model", "passed", "off"],
+    ids=["DynamicCache-by-default", "DynamicCache-passed", "use_cache-False"],
+)
+def test_documents_packed_by_position_ids_alone_attend_as_if_run_alone(llama_pair, cache, monkeypatch):
+    # One row, no mask: with a cache, transformers' mask builders do not look for documents, and the
+    # attention function finds them from position_ids; without one, their complete 4-D mask holds them apart.
+    _, ours = llama_pair
+    documents, input_ids, position_ids = packed_documents()
+    settings = {
+        "made-by-the-model": {},
+        "passed": {cache_argument(ours): DynamicCache(config=ours.config)},
+        "off": dict(use_cache=False),
+    }[cache]
+    calls = spy_on_varlen(monkeypatch)
+    with torch.no_grad():
+        alone = torch.cat([ours(document).logits for document in documents], 1)
+        packed = ours(input_ids, position_ids=position_ids, **settings).logits
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=1e-4)
+    assert calls == ([] if cache == "off" else [[0, 5, 14, 17, 24]] * ours.config.num_hidden_layers)
+
+
+def test_packed_documents_train_as_if_run_alone(llama_pair):
+    _, ours = llama_pair
+    documents, input_ids, position_ids = packed_documents()
+    grads = []
+    for runs in ([(input_ids, position_ids)], [(document, None) for document in documents]):
+        ours.zero_grad()
+        sum(ours(ids, position_ids=positions).logits.square().mean(-1).sum() for ids, positions in runs).backward()
+        grads.append(ours.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["one-row", "three-rows"])
+def test_ordinary_rows_with_position_ids_are_not_split(llama_pair, rows, monkeypatch):
+    reference, ours = llama_pair
+    input_ids, _ = token_batch(pads=(0,) * rows)
+    position_ids = torch.arange(input_ids.shape[1])[None]  # unsqueezed, not expanded, as the models make it
+    calls = spy_on_varlen(monkeypatch)
+    with torch.no_grad():
+        actual = ours(input_ids, position_ids=position_ids).logits
+        expected = reference(input_ids, position_ids=position_ids).logits
+    assert calls == []
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [[0, 1, 2, 0, 1, 0, 1, 2, 3], [2, 3, 4, 2, 3, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7, 0]],
+    ids=["from-0", "from-2-as-roberta", "one-token-last"],
+)
+def test_documents_are_bounded_as_flash_attention_bounds_them(positions):
+    q, k, _ = random_qkv(batch=1, seqlen_q=9, seqlen_k=9)
+    cu_seqlens, longest = _packed_documents(torch.tensor([positions]), q, k)
+    (expected, _), (expected_longest, _) = prepare_fa_kwargs_from_position_ids(torch.tensor([positions]))
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == expected.tolist()
+    assert longest == int(expected_longest)
+
+
+def test_a_first_document_past_the_smallest_position_is_a_document_too():
+    # flash-attention's bounds would start at 3 and leave the first three rows out.
+    q, k, _ = random_qkv(batch=1, seqlen_q=7, seqlen_k=7)
+    cu_seqlens, longest = _packed_documents(torch.tensor([[4, 5, 6, 0, 1, 2, 3]]), q, k)
+    assert cu_seqlens.tolist() == [0, 3, 7] and longest == 4
+
+
+@pytest.mark.parametrize(
+    "positions, batch, seqlen_k",
+    [([0, 1, 2, 3, 4, 5], 1, 6), ([3, 4, 5, 6, 7, 8], 1, 6), ([0, 1, 2, 0, 1, 2], 2, 6), ([0, 1, 2, 0, 1, 2], 1, 9)],
+    ids=["one-document", "one-document-after-3", "two-rows", "keys-past-the-queries"],
+)
+def test_only_one_row_of_several_documents_over_its_own_keys_is_split(positions, batch, seqlen_k):
+    q, k, _ = random_qkv(batch=batch, seqlen_q=6, seqlen_k=seqlen_k)
+    assert _packed_documents(torch.tensor([positions]), q, k) is None
+
+
+def test_positions_are_read_once_per_tensor_and_version():
+    q, k, _ = random_qkv(batch=1, seqlen_q=8, seqlen_k=8)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    documents = _packed_documents(positions, q, k)
+    assert documents[0].tolist() == [0, 3, 5, 8] and documents[1] == 3
+    assert _packed_documents(positions, q, k) is documents
+    positions.copy_(torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]))
+    assert _packed_documents(positions, q, k)[0].tolist() == [0, 5, 8]
+
+
+def test_positions_are_not_read_inside_a_trace(monkeypatch):
+    # torch.compile (and a CUDA graph capture) would break on the read; there transformers' mask
+    # builders hold documents apart without a cache, and cu_seq_lens do with one.
+    q, k, _ = random_qkv(batch=1, seqlen_q=6, seqlen_k=6)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _packed_documents(torch.tensor([[0, 1, 2, 0, 1, 2]]), q, k) is None
 
 
 class IndexedCache(PackedCache):
