@@ -24,6 +24,7 @@ from flash_dma import (
     flash_dma_topk_func,
     flash_dma_varlen_func,
     flash_dma_with_kvcache,
+    pack_mask,
 )
 from flash_dma.benchmark import layers, llama
 from flash_dma.benchmark.inputs import DTYPE, CacheInputs, Inputs, TokenInputs, pad_documents
@@ -32,6 +33,7 @@ from flash_dma.bit_mask import WORD_BITS, BitMask, pack_words
 from flash_dma.block_mask import EMPTY, FULL
 from flash_dma.inputs import FP8_DTYPE
 from flash_dma.summaries import bit_mask_from_words
+from flash_dma.v1 import flash_sparse_attn_func_auto
 
 # Dynamo keeps one compiled entry per shape (dynamic=False) and per score_mod; a full run needs up
 # to about 20, more than the default limit of 8, past which dynamo would fall back to eager Flex
@@ -179,6 +181,46 @@ class FlashDmaBits(Method):
                                   is_causal=True)
 
         return Prepared(forward, inputs.leaves)
+
+
+def _dense_selection(mask):
+    """The selection as the dense bool ``[1, Hkv, Sq, Sk]`` that v1's ``create_mask`` makes."""
+    return mask.dense() if isinstance(mask, BitMask) else mask
+
+
+class FlashDmaV1Dense(Method):
+    name = "flash-dma-v1"
+    description = (
+        "the seeds' Quick Start as a v1 user runs it: the selection as a dense bool `[1, Hkv, Sq, Sk]` "
+        "(what v1's `create_mask` returns), passed with the bias to "
+        "`flash_dma.v1.flash_sparse_attn_func_auto(\"cuda\")`; the same mask tensor in every call "
+        "(as every layer of a model shares it), so flash-dma packs it once per version"
+    )
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        mask, attend = _dense_selection(inputs.mask), flash_sparse_attn_func_auto("cuda")
+
+        def forward() -> torch.Tensor:
+            return attend(inputs.query, inputs.key, inputs.value, attn_mask=mask, attn_bias=inputs.bias, is_causal=True)
+
+        return Prepared(forward, inputs.leaves)
+
+
+class PackDense(Method):
+    name = "pack-dense"
+    description = (
+        "`pack_mask(mask)` of the selection's dense bool `[1, Hkv, Sq, Sk]`: a dense mask's first use "
+        "(its bits, block states and lists), forward rows only"
+    )
+    applies_mask = False
+    skips_masked_keys = False
+
+    def skip_reason(self, case: Case, mode: str, options: MethodOptions) -> str | None:
+        return "packing has no backward" if mode != "fwd" else None
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        mask = _dense_selection(inputs.mask)
+        return Prepared(lambda: pack_mask(mask).words, ())
 
 
 def _bottom_right_causal(seqlen_q: int, seqlen_k: int) -> Callable:
@@ -734,6 +776,8 @@ METHODS: dict[str, Method] = {
         FlashDmaKvcache(),
         FlashDmaNoCache(),
         FlashDmaTopk(),
-        FlashDmaFp8(),  # new methods last: the plots' colours follow this order
+        FlashDmaFp8(),
+        FlashDmaV1Dense(),
+        PackDense(),  # new methods last: the plots' colours follow this order
     )
 }

@@ -407,7 +407,8 @@ def seedtable_cases(quick: bool = False) -> list[Case]:
     return [
         Case("seedtable", "window", **SEED_SHAPE, seqlen_q=SEEDTABLE_LENGTH, seqlen_k=SEEDTABLE_LENGTH,
              keep=_window_keep(w, SEEDTABLE_LENGTH),
-             methods=PER_QUERY_METHODS + (("sdpa-additive",) if w == SEEDTABLE_HEADLINE_WINDOW else ()),
+             methods=PER_QUERY_METHODS + ("flash-dma-v1",)
+             + (("sdpa-additive", "pack-dense") if w == SEEDTABLE_HEADLINE_WINDOW else ()),
              modes=MODES, window=w, mask="query-token", bias="pair")
         for w in windows
     ]
