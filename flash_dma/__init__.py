@@ -9,6 +9,8 @@ Public API (see ``docs/api.md``):
 - :func:`build_block_mask` / :class:`BlockMask`: a reusable block summary of a mask
   (:func:`block_mask_from_state` from block states).
 - :func:`pack_mask` / :class:`BitMask`: a per-query mask stored one bit per pair, with its summary.
+- :func:`interval_mask` / :class:`KeyIntervals`: a mask stored as one interval of query rows per key
+  (a causal top-k's form: :func:`causal_topk_intervals`), with its summary.
 - :mod:`flash_dma.masks`: dynamic masks from a learned bias (:func:`create_mask`, :func:`topk_block_mask`)
   or from chosen keys (:func:`indices_to_mask`); top-k ``indices`` from an indexer's scores
   (:func:`topk_indices`, :func:`chunked_topk_indices`) and their ``BitMask`` (:func:`topk_mask`).
@@ -33,11 +35,14 @@ from flash_dma.interface import (
     flash_dmattn_func,
     flash_sparse_attn_func,
 )
+from flash_dma.key_intervals import KeyIntervals
 from flash_dma.masks import (
     attended_fraction,
+    causal_topk_intervals,
     chunked_topk_indices,
     create_mask,
     indices_to_mask,
+    interval_mask,
     topk_block_mask,
     topk_indices,
     topk_mask,
@@ -66,9 +71,11 @@ __all__ = [
     "BitMask",
     "BlockMask",
     "DynamicMaskAttention",
+    "KeyIntervals",
     "attended_fraction",
     "block_mask_from_state",
     "build_block_mask",
+    "causal_topk_intervals",
     "chunked_topk_indices",
     "create_mask",
     "flash_dma_func",
@@ -80,6 +87,7 @@ __all__ = [
     "flash_sparse_attn_func",
     "get_available_backends",
     "indices_to_mask",
+    "interval_mask",
     "pack_mask",
     "topk_block_mask",
     "topk_indices",

@@ -16,6 +16,7 @@ import torch
 
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import BlockMask
+from flash_dma.key_intervals import KeyIntervals
 from flash_dma.memo import Memo
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -44,7 +45,7 @@ class AttentionProblem:
     query: torch.Tensor  # [B, Sq, H, D]
     key: torch.Tensor  # [B, Sk, Hkv, D]
     value: torch.Tensor  # [B, Sk, Hkv, D]
-    attn_mask: torch.Tensor | BitMask | None  # [1|B, 1|Hkv|H, 1|Sq, 1|Sk], bool, 0/1 integer or packed bits
+    attn_mask: torch.Tensor | BitMask | KeyIntervals | None  # [1|B, 1|Hkv|H, 1|Sq, 1|Sk]: bool, 0/1 integer, bits or intervals
     attn_bias: torch.Tensor | None  # [1|B, 1|Hkv|H, 1|Sq, 1|Sk], fp32 or query.dtype
     block_mask: BlockMask | None
     softmax_scale: float
@@ -115,7 +116,7 @@ def _check_qkv(query, key, value, same_batch: bool = True, fp8: bool = False) ->
 
 
 def check_broadcastable(name: str, t, shape: tuple[int, int, int, int, int, int]) -> None:
-    """Check that ``t`` (a tensor or a :class:`BitMask`) is ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` for
+    """Check that ``t`` (a tensor, a :class:`BitMask` or :class:`KeyIntervals`) is ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` for
     ``shape = (B, Sq, Sk, H, Hkv, D)``."""
     batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, _ = shape
     if t.dim() == 4:
@@ -146,13 +147,17 @@ def check_broadcastable(name: str, t, shape: tuple[int, int, int, int, int, int]
 
 
 def check_mask(mask, query: torch.Tensor, shape) -> None:
-    if isinstance(mask, BitMask):
+    if isinstance(mask, (BitMask, KeyIntervals)):
         if mask.device != query.device:
             raise ValueError(f"attn_mask: expected device {query.device} (the device of query), got {mask.device}")
         check_broadcastable("attn_mask", mask, shape)
+        if isinstance(mask, KeyIntervals):
+            _check_intervals(mask, shape)
         return
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"attn_mask: expected a torch.Tensor, a flash_dma.BitMask or None, got {type(mask).__name__}")
+        raise TypeError(
+            f"attn_mask: expected a torch.Tensor, a flash_dma.BitMask, a flash_dma.KeyIntervals or None, got {type(mask).__name__}"
+        )
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
         raise TypeError(
             f"attn_mask: expected a bool (True = attend) or 0/1 integer tensor, got {mask.dtype}; "
@@ -162,6 +167,26 @@ def check_mask(mask, query: torch.Tensor, shape) -> None:
         raise ValueError(f"attn_mask: expected device {query.device} (the device of query), got {mask.device}")
     check_broadcastable("attn_mask", mask, shape)
     check_mask_values(mask)
+
+
+def _check_intervals(mask: KeyIntervals, shape) -> None:
+    """Key intervals span the call's queries and keys (their rows are query indices: they do not
+    broadcast over queries, nor over keys), and hold int32 rows of their shape."""
+    _, seqlen_q, seqlen_k, _, _, _ = shape
+    if mask.shape[2:] != (seqlen_q, seqlen_k):
+        raise ValueError(
+            f"attn_mask: KeyIntervals of shape {mask.shape} must span the call's [Sq, Sk] = [{seqlen_q}, {seqlen_k}] "
+            f"(no broadcasting over queries or keys), got [{mask.shape[2]}, {mask.shape[3]}]"
+        )
+    rows = (mask.shape[0], mask.shape[1], mask.shape[3])
+    for name, t in (("end", mask.end), ("start", mask.start)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != rows:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"attn_mask: KeyIntervals.{name} must be int32 {rows} (its shape less Sq), got {got}")
+        if t.device != mask.device:
+            raise ValueError(f"attn_mask: KeyIntervals.{name} must be on {mask.device} (the device of end), got {t.device}")
 
 
 def check_mask_values(mask) -> None:
@@ -247,10 +272,10 @@ def _check_block_mask(block_mask, attn_mask, query, shape) -> None:
                 f"block_mask: it was built for a mask of shape {block_mask.mask_shape}, whose {label} "
                 f"must be {options} for this call, got {got}"
             )
-    if isinstance(attn_mask, BitMask):
+    if isinstance(attn_mask, (BitMask, KeyIntervals)):
         raise ValueError(
-            "block_mask: attn_mask is a BitMask, which carries its own summary; expected block_mask=None, "
-            f"got {block_mask!r}"
+            f"block_mask: attn_mask is a {type(attn_mask).__name__}, which carries its own summary; expected "
+            f"block_mask=None, got {block_mask!r}"
         )
     if attn_mask is None and block_mask.needs_mask:
         raise ValueError(
@@ -392,6 +417,9 @@ def _signature(query, key, value, attn_mask, attn_bias, block_mask, entries, fp8
         mask = None if attn_mask is None else (attn_mask.shape, attn_mask.dtype, attn_mask.device)
     elif types[3] is BitMask:
         mask = (attn_mask.shape, attn_mask.device)
+    elif types[3] is KeyIntervals:
+        rows = [t if t is None else (type(t), t.shape, t.dtype, t.device) for t in (attn_mask.start, attn_mask.end)]
+        mask = (attn_mask.shape, attn_mask.device, *rows)
     else:
         return None
     if attn_bias is not None and types[4] not in _TENSOR_TYPES or block_mask is not None and types[5] is not BlockMask:

@@ -19,6 +19,7 @@ import torch
 
 from flash_dma.bit_mask import BitMask
 from flash_dma.inputs import AttentionProblem, _check_qkv, bias_dtypes, check_mask, normalize_settings
+from flash_dma.key_intervals import KeyIntervals
 from flash_dma.memo import CheckedValues
 from flash_dma.packed import SEQLEN_DTYPES, values_checkable
 
@@ -201,7 +202,7 @@ def normalize_kvcache_inputs(
     entries = (batch, seqlen_q, capacity, q.shape[2], k_cache.shape[2], q.shape[3])
     if attn_mask is not None:
         check_mask(attn_mask, q, entries)
-        if isinstance(attn_mask, BitMask):
+        if isinstance(attn_mask, (BitMask, KeyIntervals)):
             attn_mask = attn_mask.dense()  # a decode step's mask is a few rows: the kernels read it as bytes
     if k is not None:
         append_keys(k_cache, v_cache, bias_cache, k, v, bias, seqlens, cache_rows, block_table, page_size, capacity)

@@ -24,11 +24,13 @@ import torch
 
 from flash_dma.backends.reference import visible_positions
 from flash_dma.backends.triton.configs import triton_interpreting
+from flash_dma.backends.triton.key_intervals import causal_topk_end_rows, interval_state
 from flash_dma.backends.triton.ops import topk_state
 from flash_dma.bit_mask import BitMask, pack_words
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, FULL, PARTIAL, BlockMask, check_block_size, effective_mask_rows
 from flash_dma.inputs import UNBOUNDED, _normalize_window, check_choice, check_int, sizes_allowed
 from flash_dma.integers import cdiv
+from flash_dma.key_intervals import KeyIntervals, causal_starts, causal_topk_ends, interval_states
 from flash_dma.packed import packed_rows, values_checkable
 from flash_dma.summaries import bit_mask_from_words, block_mask_from_state, check_bit_block_size
 
@@ -260,6 +262,140 @@ def create_mask(
             return select(0, rows)
         shape = (*bias.shape[:2], rows, key_len)
         return bit_mask_from_words(pack_words(select, shape, bias.device), shape)
+
+
+def _check_rows(name: str, t, expected: str) -> None:
+    """``t`` must be an int32 ``[Bm, Hm, Sk]`` tensor of interval rows."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype torch.int32, got {t.dtype}")
+    if t.dim() != 3:
+        raise ValueError(f"{name}: expected a 3-D tensor {expected}, got shape {tuple(t.shape)}")
+
+
+def _intervals(start: torch.Tensor | None, end: torch.Tensor, query_len: int, block_size) -> KeyIntervals:
+    """The :class:`KeyIntervals` of checked ``start``/``end`` ``[Bm, Hm, Sk]`` over ``query_len`` rows,
+    with its summary (on CUDA, and under the interpreter, from the kernels of
+    ``backends/triton/key_intervals.py``)."""
+    shape = (end.shape[0], end.shape[1], query_len, end.shape[2])
+    if end.is_cuda or triton_interpreting():
+        state = interval_state(start, end, query_len, *block_size)
+    else:
+        state = interval_states(start, end, query_len, block_size)
+    return KeyIntervals(start, end, shape, block_mask_from_state(state, shape, block_size, needs_mask=True))
+
+
+def interval_mask(
+    end: torch.Tensor,
+    start: torch.Tensor | None = None,
+    *,
+    query_len: int,
+    block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
+) -> KeyIntervals:
+    """The mask that keeps key ``j`` for the query rows ``[start_j, end_j)``, as :class:`KeyIntervals`.
+
+    Args:
+        end: ``[Bm, Hm, Sk]`` int32, one past the last query row of each key (``Bm`` 1 or B, ``Hm``
+            1, Hkv or H, as for any mask); rows past ``query_len`` and below 0 are simply absent.
+        start: ``[Bm, Hm, Sk]`` int32, each key's first query row, or None for 0 (every key from the
+            first query on; a causal rule then comes from ``flash_dma_func(is_causal=True)``).
+        query_len: Sq, the rows of the mask.
+        block_size: ``(block_q, block_k)`` of its summary; ``block_k >= 32`` (the Triton kernels
+            walk it as the equivalent ``BitMask``, whose key blocks hold whole words).
+
+    Returns:
+        A :class:`KeyIntervals` of shape ``(Bm, Hm, query_len, Sk)`` on ``end``'s device; its
+        summary is exact and no ``[Sq, Sk]`` tensor is made (O(Sk) work per query block).
+    """
+    _check_rows("end", end, "[Bm, Hm, Sk]")
+    if start is not None:
+        _check_rows("start", start, "[Bm, Hm, Sk]")
+        if start.shape != end.shape:
+            raise ValueError(f"start: expected the shape of end, {tuple(end.shape)}, got {tuple(start.shape)}")
+        if start.device != end.device:
+            raise ValueError(f"start: expected the device of end, {end.device}, got {start.device}")
+    check_int("query_len", query_len, 1)
+    if end.shape[2] < 1:
+        raise ValueError(f"end: expected at least one key, got shape {tuple(end.shape)}")
+    check_bit_block_size(block_size)
+    return _intervals(start, end, query_len, block_size)
+
+
+def _key_mask(key_mask, scores: torch.Tensor) -> torch.Tensor | None:
+    """A causal top-k's ``key_mask`` as bool ``[B, H, Sk]`` broadcasting with ``scores`` (True = may be kept), or None."""
+    if key_mask is None:
+        return None
+    if not isinstance(key_mask, torch.Tensor):
+        raise TypeError(f"key_mask: expected a torch.Tensor or None, got {type(key_mask).__name__}")
+    if key_mask.dtype.is_floating_point or key_mask.dtype.is_complex:
+        raise TypeError(f"key_mask: expected a bool (True = may be kept) or 0/1 integer tensor, got {key_mask.dtype}")
+    if key_mask.device != scores.device:
+        raise ValueError(f"key_mask: expected device {scores.device} (the device of scores), got {key_mask.device}")
+    mask = key_mask[:, None, :] if key_mask.dim() == 2 else key_mask
+    fits = mask.dim() == 3 and mask.shape[2] == scores.shape[2]
+    if not fits or any(m != s and 1 not in (m, s) for m, s in zip(mask.shape[:2], scores.shape[:2])):
+        raise ValueError(
+            f"key_mask: expected a padding mask [B, Sk] or a mask [B, H, Sk] that broadcasts with scores of shape "
+            f"{tuple(scores.shape)}, got shape {tuple(key_mask.shape)}"
+        )
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def causal_topk_intervals(
+    scores: torch.Tensor,
+    keep: int,
+    key_mask: torch.Tensor | None = None,
+    *,
+    query_len: int,
+    block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
+) -> KeyIntervals:
+    """Each query's ``keep`` best keys among those it sees under the causal rule, as key intervals.
+
+    Query row ``i`` sees keys ``j <= i + Sk - Sq`` (bottom-right, as ``flash_dma_func(is_causal=True)``)
+    that ``key_mask`` allows, and keeps the ``keep`` of them with the highest ``scores`` (all, if it
+    sees fewer); among equal scores the lower key index wins, and a NaN score is never kept. This
+    is ``create_mask`` over a per-key bias with a causal mask, and Doge's selection. Visible keys
+    only accumulate from one query to the next, so each key is kept by one run of queries: from
+    the first that sees it to the first that sees ``keep`` keys outranking it. One kernel launch
+    per call on CUDA computes those runs; nothing of size ``[Sq, Sk]`` is made, nor sorted.
+
+    Args:
+        scores: ``[B, H, Sk]`` float, a score per key (Doge's ``dt_states``), compared in its own
+            dtype. Read under ``torch.no_grad``; the selection carries no gradient.
+        keep: keys kept per query, at least 0.
+        key_mask: None, a padding mask ``[B, Sk]``, or ``[B, H, Sk]``, either broadcasting with the
+            scores (size-1 axes on either side): bool (True = may be kept) or 0/1 integer, on the
+            scores' device.
+        query_len: Sq; the queries are the last ``Sq`` positions of the keys (a KV cache holds the
+            earlier ones), or, with ``Sq > Sk``, the first ``Sq - Sk`` queries see no key.
+        block_size: of the summary, as for :func:`interval_mask`.
+
+    Returns:
+        :class:`KeyIntervals` ``(B, H, Sq, Sk)`` (the broadcast batch and heads of ``scores`` and
+        ``key_mask``) holding the causal rule too (``start`` is each
+        key's first visible row), so that it attends the same with or without ``is_causal``.
+    """
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"scores: expected a torch.Tensor, got {type(scores).__name__}")
+    if not scores.dtype.is_floating_point:
+        raise TypeError(f"scores: expected a floating-point tensor, got {scores.dtype}")
+    if scores.dim() != 3 or scores.shape[2] < 1:
+        raise ValueError(f"scores: expected a 3-D tensor [Bm, Hm, Sk] with Sk >= 1, got shape {tuple(scores.shape)}")
+    check_int("keep", keep, 0)
+    check_int("query_len", query_len, 1)
+    check_bit_block_size(block_size)
+    allowed = _key_mask(key_mask, scores)
+    with torch.no_grad():
+        scores = scores.detach()
+        if allowed is not None:
+            scores, allowed = torch.broadcast_tensors(scores, allowed)  # views: nothing is copied
+        if scores.is_cuda or triton_interpreting():
+            end = causal_topk_end_rows(scores, allowed, keep, query_len)
+        else:
+            end = causal_topk_ends(scores, allowed, keep, query_len)
+        start = causal_starts(query_len, scores.shape[2], scores.device).expand(end.shape)
+        return _intervals(start, end, query_len, block_size)
 
 
 def indices_to_mask(

@@ -1,7 +1,8 @@
 """The ``"flex"`` backend: the contract of ``docs/api.md`` through PyTorch's FlexAttention.
 
-The mask, the causal rule and the window become a ``mask_mod``; softcap and the bias become a
-``score_mod``; gradients, the bias's included (in its own shape), come from Flex's autograd.
+The mask (key intervals read from their start and end rows), the causal rule and the window
+become a ``mask_mod``; softcap and the bias become a ``score_mod``; gradients, the bias's
+included (in its own shape), come from Flex's autograd.
 Flex's block mask is made from flash-dma's block summary (the caller's ``block_mask``, or one
 built here from the mask) combined with the causal/window band, so no ``[Sq, Sk]`` mask is ever
 evaluated and Flex skips the same empty blocks the Triton kernels skip.
@@ -24,6 +25,7 @@ import torch
 from flash_dma.bit_mask import WORD_BITS, BitMask
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, FULL, PARTIAL, summarize_mask
 from flash_dma.integers import cdiv
+from flash_dma.key_intervals import KeyIntervals
 
 # Flex's default sparse block: its kernels' tiles divide it for every head dim.
 FLEX_BLOCK = 128
@@ -96,12 +98,28 @@ def _band(seqlen_q: int, seqlen_k: int, window: tuple[int, int]):
     return (None if left < 0 else diagonal - left), (None if right < 0 else diagonal + right)
 
 
+def _interval_mod(intervals: KeyIntervals, num_heads: int):
+    """``kept(b, h, q_idx, kv_idx)`` of key intervals, read from their start and end rows."""
+    start, end = intervals.start, intervals.end
+    index = _broadcast_index((*end.shape[:2], 1, end.shape[2]), num_heads)
+
+    def kept(b, h, q_idx, kv_idx):
+        b, h, _, k = index(b, h, q_idx, kv_idx)
+        inside = q_idx < end[b, h, k]
+        return inside if start is None else inside & (start[b, h, k] <= q_idx)
+
+    return kept
+
+
 def _mask_mod(problem):
     """Flex ``mask_mod``: the bottom-right aligned causal/window band, and the mask as the contract
     reads it: with a summary, FULL blocks attend, EMPTY ones do not, and PARTIAL ones follow the mask."""
     _, seqlen_q, seqlen_k, num_heads, _, _ = problem.shape
     lowest, highest = _band(seqlen_q, seqlen_k, problem.window)
     mask, summary = problem.attn_mask, problem.block_mask
+    intervals = None
+    if isinstance(mask, KeyIntervals):  # its rows; its own summary
+        intervals, mask, summary = _interval_mod(mask, num_heads), None, mask.summary
     bits = isinstance(mask, BitMask)
     if bits:  # its words, one per 32 keys; its own summary
         mask, summary = mask.words, mask.summary
@@ -117,7 +135,7 @@ def _mask_mod(problem):
             visible = visible & (kv_idx >= q_idx + lowest)
         if highest is not None:
             visible = visible & (kv_idx <= q_idx + highest)
-        kept = None
+        kept = None if intervals is None else intervals(b, h, q_idx, kv_idx)
         if mask is not None:
             kept = mask[mask_index(b, h, q_idx, kv_idx)]
             if bits:
@@ -195,7 +213,7 @@ def _block_state(problem) -> torch.Tensor | None:
     mask_state, block_size = None, DEFAULT_BLOCK_SIZE
     if problem.block_mask is not None:
         mask_state, block_size = problem.block_mask.state, problem.block_mask.block_size
-    elif isinstance(problem.attn_mask, BitMask):
+    elif isinstance(problem.attn_mask, (BitMask, KeyIntervals)):
         mask_state, block_size = problem.attn_mask.summary.state, problem.attn_mask.summary.block_size
     elif problem.attn_mask is not None:
         mask_state = summarize_mask(problem.attn_mask, *block_size)
@@ -250,7 +268,7 @@ def _flex_block_mask(problem):
     owner = summary if summary is not None else mask
     _, seqlen_q, seqlen_k, num_heads, _, _ = problem.shape
     key = (
-        None if mask is None else (id(mask), getattr(mask, "_version", 0)),  # a BitMask is never written
+        None if mask is None else (id(mask), getattr(mask, "_version", 0)),  # BitMask, KeyIntervals: never written
         seqlen_q, seqlen_k, num_heads, problem.window, problem.query.device,
     )  # fmt: skip
     made = _MADE_OF_BANDS if owner is None else _MADE.setdefault(owner, {})

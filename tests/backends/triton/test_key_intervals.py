@@ -1,0 +1,170 @@
+"""The key-interval kernels (``backends/triton/key_intervals.py``) against plain torch and brute force,
+and attention over ``KeyIntervals`` on the Triton backend against the float64 reference.
+
+The kernels' outputs start poisoned (``poison_outputs``), so an element they fail to write shows up.
+"""
+
+import pytest
+import torch
+
+from flash_dma import flash_dma_func, interval_mask
+from flash_dma.backends.reference import visible_positions
+from flash_dma.backends.triton.key_intervals import (
+    build_causal_topk_ends,
+    build_interval_state,
+    build_interval_words,
+)
+from flash_dma.bit_mask import pack_mask_words
+from flash_dma.block_mask import summarize_mask
+from flash_dma.key_intervals import causal_topk_ends, interval_rows, interval_states
+from flash_dma.masks import _keep_largest, causal_topk_intervals
+from tests.helpers import (
+    DEVICE,
+    DTYPE_IDS,
+    KERNEL_DTYPES,
+    SUMMARY_BLOCK_SIZES,
+    Case,
+    assert_close,
+    assert_gradients_close,
+    make_inputs,
+    reference_outputs,
+    seeded_generator,
+)
+
+LENGTHS = [(1, 17), (17, 1), (17, 17), (63, 113), (130, 63), (113, 239), (239, 130)]
+
+
+def random_intervals(batch: int, heads: int, query_len: int, key_len: int, label: str):
+    """``(start, end)`` int32 ``[batch, heads, Sk]`` on ``DEVICE``: runs of every kind, empty ones and
+    ones reaching past the rows included."""
+    gen = seeded_generator(label)
+    start = torch.randint(-3, query_len + 3, (batch, heads, key_len), generator=gen)
+    end = start + torch.randint(-2, query_len + 2, (batch, heads, key_len), generator=gen)
+    whole = torch.rand(batch, heads, key_len, generator=gen) < 0.3  # every row: FULL blocks occur
+    start, end = torch.where(whole, 0, start), torch.where(whole, query_len, end)
+    return start.to(DEVICE, torch.int32), end.to(DEVICE, torch.int32)
+
+
+@pytest.mark.parametrize("block_size", SUMMARY_BLOCK_SIZES, ids=lambda b: f"block{b[0]}x{b[1]}")
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda s: f"Sq{s[0]}-Sk{s[1]}")
+def test_block_states_are_those_of_the_dense_mask(lengths, block_size, poison_outputs):
+    query_len, key_len = lengths
+    start, end = random_intervals(2, 1, query_len, key_len, f"state{lengths}")
+    for begin in (start, None):
+        dense = interval_rows(begin, end, 0, query_len)
+        expected = summarize_mask(dense, *block_size)
+        assert torch.equal(build_interval_state(begin, end, query_len, *block_size), expected)
+        assert torch.equal(interval_states(begin, end, query_len, block_size), expected)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda s: f"Sq{s[0]}-Sk{s[1]}")
+def test_words_are_those_of_the_dense_mask(lengths, poison_outputs):
+    query_len, key_len = lengths
+    start, end = random_intervals(1, 2, query_len, key_len, f"words{lengths}")
+    for begin in (start, None):
+        expected = pack_mask_words(interval_rows(begin, end, 0, query_len))
+        assert torch.equal(build_interval_words(begin, end, query_len), expected)
+
+
+def test_broadcast_strides_and_rows_past_one_program(poison_outputs):
+    """Intervals shared by the batch (stride 0), and more rows than one words program writes."""
+    start, end = random_intervals(1, 1, 300, 70, "broadcast")
+    start, end = start.expand(2, 1, 70), end.expand(2, 1, 70)
+    dense = interval_rows(start, end, 0, 300)
+    assert torch.equal(build_interval_words(start, end, 300), pack_mask_words(dense))
+    assert torch.equal(build_interval_state(start, end, 300, 64, 32), summarize_mask(dense, 64, 32))
+
+
+def causal_topk_brute_force(scores, allowed, keep: int, query_len: int) -> torch.Tensor:
+    """bool ``[Bm, Hm, Sq, Sk]``: each query row's ``keep`` best visible keys, as ``create_mask``
+    selects them over a per-pair bias (ties to the lower key, NaN never)."""
+    batch, heads, key_len = scores.shape
+    visible = visible_positions(torch.arange(query_len, device=scores.device), query_len, key_len, (-1, 0))
+    if allowed is not None:
+        visible = visible & allowed[:, :, None, :]
+    return _keep_largest(scores[:, :, None, :].expand(batch, heads, query_len, key_len), visible, keep)
+
+
+def _scores(shape, label: str, dtype=torch.float32, ties: bool = False):
+    gen = seeded_generator(label)
+    scores = torch.randint(0, 4, shape, generator=gen).float() if ties else torch.randn(shape, generator=gen)
+    return scores.to(DEVICE, dtype)
+
+
+def _check_causal_topk(scores, keep: int, query_len: int) -> None:
+    ends = build_causal_topk_ends(scores, None, keep, query_len)
+    assert torch.equal(ends, causal_topk_ends(scores, None, keep, query_len))
+    intervals = causal_topk_intervals(scores, keep, query_len=query_len)
+    assert torch.equal(intervals.dense(), causal_topk_brute_force(scores, None, keep, query_len))
+
+
+@pytest.mark.parametrize("keep", [1, 8, 300], ids=lambda k: f"keep{k}")
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda s: f"Sq{s[0]}-Sk{s[1]}")
+def test_causal_topk_ends_are_the_prefix_top_k(lengths, keep, poison_outputs):
+    """Distinct scores, and few distinct values (ties everywhere) with keep = 8."""
+    query_len, key_len = lengths
+    _check_causal_topk(_scores((1, 2, key_len), f"topk{lengths}{keep}", ties=keep == 8), keep, query_len)
+
+
+@pytest.mark.parametrize("lengths", [(63, 113), (239, 130)], ids=lambda s: f"Sq{s[0]}-Sk{s[1]}")
+def test_half_precision_scores_are_compared_as_they_are(lengths, poison_outputs):
+    """fp16 scores (Doge's dt in a half-precision model): ties where they round together."""
+    query_len, key_len = lengths
+    _check_causal_topk(_scores((2, 1, key_len), f"half{lengths}", torch.float16), 5, query_len)
+
+
+def test_ties_nan_infinities_and_padding(poison_outputs):
+    scores = _scores((2, 1, 239), "special", ties=True)
+    scores[0, 0, 7] = float("nan")  # never kept, never outranks
+    scores[0, 0, 100:140] = float("-inf")  # kept only by queries seeing fewer than keep others
+    scores[1, 0, 3] = float("inf")
+    padding = torch.rand(2, 239, generator=seeded_generator("padding")).to(DEVICE) < 0.7
+    padding[1, :60] = False  # left padding
+    allowed = padding[:, None, :]
+    for query_len, keep in ((239, 16), (130, 5), (239, 0)):
+        ends = build_causal_topk_ends(scores, allowed, keep, query_len)
+        assert torch.equal(ends, causal_topk_ends(scores, allowed, keep, query_len))
+        intervals = causal_topk_intervals(scores, keep, padding, query_len=query_len)
+        assert torch.equal(intervals.dense(), causal_topk_brute_force(scores, allowed, keep, query_len))
+
+
+def test_heads_broadcast_through_the_key_mask(poison_outputs):
+    """A per-head key mask and scores shared by the batch: both broadcast to [B, H, Sk] by strides."""
+    scores = _scores((1, 2, 130), "gqa")
+    key_mask = (torch.rand(2, 2, 130, generator=seeded_generator("gqa-mask")) < 0.8).to(DEVICE, torch.int32)
+    intervals = causal_topk_intervals(scores, 9, key_mask, query_len=63)
+    assert intervals.shape == (2, 2, 63, 130)
+    expected = causal_topk_brute_force(scores.expand(2, 2, 130), key_mask != 0, 9, 63)
+    assert torch.equal(intervals.dense(), expected)
+
+
+ATTENTION_CASES = [
+    Case(seqlen_q=17, seqlen_k=17, heads=2, kv_heads=2, bias="B,H,1,Sk", causal=True),
+    Case(batch=1, seqlen_q=63, seqlen_k=113, heads=4, kv_heads=2, bias="B,Hkv,1,Sk", causal=True),
+    Case(batch=1, seqlen_q=130, seqlen_k=63, heads=4, kv_heads=2, bias="1,H,Sq,Sk"),
+    Case(seqlen_q=1, seqlen_k=239, heads=4, kv_heads=1, bias="B,Hkv,1,Sk", causal=True),
+]
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=str)
+def test_attention_over_intervals_matches_the_reference(case, dtype, poison_outputs):
+    """Forward and backward on the Triton backend, intervals of a causal top-k per key/value head
+    (case.causal) or of runs of any kind per query head, against the float64 reference over the
+    same mask as bool."""
+    inputs = make_inputs(case, dtype, requires_grad=True)
+    shape = (case.batch, case.kv_heads if case.causal else case.heads, case.seqlen_k)
+    if case.causal:
+        intervals = causal_topk_intervals(_scores(shape, str(case)), 11, query_len=case.seqlen_q, block_size=(16, 32))
+    else:
+        start, end = random_intervals(*shape[:2], case.seqlen_q, case.seqlen_k, str(case))
+        intervals = interval_mask(end, start, query_len=case.seqlen_q, block_size=(32, 64))
+    dout = torch.randn(inputs["query"].shape, generator=case.generator("dout")).to(DEVICE, dtype)
+    out, lse = flash_dma_func(**{**inputs, "attn_mask": intervals}, is_causal=case.causal, return_lse=True, backend="triton")
+    out.backward(dout)
+    dense = {**inputs, "attn_mask": intervals.dense()}
+    oracle_out, oracle_lse, oracle_grads = reference_outputs(case, dense, dout, torch.float64)
+    baseline_out, baseline_lse, baseline_grads = reference_outputs(case, dense, dout, dtype)
+    assert_close("out", out, oracle_out, baseline_out)
+    assert_close("lse", lse, oracle_lse, baseline_lse)
+    assert_gradients_close(inputs, oracle_grads, baseline_grads)
