@@ -19,36 +19,55 @@ Public API (see ``docs/api.md``):
 - :func:`flash_dmattn_func`, :func:`flash_sparse_attn_func`: v1-compatible entry points.
 """
 
+import importlib
 import re
 from importlib import metadata
 from pathlib import Path
 
-from flash_dma.backends import get_available_backends
-from flash_dma.bit_mask import BitMask
-from flash_dma.block_mask import BlockMask
-from flash_dma.interface import (
-    flash_dma_func,
-    flash_dma_func_auto,
-    flash_dma_topk_func,
-    flash_dma_varlen_func,
-    flash_dma_with_kvcache,
-    flash_dmattn_func,
-    flash_sparse_attn_func,
-)
-from flash_dma.key_intervals import KeyIntervals
-from flash_dma.masks import (
-    attended_fraction,
-    causal_topk_intervals,
-    chunked_topk_indices,
-    create_mask,
-    indices_to_mask,
-    interval_mask,
-    topk_block_mask,
-    topk_indices,
-    topk_mask,
-)
-from flash_dma.modules import DynamicMaskAttention
-from flash_dma.summaries import block_mask_from_state, build_block_mask, pack_mask
+# Each public name and the module that defines it. A name's module is imported on its first use
+# (PEP 562), not by ``import flash_dma``: the ``flash-dma`` command answers --help and --version
+# without importing torch or the kernels.
+_EXPORTS = {
+    "get_available_backends": "flash_dma.backends",
+    "BitMask": "flash_dma.bit_mask",
+    "BlockMask": "flash_dma.block_mask",
+    "flash_dma_func": "flash_dma.interface",
+    "flash_dma_func_auto": "flash_dma.interface",
+    "flash_dma_topk_func": "flash_dma.interface",
+    "flash_dma_varlen_func": "flash_dma.interface",
+    "flash_dma_with_kvcache": "flash_dma.interface",
+    "flash_dmattn_func": "flash_dma.interface",
+    "flash_sparse_attn_func": "flash_dma.interface",
+    "attended_fraction": "flash_dma.masks",
+    "chunked_topk_indices": "flash_dma.masks",
+    "create_mask": "flash_dma.masks",
+    "indices_to_mask": "flash_dma.masks",
+    "topk_block_mask": "flash_dma.masks",
+    "topk_indices": "flash_dma.masks",
+    "topk_mask": "flash_dma.masks",
+    "DynamicMaskAttention": "flash_dma.modules",
+    "block_mask_from_state": "flash_dma.summaries",
+    "build_block_mask": "flash_dma.summaries",
+    "pack_mask": "flash_dma.summaries",
+}
+
+
+def __getattr__(name: str):
+    """A public name, imported from its module on first use; or a submodule (``flash_dma.masks``)."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups find it without this hook
+        return value
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
 
 
 def _version() -> str:
@@ -67,29 +86,4 @@ def _version() -> str:
 
 __version__ = _version()
 
-__all__ = [
-    "BitMask",
-    "BlockMask",
-    "DynamicMaskAttention",
-    "KeyIntervals",
-    "attended_fraction",
-    "block_mask_from_state",
-    "build_block_mask",
-    "causal_topk_intervals",
-    "chunked_topk_indices",
-    "create_mask",
-    "flash_dma_func",
-    "flash_dma_func_auto",
-    "flash_dma_topk_func",
-    "flash_dma_varlen_func",
-    "flash_dma_with_kvcache",
-    "flash_dmattn_func",
-    "flash_sparse_attn_func",
-    "get_available_backends",
-    "indices_to_mask",
-    "interval_mask",
-    "pack_mask",
-    "topk_block_mask",
-    "topk_indices",
-    "topk_mask",
-]
+__all__ = sorted(_EXPORTS)

@@ -1,8 +1,11 @@
 """The ``flash-dma`` command: ``demo``, ``bench``, ``bench-cp`` and ``selfcheck``, and ``--version``.
 
-Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``;
-modules are imported only when their subcommand runs, after the optional dependencies it declares
-have been found: a missing one is reported with the ``pip install`` line that adds it.
+The arguments are parsed before anything imports torch or the kernels, so that ``--help`` and
+``--version`` answer at once. Each subcommand names two functions as ``"module:function"``: one
+declares its arguments on a parser and is imported to parse; the other runs it on the parsed
+arguments and returns the exit code. The second is imported only once the arguments parse and the
+optional dependencies the subcommand declares are found: a missing one is reported with the
+``pip install`` line that adds it.
 """
 
 from __future__ import annotations
@@ -12,9 +15,7 @@ import importlib
 import importlib.util
 import sys
 from dataclasses import dataclass, field
-
-import torch
-import triton
+from importlib import metadata
 
 from flash_dma import __version__
 
@@ -23,36 +24,64 @@ MISSING_DEPENDENCY_EXIT_CODE = 2
 
 @dataclass(frozen=True)
 class Subcommand:
-    """A subcommand: its module, its help line, and its optional dependencies (module -> extra)."""
+    """A subcommand: its help line, where its functions are, and its optional dependencies (module -> extra).
 
-    module: str
+    ``arguments`` (``add_arguments(parser)``) is imported to parse, ``--help`` included, so its module
+    imports neither torch nor the kernels (``tests/test_cli.py`` checks every subcommand); ``run``
+    (``main(args) -> int``) is imported to run.
+    """
+
     help: str
+    arguments: str
+    run: str
     requires: dict[str, str] = field(default_factory=dict)
 
 
 SUBCOMMANDS = {
     "demo": Subcommand(
-        "flash_dma.demo.cli",
         "train a small model on a long-context recall task, sparse vs dense",
+        "flash_dma.demo.arguments:add_arguments",
+        "flash_dma.demo.cli:main",
         {"matplotlib": "demo", "tqdm": "demo"},
     ),
     "bench": Subcommand(
-        "flash_dma.benchmark.cli",
         "benchmark flash-dma against FlexAttention and SDPA (CUDA)",
+        "flash_dma.benchmark.cli:add_arguments",
+        "flash_dma.benchmark.cli:main",
         # transformers: the llama and firstcall suites, part of the default --suite all.
         {"matplotlib": "bench", "tqdm": "bench", "transformers": "bench"},
     ),
     "bench-cp": Subcommand(
-        "flash_dma.benchmark.context_parallel",
         "benchmark context-parallel attention on several GPUs against one (CUDA)",
+        "flash_dma.benchmark.cli:add_context_parallel_arguments",
+        "flash_dma.benchmark.context_parallel:main",
     ),
-    "selfcheck": Subcommand("flash_dma.selfcheck", "run attention on an example on every available backend"),
+    "selfcheck": Subcommand(
+        "run attention on an example on every available backend",
+        "flash_dma.selfcheck:add_arguments",
+        "flash_dma.selfcheck:main",
+    ),
 }
+
+
+def load(target: str):
+    """The function that ``"module:function"`` names, its module imported."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def installed_version(name: str) -> str:
+    """The version of the installed distribution ``name``, read without importing it; from the module
+    itself where no distribution of that name is installed (a source build, a renamed wheel)."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return importlib.import_module(name).__version__
 
 
 def version() -> str:
     """``flash-dma X (torch Y, triton Z)``: the versions that decide which kernels run."""
-    return f"flash-dma {__version__} (torch {torch.__version__}, triton {triton.__version__})"
+    return f"flash-dma {__version__} (torch {installed_version('torch')}, triton {installed_version('triton')})"
 
 
 def missing_dependencies(name: str) -> str | None:
@@ -68,23 +97,27 @@ def missing_dependencies(name: str) -> str | None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    """The parser of every subcommand's name and help line, with the arguments of ``command`` alone:
+    the others' declarations are not imported."""
     parser = argparse.ArgumentParser(prog="flash-dma", description="Trainable dynamic-mask sparse attention.")
     parser.add_argument("--version", action="version", version=version())
     commands = parser.add_subparsers(dest="command", required=True)
-    argv = sys.argv[1:] if argv is None else argv
     for name, subcommand in SUBCOMMANDS.items():
-        sub = commands.add_parser(name, help=subcommand.help)
-        # Only the chosen subcommand's module is imported (the others may need optional extras), and
-        # only once its dependencies are found: its imports would otherwise fail with a bare ModuleNotFoundError.
-        if argv and argv[0] == name:
-            missing = missing_dependencies(name)
-            if missing:
-                print(missing, file=sys.stderr)
-                return MISSING_DEPENDENCY_EXIT_CODE
-            importlib.import_module(subcommand.module).add_arguments(sub)
-    args = parser.parse_args(argv)
-    return importlib.import_module(SUBCOMMANDS[args.command].module).main(args)
+        sub = commands.add_parser(name, help=subcommand.help, description=subcommand.help)
+        if name == command:
+            load(subcommand.arguments)(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    missing = missing_dependencies(args.command)
+    if missing:
+        print(missing, file=sys.stderr)
+        return MISSING_DEPENDENCY_EXIT_CODE
+    return load(SUBCOMMANDS[args.command].run)(args)
 
 
 if __name__ == "__main__":

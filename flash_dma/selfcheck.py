@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
-from flash_dma import build_block_mask, flash_dma_func, get_available_backends
-from flash_dma.backends.reference import reference_attention
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
@@ -17,6 +12,12 @@ def main(args) -> int:
 
 
 def run(device: str | None = None, seed: int = 0) -> bool:
+    # Imported here: `flash-dma selfcheck --help` declares the arguments without importing torch.
+    import torch
+
+    from flash_dma import build_block_mask, flash_dma_func, get_available_backends
+    from flash_dma.backends.reference import reference_attention
+
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gen = torch.Generator(device="cpu").manual_seed(seed)
     batch, seqlen, heads, kv_heads, head_dim = 2, 256, 4, 2, 64

@@ -1,54 +1,90 @@
-"""``flash-dma bench``: flash-dma against FlexAttention and SDPA, side by side in one process.
+"""``flash-dma bench`` and ``flash-dma bench-cp``: their arguments, and ``bench``'s run.
 
-Writes ``results.json``, ``results.md`` and ``results.png`` to ``--out`` and prints the target
-checks. Needs a CUDA GPU; on a machine without one it says so and returns 2. Its optional
-dependencies are the ``[bench]`` extra, which :mod:`flash_dma.cli` checks before importing this module.
+``bench`` times flash-dma against FlexAttention and SDPA, side by side in one process. It writes
+``results.json``, ``results.md`` and ``results.png`` to ``--out`` and prints the target checks.
+Needs a CUDA GPU; on a machine without one it says so and returns 2. Its optional dependencies
+are the ``[bench]`` extra, which :mod:`flash_dma.cli` checks before running it. ``bench-cp`` runs
+in :mod:`flash_dma.benchmark.context_parallel`.
+
+Declaring and parsing the arguments imports neither torch nor the kernels, so that ``--help``
+answers at once: :func:`main` imports them.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import re
 import shlex
 import sys
 import textwrap
 from fractions import Fraction
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from flash_dma.benchmark.measure import TimingOptions
-from flash_dma.benchmark.methods import METHODS, MethodOptions
-from flash_dma.benchmark.plots import plot_results
-from flash_dma.benchmark.report import checks_table, write_json, write_markdown
-from flash_dma.benchmark.results import Result
-from flash_dma.benchmark.runner import run_cases
 from flash_dma.benchmark.suites import MODES, SUITE_HELP, SUITES, build_cases
-from flash_dma.benchmark.targets import Check, evaluate
+
+if TYPE_CHECKING:
+    from flash_dma.benchmark.results import Result
+    from flash_dma.benchmark.targets import Check
 
 NO_CUDA_EXIT_CODE = 2
+# The suffixes a length may carry, as the suites' labels and the help write lengths (16K, 1M).
+LENGTH_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20}
+_LENGTH = re.compile(r"([0-9]+)([KM]?)", re.IGNORECASE)
+
+
+def _comma_list(text: str, parse, expected: str) -> tuple:
+    """``parse`` applied to each comma-separated item of ``text``; the error says what was expected."""
+    try:
+        values = tuple(parse(item.strip()) for item in text.split(",") if item.strip())
+    except ValueError:
+        values = ()
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return values
+
+
+def _length(text: str) -> int:
+    match = _LENGTH.fullmatch(text)
+    if match is None or int(match[1]) == 0:
+        raise ValueError(text)
+    return int(match[1]) * LENGTH_UNITS[match[2].upper()]
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = Fraction(text)
+    except ZeroDivisionError:
+        raise ValueError(text) from None
+    if not 0 < value <= 1:
+        raise ValueError(text)
+    return float(value)
+
+
+def length_list(text: str) -> tuple[int, ...]:
+    """Comma-separated token counts, each ``16384``, ``16K`` (x 1024) or ``1M`` (x 1024^2): the
+    ``--lengths`` of every subcommand."""
+    return _comma_list(text, _length, "comma-separated lengths such as 16384,16K,1M (K = 1024, M = 1024^2)")
+
+
+def fraction_list(text: str) -> tuple[float, ...]:
+    """Comma-separated fractions in (0, 1], each ``1/8``, ``0.125`` or ``1``: the ``--keeps`` of every subcommand."""
+    return _comma_list(text, _fraction, "comma-separated fractions in (0, 1] such as 1/8,0.5,1")
+
+
+def method_names() -> tuple[str, ...]:
+    """The methods some suite runs (the keys of ``methods.METHODS``), in the order the suites first run them."""
+    return tuple(dict.fromkeys(method for case in build_cases() for method in case.methods))
 
 
 def _method_list(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in METHODS]
+    known = method_names()
+    unknown = [name for name in names if name not in known]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown or text!r}; choose from {', '.join(METHODS)}")
+        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown or text!r}; choose from {', '.join(known)}")
     return names
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _fraction_list(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(Fraction(x.strip())) for x in text.split(",") if x.strip())
-    except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"expected comma-separated fractions such as 1/8,1, got {text!r}") from None
 
 
 DESCRIPTION = (
@@ -79,12 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=(*MODES, "both"), default="both",
                         help="forward only, forward + backward, or both (default: both)")
     parser.add_argument("--methods", type=_method_list, default=None,
-                        help=f"comma-separated subset of: {', '.join(METHODS)} (default: all)")
+                        help=f"comma-separated subset of: {', '.join(method_names())} (default: all)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"),
                         help="folder for results.json, results.md and results.png (default: benchmarks/results)")
-    parser.add_argument("--lengths", type=_int_list, default=None,
-                        help="only the cases with these key lengths, comma-separated (e.g. 16384,32768)")
-    parser.add_argument("--keeps", type=_fraction_list, default=None,
+    parser.add_argument("--lengths", type=length_list, default=None,
+                        help="only the cases with these key lengths, comma-separated (e.g. 16K,32768; K = 1024)")
+    parser.add_argument("--keeps", type=fraction_list, default=None,
                         help="only the cases keeping these fractions, comma-separated (e.g. 1/8,1)")
     parser.add_argument("--quick", action="store_true",
                         help="a few rows per suite (about one Flex compilation each): a sanity run")
@@ -97,8 +133,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="calls issued back to back per host-time row (default: 1000)")
 
 
+def add_context_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """``bench-cp``'s arguments; its defaults are written as a user types them, and parsed as typed."""
+    parser.add_argument("--lengths", type=length_list, default="256K,1M",
+                        help="total tokens, comma-separated (default: %(default)s; K = 1024, M = 1024^2)")
+    parser.add_argument("--keeps", type=fraction_list, default="1/8,1",
+                        help="fractions of key blocks kept, comma-separated (default: %(default)s)")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all)")
+    parser.add_argument("--reps", type=int, default=3, help="timed calls per row after one warm-up (default: 3)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results-cp"), help="output folder")
+
+
 def environment() -> dict:
     """What the numbers were measured on, for the report's header."""
+    import torch
     import triton
 
     return {
@@ -112,6 +160,15 @@ def environment() -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch  # here, not at the top: parsing the arguments (--help) imports no torch
+
+    from flash_dma.benchmark.measure import TimingOptions
+    from flash_dma.benchmark.methods import MethodOptions
+    from flash_dma.benchmark.plots import plot_results
+    from flash_dma.benchmark.report import checks_table, write_json, write_markdown
+    from flash_dma.benchmark.runner import run_cases
+    from flash_dma.benchmark.targets import evaluate
+
     if not torch.cuda.is_available():
         print(
             "flash-dma bench: no CUDA GPU is available. The benchmark times CUDA kernels "

@@ -13,7 +13,8 @@ The parallel calls take a plan made before timing (``plan_context_parallel``, as
 for all its layers), so that the times are those of the steady path, with no host round trip.
 :data:`TARGETS` are the issues' goals for the efficiency; a run prints each as PASS or MISS.
 
-Writes ``results.json`` and ``results.md`` to ``--out``.
+Writes ``results.json`` and ``results.md`` to ``--out``. The arguments are declared in
+:func:`flash_dma.benchmark.cli.add_context_parallel_arguments`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import os
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flash_dma import flash_dma_func
+from flash_dma.benchmark.cli import NO_CUDA_EXIT_CODE
 from flash_dma.benchmark.inputs import block_topk_mask
 from flash_dma.benchmark.metrics import active_pairs
 from flash_dma.benchmark.report import checks_markdown
@@ -42,7 +43,6 @@ from flash_dma.distributed import context_parallel_attention, plan_context_paral
 from flash_dma.distributed.layout import shard_length
 
 SHAPE = {"heads": 16, "kv_heads": 4, "head_dim": 128}
-NO_CUDA_EXIT_CODE = 2
 
 
 class EfficiencyTarget(NamedTuple):
@@ -56,14 +56,6 @@ class EfficiencyTarget(NamedTuple):
 
 # Issue 30: context parallelism's fixed cost (measured on 2 GPUs).
 TARGETS = (EfficiencyTarget(262144, 0.125, "fwd", 0.9), EfficiencyTarget(262144, 0.125, "fwdbwd", 0.9))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", default="262144,1048576", help="total tokens, comma-separated (default: 256K,1M)")
-    parser.add_argument("--keeps", default="0.125,1", help="fractions of key blocks kept, comma-separated (default: 1/8,1)")
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all)")
-    parser.add_argument("--reps", type=int, default=3, help="timed calls per row after one warm-up (default: 3)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results-cp"), help="output folder")
 
 
 def block_mask_keys(total: int, keep: float, seed: int) -> torch.Tensor | None:
@@ -125,8 +117,8 @@ def _run_rank(rank: int, world: int, args: argparse.Namespace, port: int) -> Non
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     rows = []
-    for total in (int(x) for x in args.lengths.split(",")):
-        for keep in (float(x) for x in args.keeps.split(",")):
+    for total in args.lengths:
+        for keep in args.keeps:
             local = total // world
             row = {"total": total, "gpus": world, "keep": keep, "tokens_per_gpu": local}
             # One GPU, S/N tokens: rank 0 measures while the others wait.

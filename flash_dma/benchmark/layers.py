@@ -15,16 +15,7 @@ import torch
 from torch import nn
 
 from flash_dma.benchmark.llama import LLAMA_CONFIG, MODEL_DTYPE, WEIGHT_SEED
-
-LAYER_CONFIG = {
-    "hidden_size": 2048,
-    "num_heads": 16,
-    "num_kv_heads": 4,
-    "window_size": 2048,
-    "block_size": 128,
-    "sink_blocks": 1,
-}
-LAYER_COUNT = 4
+from flash_dma.benchmark.suites import LAYER_CONFIG, LAYER_COUNT
 
 
 def describe_layers() -> str:

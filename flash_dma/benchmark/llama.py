@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from flash_dma.benchmark.suites import BATCH_NEW_TOKENS, BATCH_PROMPT_LENGTHS, GENERATE_NEW_TOKENS
+
 LLAMA_CONFIG = {
     "hidden_size": 2048,
     "num_hidden_layers": 4,
@@ -35,10 +37,6 @@ DOGE_CONFIG = {
 }
 MODEL_DTYPE = torch.bfloat16
 WEIGHT_SEED = 0  # both attention implementations get the same weights
-GENERATE_NEW_TOKENS = 8
-# The batching suite's serving workload: 16 requests of 128 to 2048 prompt tokens, 32 new tokens each.
-BATCH_PROMPT_LENGTHS = tuple(128 << (i % 5) for i in range(16))
-BATCH_NEW_TOKENS = 32
 
 
 def describe_llama() -> str:

@@ -16,17 +16,24 @@ import random
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from flash_dma.benchmark.layers import LAYER_CONFIG, LAYER_COUNT, describe_layers
-from flash_dma.benchmark.llama import (
-    BATCH_NEW_TOKENS,
-    BATCH_PROMPT_LENGTHS,
-    GENERATE_NEW_TOKENS,
-    describe_doge,
-    describe_llama,
-)
 from flash_dma.integers import cdiv
 
 MASK_BLOCK = 128  # keys per block of the top-k masks: the default block of flash-dma and Flex
+# The model suites' workloads. They live here, not beside the models (llama.py, layers.py, which
+# import torch and take them from here), so that `flash-dma bench --help` lists the suites at once.
+GENERATE_NEW_TOKENS = 8
+# The batching suite's serving workload: 16 requests of 128 to 2048 prompt tokens, 32 new tokens each.
+BATCH_PROMPT_LENGTHS = tuple(128 << (i % 5) for i in range(16))
+BATCH_NEW_TOKENS = 32
+LAYER_CONFIG = {
+    "hidden_size": 2048,
+    "num_heads": 16,
+    "num_kv_heads": 4,
+    "window_size": 2048,
+    "block_size": 128,
+    "sink_blocks": 1,
+}
+LAYER_COUNT = 4
 # The suites in run order (the llm suite holds most targets, so a run cut short has them first), and
 # what each runs, as `flash-dma bench --help` lists them.
 SUITE_HELP = {
@@ -359,6 +366,9 @@ class Case:
 
     def shape_text(self) -> str:
         if self.is_model:
+            from flash_dma.benchmark.layers import describe_layers  # the models' modules import torch
+            from flash_dma.benchmark.llama import describe_doge, describe_llama
+
             describe = {"doge": describe_doge, "layer": describe_layers}.get(self.suite, describe_llama)
             return f"{describe()}, B={self.batch}"
         heads = f"H={self.heads} Hkv={self.kv_heads} D={self.head_dim}"
@@ -516,7 +526,7 @@ def doge_cases(quick: bool = False) -> list[Case]:
 
 
 def batching_cases(quick: bool = False) -> list[Case]:
-    """One serving workload (:data:`~flash_dma.benchmark.llama.BATCH_PROMPT_LENGTHS`), one request per row."""
+    """One serving workload (:data:`BATCH_PROMPT_LENGTHS`), one request per row."""
     shape = dict(LLM_SHAPE, batch=len(BATCH_PROMPT_LENGTHS))
     longest = max(BATCH_PROMPT_LENGTHS)
     return [Case("batching", "serve", **shape, seqlen_q=longest, seqlen_k=longest, keep=1.0, methods=BATCHING_METHODS,

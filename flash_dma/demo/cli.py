@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -104,18 +103,6 @@ CONFIGS = {
         "smoke": replace(SMOKE_CONFIG, selection=dict(window_size=3, **QUERY_SELECTION), attended_limit=1 / 8),
     },
 }
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per model (default: per device)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: 0)")
-    parser.add_argument("--out", type=Path, default=Path("demo_out"), help="folder for the plot and summary")
-    parser.add_argument("--smoke", action="store_true", help="a tiny configuration that only checks the pipeline")
-    parser.add_argument("--selection", choices=tuple(CONFIGS), default="key",
-                        help="how the sparse model selects keys: by a per-key bias (key, default) or per query "
-                             "by a lightning indexer (query)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def choose_config(device: torch.device, steps: int | None, smoke: bool, selection: str) -> DemoConfig:

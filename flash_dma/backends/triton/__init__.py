@@ -29,7 +29,6 @@ import torch
 
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.dispatch import hopper_takes_bits
-from flash_dma.backends.triton.key_intervals import as_bit_mask
 from flash_dma.backends.triton.layout import Call, TopkCall, input_form
 from flash_dma.backends.triton.merge import merge_partial  # the ring's, beside partial_forward
 from flash_dma.backends.triton.ops import (
@@ -45,7 +44,6 @@ from flash_dma.backends.triton.ops import (
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE
 from flash_dma.memo import DerivedTensors
-from flash_dma.topk import as_mask_problem
 
 SMALL_PROBLEM = 1 << 24  # B x H x Sq x Sk
 # A decode reads every key's K and V to serve a few query rows, so below SMALL_PROBLEM scores it
@@ -84,7 +82,7 @@ def walk_fields(state: torch.Tensor, block_size, kv_lists=None, q_lists=None) ->
 def _call(problem) -> Call:
     """The :class:`~flash_dma.backends.triton.layout.Call` of a validated
     :class:`~flash_dma.inputs.AttentionProblem`, with the walk of its mask chosen (module doc)."""
-    mask, summary = as_bit_mask(problem.attn_mask), problem.block_mask  # key intervals: as their BitMask
+    mask, summary = problem.attn_mask, problem.block_mask
     batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, _ = problem.entries
     bits = isinstance(mask, BitMask)
     if bits and (mask.shape[2] == 1 or mask.shape[3] == 1):
@@ -174,6 +172,10 @@ def topk_runs_packed(seqlen_k: int, width: int) -> bool:
 
 def topk_attention(problem):
     """Backend entry point of ``flash_dma_topk_func``: ``(out, lse)`` for a :class:`~flash_dma.topk.TopkProblem`."""
+    # Imported here: flash_dma.topk imports flash_dma.masks, which imports this package, and a
+    # top-level import would make importing flash_dma.masks (or .summaries) first a cycle.
+    from flash_dma.topk import as_mask_problem
+
     if topk_runs_packed(problem.key.shape[1], problem.indices.shape[3]):
         return attention(as_mask_problem(problem))
     left, right = problem.window
