@@ -80,39 +80,46 @@ def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
-def _check_qkv(query, key, value, same_batch: bool = True, fp8: bool = False) -> None:
-    """``fp8``: the entry point takes FP8 inputs too (``flash_dma_func``)."""
+def _check_qkv(query, key, value, same_batch: bool = True, fp8: bool = False, names=("query", "key", "value")) -> None:
+    """The checks of ``query [B, Sq, H, D]``, ``key`` and ``value [B, Sk, Hkv, D]``, named in errors
+    as the caller's arguments are (``names``). ``same_batch``: key and value have query's batch (not
+    a KV cache's rows). ``fp8``: the entry point takes FP8 inputs too (``flash_dma_func``).
+
+    A mismatch names the two tensors that disagree and the dimension: key and value are each
+    checked against query first, then value against key.
+    """
+    q_name, k_name, v_name = names
     dtypes, named = (FLOAT_DTYPES, "float16, bfloat16 or float32")
     if fp8:
         dtypes, named = (*FLOAT_DTYPES, FP8_DTYPE), "float16, bfloat16, float32 or float8_e4m3fn"
-    for name, t in (("query", query), ("key", key), ("value", value)):
+    layouts = ("[B, Sq, H, D]", "[B, Sk, Hkv, D]", "[B, Sk, Hkv, D]")
+    for name, t, layout in zip(names, (query, key, value), layouts):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            layout = "[B, Sq, H, D]" if name == "query" else "[B, Sk, Hkv, D]"
             raise ValueError(f"{name}: expected a 4-D tensor {layout}, got {t.dim()}-D with shape {tuple(t.shape)}")
         if t.dtype not in dtypes:
             raise TypeError(f"{name}: expected dtype {named}, got {t.dtype}")
-    for name, t in (("key", key), ("value", value)):
-        if t.dtype != query.dtype:
-            raise TypeError(f"{name}: expected dtype {query.dtype} (the dtype of query), got {t.dtype}")
-        if t.device != query.device:
-            raise ValueError(f"{name}: expected device {query.device} (the device of query), got {t.device}")
-    if value.shape != key.shape:
-        raise ValueError(f"value: expected shape {tuple(key.shape)} (the shape of key), got {tuple(value.shape)}")
     batch, _, num_heads, head_dim = query.shape
-    if same_batch and key.shape[0] != batch:
-        raise ValueError(f"key: expected batch size {batch} (that of query), got {key.shape[0]}")
-    if key.shape[3] != head_dim:
-        raise ValueError(f"key: expected head dim {head_dim} (that of query), got {key.shape[3]}")
+    for name, t in ((k_name, key), (v_name, value)):
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name}: expected dtype {query.dtype} (the dtype of {q_name}), got {t.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name}: expected device {query.device} (the device of {q_name}), got {t.device}")
+        if same_batch and t.shape[0] != batch:
+            raise ValueError(f"{name}: expected batch size {batch} (that of {q_name}), got {t.shape[0]}")
+        if t.shape[3] != head_dim:
+            raise ValueError(f"{name}: expected head dim {head_dim} (that of {q_name}), got {t.shape[3]}")
+        if t.shape[2] < 1 or num_heads % t.shape[2] != 0:
+            raise ValueError(
+                f"{name}: expected a number of heads that divides the {num_heads} heads of {q_name} "
+                f"(each group of query heads shares a key/value head), got {t.shape[2]}"
+            )
+    for dim, what in ((0, "batch size"), (1, "key length"), (2, "number of heads")):
+        if value.shape[dim] != key.shape[dim]:
+            raise ValueError(f"{v_name}: expected {what} {key.shape[dim]} (that of {k_name}), got {value.shape[dim]}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"query: head dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
-    num_kv_heads = key.shape[2]
-    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"key: the number of query heads ({num_heads}) must be a multiple of the number of "
-            f"key/value heads, got {num_kv_heads} key/value heads"
-        )
+        raise ValueError(f"{q_name}: head dim must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
 
 
 def check_broadcastable(name: str, t, shape: tuple[int, int, int, int, int, int]) -> None:
@@ -309,18 +316,20 @@ def normalize_inputs(
     deterministic=False,
     entries=None,
     descales=None,
+    names=("query", "key", "value"),
 ) -> AttentionProblem:
     """Validate the arguments of :func:`flash_dma.flash_dma_func` and return the problem they describe.
 
     ``entries`` ``(B, Sq, Sk, H, Hkv, D)`` is what masks, biases and summaries broadcast to, when
     not the tensors' own shape (packed sequences: one entry per sequence). ``descales``: FP8
     inputs' ``(q_descale, k_descale, v_descale)`` (:func:`fp8_descale`), given by the entry points
-    that take FP8 inputs; None for the others.
+    that take FP8 inputs; None for the others. ``names``: the entry point's names of query, key and
+    value, for its errors.
     """
     fp8 = descales is not None
     signature = _signature(query, key, value, attn_mask, attn_bias, block_mask, entries, fp8)
     if signature is None or signature not in _VALIDATED:
-        _check_tensors(query, key, value, attn_mask, attn_bias, block_mask, entries, fp8)
+        _check_tensors(query, key, value, attn_mask, attn_bias, block_mask, entries, fp8, names)
         if signature is not None:
             _VALIDATED.remember(signature, True)
     else:
@@ -387,10 +396,10 @@ def dequantized(problem: AttentionProblem) -> AttentionProblem:
     )
 
 
-def _check_tensors(query, key, value, attn_mask, attn_bias, block_mask, entries, fp8: bool) -> None:
+def _check_tensors(query, key, value, attn_mask, attn_bias, block_mask, entries, fp8: bool, names) -> None:
     """The checks of :func:`normalize_inputs`' tensor arguments: their types, shapes, dtypes and
     devices (and the values of an integer mask)."""
-    _check_qkv(query, key, value, fp8=fp8)
+    _check_qkv(query, key, value, fp8=fp8, names=names)
     shape = (query.shape[0], query.shape[1], key.shape[1], query.shape[2], key.shape[2], query.shape[3])
     shape = shape if entries is None else entries
     if attn_mask is not None:

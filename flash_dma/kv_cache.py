@@ -56,10 +56,15 @@ def _check_index_tensor(name: str, t, dims: int, layout: str, device: torch.devi
 
 
 def _check_new(name: str, t, expected: tuple, q: torch.Tensor) -> None:
+    """``expected``: per dimension, its size, what it is and whose it is, so that a mismatch names the
+    dimension and the argument that disagrees."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
-    if tuple(t.shape) != expected:
-        raise ValueError(f"{name}: expected shape {expected}, got {tuple(t.shape)}")
+    if t.dim() != len(expected):
+        raise ValueError(f"{name}: expected a {len(expected)}-D tensor, got shape {tuple(t.shape)}")
+    for size, (want, what, whose) in zip(t.shape, expected):
+        if size != want:
+            raise ValueError(f"{name}: expected {what} {want} (that of {whose}), got {size} (shape {tuple(t.shape)})")
     if t.device != q.device:
         raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
 
@@ -131,7 +136,7 @@ def normalize_kvcache_inputs(
     num_splits, **settings,
 ) -> CachedProblem:
     """Validate the arguments of :func:`flash_dma.flash_dma_with_kvcache`, then append the new keys."""
-    _check_qkv(q, k_cache, v_cache, same_batch=False)
+    _check_qkv(q, k_cache, v_cache, same_batch=False, names=("q", "k_cache", "v_cache"))
     batch, seqlen_q = q.shape[0], q.shape[1]
     paged = block_table is not None
     if paged:
@@ -165,7 +170,8 @@ def normalize_kvcache_inputs(
         raise ValueError(f"k, v: pass both new keys and new values or neither, got k={type(k).__name__}, v={type(v).__name__}")
     if k is not None:
         new = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
-        expected = (batch, new, k_cache.shape[2], k_cache.shape[3])
+        expected = ((batch, "batch size", "q"), (new, "number of new keys", "k"),
+                    (k_cache.shape[2], "number of heads", "k_cache"), (k_cache.shape[3], "head dim", "k_cache"))
         for name, t in (("k", k), ("v", v)):
             _check_new(name, t, expected, q)
             if t.dtype != k_cache.dtype:
@@ -175,7 +181,8 @@ def normalize_kvcache_inputs(
     if bias is not None:
         if bias_cache is None or k is None:
             raise ValueError("bias: new bias values are appended to bias_cache along with new keys k; pass all three")
-        _check_new("bias", bias, (batch, new, bias_cache.shape[2]), q)
+        _check_new("bias", bias, ((batch, "batch size", "q"), (new, "number of new keys", "k"),
+                                  (bias_cache.shape[2], "number of heads", "bias_cache")), q)
 
     if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor, type(None))):
         raise TypeError(f"cache_seqlens: expected an int, a [B] int32 tensor or None, got {type(cache_seqlens).__name__}")

@@ -159,7 +159,9 @@ def normalize_varlen_inputs(
     mask = sequence_rows("attn_mask", attn_mask, cu_k, max_seqlen_k, k.shape[0], False)
     bias = sequence_rows("attn_bias", attn_bias, cu_k, max_seqlen_k, k.shape[0], 0.0)
     entries = (cu_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], q.shape[2])
-    problem = normalize_inputs(q[None], k[None], v[None], mask, bias, entries=entries, **settings)
+    problem = normalize_inputs(
+        q[None], k[None], v[None], mask, bias, entries=entries, names=("q", "k", "v"), **settings
+    )
     return dataclasses.replace(
         problem, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k
     )

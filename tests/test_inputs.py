@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 
-from flash_dma import build_block_mask, flash_dma_func, memo
+from flash_dma import build_block_mask, flash_dma_func, flash_dma_varlen_func, flash_dma_with_kvcache, memo
 from flash_dma import inputs as inputs_module
 from tests.helpers import DEVICE
 
@@ -36,14 +36,24 @@ BAD_INPUTS = [
     ("key-rank", dict(key=torch.randn(B, SK, D)), ValueError, r"key: expected a 4-D tensor"),
     ("query-not-tensor", dict(query=[[1.0]]), TypeError, r"query: expected a torch.Tensor, got list"),
     ("heads-not-multiple", dict(key=torch.randn(B, SK, 3, D), value=torch.randn(B, SK, 3, D)), ValueError,
-     r"multiple of the number of key/value heads, got 3"),
+     r"key: expected a number of heads that divides the 4 heads of query .*, got 3"),
     ("head-dim-too-large", dict(query=torch.randn(B, SQ, H, 257), key=torch.randn(B, SK, HKV, 257),
                                 value=torch.randn(B, SK, HKV, 257)), ValueError, r"head dim must be between 1 and 256, got 257"),
     ("head-dim-mismatch", dict(key=torch.randn(B, SK, HKV, 8), value=torch.randn(B, SK, HKV, 8)), ValueError,
      r"key: expected head dim 16 .* got 8"),
     ("batch-mismatch", dict(key=torch.randn(1, SK, HKV, D), value=torch.randn(1, SK, HKV, D)), ValueError,
      r"key: expected batch size 2 .* got 1"),
-    ("value-shape", dict(value=torch.randn(B, SK + 1, HKV, D)), ValueError, r"value: expected shape \(2, 12, 2, 16\)"),
+    # A q/k/v mismatch names the two tensors that disagree and the dimension: key and value against
+    # query first (a key of the wrong head dim is blamed, not the value that matches query), then value against key.
+    ("key-head-dim", dict(key=torch.randn(B, SK, HKV, 8)), ValueError, r"key: expected head dim 16 \(that of query\), got 8"),
+    ("value-head-dim", dict(value=torch.randn(B, SK, HKV, 8)), ValueError,
+     r"value: expected head dim 16 \(that of query\), got 8"),
+    ("value-batch", dict(value=torch.randn(1, SK, HKV, D)), ValueError, r"value: expected batch size 2 \(that of query\), got 1"),
+    ("value-heads-not-multiple", dict(value=torch.randn(B, SK, 3, D)), ValueError,
+     r"value: expected a number of heads that divides the 4 heads of query .*, got 3"),
+    ("value-key-length", dict(value=torch.randn(B, SK + 1, HKV, D)), ValueError,
+     r"value: expected key length 12 \(that of key\), got 13"),
+    ("value-heads", dict(value=torch.randn(B, SK, 1, D)), ValueError, r"value: expected number of heads 2 \(that of key\), got 1"),
     ("mixed-dtypes", dict(key=torch.randn(B, SK, HKV, D, dtype=torch.float16)), TypeError,
      r"key: expected dtype torch.float32 \(the dtype of query\), got torch.float16"),
     ("float64", dict(query=torch.randn(B, SQ, H, D, dtype=torch.float64)), TypeError,
@@ -101,6 +111,43 @@ def test_bad_input_raises_a_clear_error(overrides, error, message):
     overrides = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in overrides.items()}
     with pytest.raises(error, match=message):
         flash_dma_func(**_inputs(**overrides))
+
+
+def _kvcache_inputs(**overrides):
+    """``flash_dma_with_kvcache``'s arguments: 2 new tokens appended to caches of 16 slots."""
+    kwargs = dict(q=torch.randn(B, 2, H, D, device=DEVICE), k_cache=torch.randn(B, 16, HKV, D, device=DEVICE),
+                  v_cache=torch.randn(B, 16, HKV, D, device=DEVICE), k=torch.randn(B, 2, HKV, D, device=DEVICE),
+                  v=torch.randn(B, 2, HKV, D, device=DEVICE), cache_seqlens=4)
+    return {**kwargs, **{k: v.to(DEVICE) for k, v in overrides.items()}}
+
+
+def _varlen_inputs(**overrides):
+    """``flash_dma_varlen_func``'s arguments: sequences of 3 and 5 queries over 4 and 8 keys."""
+    kwargs = dict(q=torch.randn(8, H, D, device=DEVICE), k=torch.randn(12, HKV, D, device=DEVICE),
+                  v=torch.randn(12, HKV, D, device=DEVICE), max_seqlen_q=5, max_seqlen_k=8,
+                  cu_seqlens_q=torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE),
+                  cu_seqlens_k=torch.tensor([0, 4, 12], dtype=torch.int32, device=DEVICE))
+    return {**kwargs, **{k: v.to(DEVICE) for k, v in overrides.items()}}
+
+
+@pytest.mark.parametrize(
+    "call, overrides, message",
+    [
+        (flash_dma_with_kvcache, dict(k_cache=torch.randn(B, 16, HKV, 8)), r"k_cache: expected head dim 16 \(that of q\), got 8"),
+        (flash_dma_with_kvcache, dict(v_cache=torch.randn(B, 15, HKV, D)),
+         r"v_cache: expected key length 16 \(that of k_cache\), got 15"),
+        (flash_dma_with_kvcache, dict(v=torch.randn(B, 3, HKV, D)), r"v: expected number of new keys 2 \(that of k\), got 3"),
+        (flash_dma_with_kvcache, dict(k=torch.randn(B, 2, HKV, 8)), r"k: expected head dim 16 \(that of k_cache\), got 8"),
+        (flash_dma_varlen_func, dict(k=torch.randn(12, HKV, 8)), r"k: expected head dim 16 \(that of q\), got 8"),
+        (flash_dma_varlen_func, dict(v=torch.randn(12, 1, D)), r"v: expected number of heads 2 \(that of k\), got 1"),
+    ],
+    ids=["kvcache-k_cache-head-dim", "kvcache-v_cache-length", "kvcache-new-v-length", "kvcache-new-k-head-dim",
+         "varlen-k-head-dim", "varlen-v-heads"],
+)
+def test_a_qkv_mismatch_names_the_entry_points_own_arguments(call, overrides, message):
+    arguments = (_kvcache_inputs if call is flash_dma_with_kvcache else _varlen_inputs)(**overrides)
+    with pytest.raises(ValueError, match=message):
+        call(**arguments)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")

@@ -48,7 +48,7 @@ BAD_INPUTS = [
      r"attn_bias: expected dtype torch.float32, got torch.float64"),
     ("bias-type", dict(attn_bias=1.0), TypeError, r"attn_bias: expected a torch.Tensor or None, got float"),
     ("key-heads", dict(key=torch.zeros(B, SK, 3, D), value=torch.zeros(B, SK, 3, D)), ValueError,
-     r"key: the number of query heads \(4\) must be a multiple"),
+     r"key: expected a number of heads that divides the 4 heads of query .*, got 3"),
     ("window-negative", dict(window_size=(-2, 0)), ValueError, r"window_size: left size must be -1"),
     ("softcap-negative", dict(softcap=-1.0), ValueError, r"softcap: expected a finite float >= 0"),
     ("deterministic-int", dict(deterministic=1), TypeError, r"deterministic: expected a bool, got int 1"),
