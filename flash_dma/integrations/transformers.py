@@ -23,8 +23,8 @@ Masks, as the attention function receives them:
 - 4-D boolean ``[1|B, 1|H, Sq, Sk]``: HF's own mask (sliding windows, packed sequences, static
   caches, models that ask for a materialised mask), taken as complete: no causal rule or window
   is added.
-- 4-D additive float (eager masks): positions at or below the dtype's minimum are masked, and
-  the finite values elsewhere become the attention bias, with gradient.
+- 4-D additive float (eager masks): positions at or below the dtype's minimum are masked (a
+  BitMask packed once per step), and the mask itself is the attention bias, with gradient.
 - Doge's dynamic mask: its bias per key, with the selection its layer left (``doge.py``, which
   :func:`register` installs: Doge's ``[B, H, Sq, Sk]`` float mask is never made).
 
@@ -64,12 +64,16 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from flash_dma.integrations import doge
 from flash_dma.interface import flash_dma_func, flash_dma_varlen_func
+from flash_dma.memo import DerivedTensors
 from flash_dma.packed import values_checkable
+from flash_dma.summaries import pack_mask
 
 ATTENTION_NAME = doge.ATTENTION_NAME
 # transformers < 5.23 looks continuous batching's "paged|flash_dma" up by that name; later versions
 # drop the prefix themselves. The same function serves both (it takes the paged cache).
 _NAMES = (ATTENTION_NAME, f"paged|{ATTENTION_NAME}")
+# An eager (additive float) mask's bits, once per version of the mask (``_split_additive_mask``).
+_ADDITIVE_MASK_BITS = DerivedTensors()
 # Why the installed transformers' Doge could not take flash-dma's Doge path, if it could not.
 _DOGE_MISFIT: RuntimeError | None = None
 
@@ -89,16 +93,16 @@ def _padding_to_keys(padding: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def _split_additive_mask(mask: torch.Tensor, query_dtype: torch.dtype):
-    """An additive float mask -> ``(visible bool, bias)`` of the same shape.
+    """An additive float mask ``[1|B, 1|H, Sq, Sk]`` -> ``(BitMask, bias)``.
 
-    HF fills masked positions with ``torch.finfo(dtype).min`` (sums of them may reach -inf); the
-    rest is a bias (0 for a plain mask, Doge's dynamic bias otherwise), kept differentiable.
+    HF fills masked positions with ``torch.finfo(dtype).min`` (sums of them may reach -inf): the
+    bits keep the pairs above it (``flash_dma.pack_mask``, packed once per version of the mask, so
+    once per step for all the layers that share it), and the mask itself is the bias (0 for a
+    plain mask, Doge's dynamic bias otherwise), kept differentiable. Its masked values are never
+    added to a kept pair, so nothing else of size ``[Sq, Sk]`` is made.
     """
-    visible = mask > torch.finfo(mask.dtype).min
-    bias = mask.masked_fill(~visible, 0.0)
-    if bias.dtype not in (torch.float32, query_dtype):
-        bias = bias.float()
-    return visible, bias
+    bits = _ADDITIVE_MASK_BITS.get(mask, "bits", lambda: pack_mask(mask.detach()))
+    return bits, mask if mask.dtype in (torch.float32, query_dtype) else mask.float()
 
 
 def _is_paged_cache(cache) -> bool:
@@ -368,8 +372,12 @@ def flash_dma_mask(
     mask_function = causal_mask_function if mask_function is None else mask_function
     keys_end_with_queries = isinstance(q_offset, int) and q_offset + q_length == kv_offset + kv_length
     may_skip = allow_is_causal_skip and keys_end_with_queries
-    if not (may_skip and mask_function is causal_mask_function and kv_offset == 0):
-        return sdpa_mask(
+    plain_causal = keys_end_with_queries and mask_function is causal_mask_function and kv_offset == 0
+    padding = None
+    if plain_causal and attention_mask is not None:
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, -kv_length:].bool()
+    if not (may_skip and plain_causal):
+        mask = sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
             kv_length=kv_length,
@@ -380,10 +388,10 @@ def flash_dma_mask(
             allow_is_causal_skip=may_skip,
             **kwargs,
         )
-    if attention_mask is None:
-        return None
-    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, -kv_length:].bool()
-    return None if bool(padding.all()) else padding
+        if plain_causal:  # materialised all the same (Doge's): doge.py selects from the padding instead
+            doge.remember_causal(mask, padding)
+        return mask
+    return None if padding is None or bool(padding.all()) else padding
 
 
 def _exempt_from_flash_attention_loading() -> None:
