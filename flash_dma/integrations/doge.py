@@ -11,9 +11,15 @@ again as its gradient.
 
 - it returns the bias per key, ``dt[:, :, None, :]`` ``[B, Hkv, 1, Sk]`` (which Doge then repeats
   to ``[B, H, 1, Sk]`` and passes as the mask: the gradient still reaches ``A`` and ``dt_proj``);
-- it makes the selection as a :class:`~flash_dma.BitMask` ``[B, Hkv, Sq, Sk]``, one bit per
-  pair, a chunk of query rows at a time with the same ``torch.topk`` over the same values, and
-  leaves it on the layer, where the attention function (:func:`take_selection`) picks it up.
+- it makes the selection and leaves it on the layer, where the attention function
+  (:func:`take_selection`) picks it up. When the mask Doge got is the plain causal mask that
+  ``flash_dma_mask`` made (keys ending where the queries end, with or without padding: it says so
+  through :func:`remember_causal`), the selection is Doge's prefix top-k, and each key is kept by
+  one run of queries: it is made as :class:`~flash_dma.KeyIntervals` ``[B, Hkv, Sq, Sk]`` by one
+  kernel launch from ``dt`` and the key padding (``masks.causal_topk_intervals``; ties to the lower
+  key, where Doge's ``torch.topk`` leaves them unspecified). Any other mask (a sliding window,
+  packed documents, a static cache, a mask of the caller's) takes Doge's own ``torch.topk`` over
+  the same values, a chunk of query rows at a time, packed as a :class:`~flash_dma.BitMask`.
 
 Nothing of size ``[B, H, Sq, Sk]`` is made beyond the causal mask transformers builds for every
 implementation. A query with no kept key gets 0 (flash-dma's contract) where SDPA averages every key.
@@ -28,10 +34,12 @@ import inspect
 import torch
 
 from flash_dma.bit_mask import BitMask, pack_words
+from flash_dma.key_intervals import KeyIntervals
+from flash_dma.masks import causal_topk_intervals
 from flash_dma.summaries import bit_mask_from_words
 
 ATTENTION_NAME = "flash_dma"
-_SELECTION = "_flash_dma_selection"  # the layer attribute that carries a call's BitMask
+_SELECTION = "_flash_dma_selection"  # the layer attribute that carries a call's selection
 _PARAMETERS = ("self", "hidden_states", "dt_states", "keep_window_size", "attention_mask")
 _ATTRIBUTES = ("A", "dt_proj", "keep_window_size", "num_key_value_groups")
 
@@ -57,6 +65,31 @@ def _selected_rows(dt_states, visible, keep: int, dtype: torch.dtype, start: int
     return kept if allowed is None else kept & allowed
 
 
+# The plain causal masks flash_dma_mask made (keys ending where the queries end: the causal rule is
+# flash-dma's bottom-right one), each with its key padding [B, Sk] or None. The mask Doge's layers
+# get is recognised here, by identity, rather than by reading its [B, 1, Sq, Sk] values.
+_CAUSAL_MASKS = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def remember_causal(mask: torch.Tensor, padding: torch.Tensor | None) -> None:
+    """Record that ``mask`` ``[B, 1, Sq, Sk]`` is the causal rule and ``padding`` ``[B, Sk]`` bool
+    (True = real key; None: none padded), for as long as ``mask`` lives. Not while compiling: a
+    compiled model's Doge layers take the general path."""
+    if not torch.compiler.is_compiling():
+        _CAUSAL_MASKS[mask] = padding
+
+
+def _causal_padding(attention_mask, batch: int, key_len: int) -> tuple[bool, torch.Tensor | None]:
+    """``(True, padding [B, Sk] or None)`` if ``attention_mask`` is a causal mask recorded by
+    :func:`remember_causal` for these keys; ``(False, None)`` otherwise."""
+    if attention_mask is None or torch.compiler.is_compiling() or attention_mask not in _CAUSAL_MASKS:
+        return False, None
+    padding = _CAUSAL_MASKS[attention_mask]
+    if attention_mask.shape[-1] != key_len or (padding is not None and tuple(padding.shape) != (batch, key_len)):
+        return False, None
+    return True, padding
+
+
 def _visible(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """The causal mask Doge receives, as bool (True = visible), or None."""
     if attention_mask is None:
@@ -72,15 +105,20 @@ def _prepare_dynamic_mask(original, self, hidden_states, dt_states, keep_window_
         return original(self, hidden_states, dt_states, keep_window_size, attention_mask)
     batch, kv_heads, key_len = dt_states.shape
     query_len = hidden_states.shape[1]
-    visible = _visible(attention_mask)
+    causal, padding = _causal_padding(attention_mask, batch, key_len)
     with torch.no_grad():
-        rows_of = functools.partial(_selected_rows, dt_states.detach(), visible, keep_window_size, hidden_states.dtype)
-        shape = (batch, kv_heads, query_len, key_len)
-        setattr(self, _SELECTION, bit_mask_from_words(pack_words(rows_of, shape, dt_states.device), shape))
+        if causal:
+            selection = causal_topk_intervals(dt_states.detach(), keep_window_size, padding, query_len=query_len)
+        else:
+            visible = _visible(attention_mask)
+            rows_of = functools.partial(_selected_rows, dt_states.detach(), visible, keep_window_size, hidden_states.dtype)
+            shape = (batch, kv_heads, query_len, key_len)
+            selection = bit_mask_from_words(pack_words(rows_of, shape, dt_states.device), shape)
+        setattr(self, _SELECTION, selection)
     return dt_states[:, :, None, :]
 
 
-def take_selection(module) -> BitMask | None:
+def take_selection(module) -> BitMask | KeyIntervals | None:
     """The selection a Doge layer made for this call (and forget it), or None for other layers."""
     selection = getattr(module, _SELECTION, None)
     if selection is not None:

@@ -4,10 +4,10 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DogeConfig
+from transformers import AutoModelForCausalLM, DogeConfig, DynamicCache
 from transformers.models.doge import modeling_doge
 
-from flash_dma import BitMask
+from flash_dma import BitMask, KeyIntervals
 from flash_dma.integrations import doge
 from flash_dma.integrations import transformers as integration
 from flash_dma.integrations.transformers import ATTENTION_NAME, register
@@ -34,7 +34,10 @@ def doge_models(dtype=torch.float32, device="cpu", **overrides):
 
 
 def tokens(batch: int = 2, seqlen: int = 40, device="cpu") -> torch.Tensor:
-    return torch.randint(1, 97, (batch, seqlen), generator=torch.Generator().manual_seed(1)).to(device)
+    """Distinct tokens in each row: a repeated token has the same value vector in the first layer,
+    hence the same dt, a tie that flash-dma gives to the earlier key and Doge's torch.topk to either."""
+    gen = torch.Generator().manual_seed(1)
+    return torch.stack([torch.randperm(96, generator=gen)[:seqlen] + 1 for _ in range(batch)]).to(device)
 
 
 def test_loss_logits_and_gradients_match_sdpa():
@@ -51,32 +54,75 @@ def test_loss_logits_and_gradients_match_sdpa():
     assert grads["model.layers.0.self_attn.A"].grad.abs().sum() > 0 and grads["model.layers.1.self_attn.dt_proj.weight"].grad.abs().sum() > 0
 
 
-def test_the_kernels_get_a_bias_per_key_and_a_bit_mask(monkeypatch):
-    """No [B, H, S, S] float mask: the bias per key, and Doge's own selection packed one bit per pair."""
-    _, ours = doge_models()
+def _selections(monkeypatch, model, *args, **kwargs) -> list:
+    """Run ``model(*args, **kwargs)`` and return, per layer, ``(mask, bias, expected)``: the mask and
+    bias the attention function got, and what Doge's own ``prepare_dynamic_mask`` keeps from the
+    mask it was handed (bool ``[B, Hkv, Sq, Sk]``)."""
     seen, selections = [], []
     real_call, real_prepare = integration.flash_dma_func, doge._prepare_dynamic_mask
 
     def prepare(original, layer, hidden_states, dt_states, keep_window_size, attention_mask):
-        # What Doge itself keeps, from the causal mask this transformers hands it (5.23 a bool
-        # [B, 1, S, S]; earlier versions None, and Doge then ranks every key).
         doge_mask = original(layer, hidden_states, dt_states, keep_window_size, attention_mask)
-        selections.append((doge_mask > torch.finfo(doge_mask.dtype).min, attention_mask))
+        selections.append(doge_mask > torch.finfo(doge_mask.dtype).min)
         return real_prepare(original, layer, hidden_states, dt_states, keep_window_size, attention_mask)
 
     monkeypatch.setattr(doge, "_prepare_dynamic_mask", prepare)
     monkeypatch.setattr(integration, "flash_dma_func", lambda *args, **kwargs: (seen.append(args[3:5]), real_call(*args, **kwargs))[1])
-    ours(tokens(seqlen=30))
+    model(*args, **kwargs)
     assert len(seen) == len(selections) == TINY["num_hidden_layers"]
-    for (mask, bias), (expected, causal_mask) in zip(seen, selections):
-        assert isinstance(mask, BitMask) and mask.shape == (2, TINY["num_key_value_heads"], 30, 30)
+    assert all(not hasattr(layer.self_attn, doge._SELECTION) for layer in model.model.layers)
+    return [(mask, bias, expected) for (mask, bias), expected in zip(seen, selections)]
+
+
+def test_the_kernels_get_a_bias_per_key_and_key_intervals(monkeypatch):
+    """No [B, H, S, S] float mask: the bias per key, and Doge's selection over the causal mask that
+    "flash_dma" made it as one run of queries per key, made from dt by one kernel launch."""
+    _, ours = doge_models()
+    for mask, bias, expected in _selections(monkeypatch, ours, tokens(seqlen=30)):
+        assert isinstance(mask, KeyIntervals) and mask.shape == (2, TINY["num_key_value_heads"], 30, 30)
         assert bias.shape == (2, TINY["num_attention_heads"], 1, 30)
         kept = mask.dense()
         assert torch.equal(kept, expected)
-        if causal_mask is not None:  # each query keeps keep_window_size of its visible keys (or all)
-            assert torch.equal(kept.sum(-1), torch.clamp(torch.arange(1, 31), max=TINY["keep_window_size"]).expand(2, 2, 30))
-            assert not (kept & torch.ones(30, 30, dtype=torch.bool).triu(1)).any()
-    assert all(not hasattr(layer.self_attn, doge._SELECTION) for layer in ours.model.layers)
+        # Each query keeps keep_window_size of its visible keys (or all of them).
+        assert torch.equal(kept.sum(-1), torch.clamp(torch.arange(1, 31), max=TINY["keep_window_size"]).expand(2, 2, 30))
+        assert not (kept & torch.ones(30, 30, dtype=torch.bool).triu(1)).any()
+
+
+def test_padded_batches_select_from_the_key_padding(monkeypatch):
+    """Left padding: the intervals skip the padded keys, and every real token matches "sdpa"
+    (a padded query, which sees no key, gets 0 where SDPA averages every key)."""
+    reference, ours = doge_models()
+    input_ids = tokens(seqlen=30)
+    padding = torch.ones(2, 30, dtype=torch.long)
+    padding[1, :9] = 0
+    labels = input_ids.masked_fill(padding == 0, -100)
+    labels[1, 9] = -100  # predicted from the last padded position
+    for mask, _, expected in _selections(monkeypatch, ours, input_ids, attention_mask=padding):
+        assert isinstance(mask, KeyIntervals) and torch.equal(mask.dense(), expected)
+    monkeypatch.undo()
+    expected, actual = reference(input_ids, attention_mask=padding, labels=labels), ours(input_ids, attention_mask=padding, labels=labels)
+    real = padding.bool()
+    torch.testing.assert_close(actual.logits[real], expected.logits[real], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(actual.loss, expected.loss, atol=1e-6, rtol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    grads = dict(ours.named_parameters())
+    for name, parameter in reference.named_parameters():
+        torch.testing.assert_close(grads[name].grad, parameter.grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_a_mask_of_the_callers_takes_dogess_own_top_k(monkeypatch):
+    """A 4-D mask the caller made is not known to be causal: its selection is Doge's own
+    torch.topk over it, packed one bit per pair, and the model still matches "sdpa"."""
+    reference, ours = doge_models()
+    input_ids = tokens(seqlen=30)
+    visible = torch.ones(30, 30, dtype=torch.bool).tril()
+    visible[20:, :5] = False  # later queries drop the first keys: not the causal rule alone
+    mask = visible[None, None].expand(2, 1, 30, 30)
+    for selection, _, expected in _selections(monkeypatch, ours, input_ids, attention_mask=mask):
+        assert isinstance(selection, BitMask) and torch.equal(selection.dense(), expected & visible)
+    monkeypatch.undo()
+    torch.testing.assert_close(ours(input_ids, attention_mask=mask).logits, reference(input_ids, attention_mask=mask).logits, atol=2e-5, rtol=1e-4)
 
 
 def test_generation_with_a_cache_matches_sdpa():
@@ -84,6 +130,24 @@ def test_generation_with_a_cache_matches_sdpa():
     input_ids = tokens(batch=1, seqlen=12)
     settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(ours.generate(input_ids, **settings), reference.generate(input_ids, **settings))
+
+
+def test_decoding_a_left_padded_batch_over_a_cache_matches_sdpa():
+    """A DynamicCache, a prefill then one token at a time: each step selects from the key padding,
+    its queries after the cached keys (bottom-right). The tokens are given rather than generated:
+    a generated token may repeat an earlier one, a tie in the first layer (see tokens)."""
+    reference, ours = doge_models()
+    input_ids = tokens(seqlen=18)
+    padding = torch.ones_like(input_ids)
+    padding[1, :4] = 0
+    caches = [DynamicCache(config=model.config) for model in (reference, ours)]
+    for start, stop in ((0, 12), *((t, t + 1) for t in range(12, 18))):
+        expected, actual = (
+            model(input_ids[:, start:stop], attention_mask=padding[:, :stop], past_key_values=cache, use_cache=True).logits
+            for model, cache in zip((reference, ours), caches)
+        )
+        real = padding[:, start:stop].bool()
+        torch.testing.assert_close(actual[real], expected[real], atol=2e-5, rtol=1e-4)
 
 
 def test_a_doge_that_does_not_fit_is_refused(monkeypatch):
@@ -103,7 +167,8 @@ def test_bf16_matches_sdpa_within_its_own_error():
     config = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, keep_window_size=128, num_hidden_layers=2)
     reference32, _ = doge_models(torch.float32, "cuda", **config)
     reference16, ours16 = doge_models(torch.bfloat16, "cuda", **config)
-    input_ids = tokens(batch=2, seqlen=1024, device="cuda")
+    # Repeats and bf16's rounding make ties in dt, which each implementation may break its own way.
+    input_ids = torch.randint(1, 97, (2, 1024), generator=torch.Generator().manual_seed(1)).to("cuda")
     runs = {}
     for name, model in (("fp32", reference32), ("sdpa", reference16), ("ours", ours16)):
         out = model(input_ids, labels=input_ids)
