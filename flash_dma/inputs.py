@@ -17,7 +17,7 @@ import torch
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import BlockMask
 from flash_dma.key_intervals import KeyIntervals
-from flash_dma.memo import Memo
+from flash_dma.memo import CheckedValues, Memo
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # FP8 inputs (forward only): e4m3, with per-(batch, key/value head) descale factors, as
@@ -197,12 +197,15 @@ def _check_intervals(mask: KeyIntervals, shape) -> None:
 
 
 def check_mask_values(mask) -> None:
-    """An integer mask must hold only 0 and 1. This reads the mask once, so it runs on every call
-    (no memo of layouts can answer it); under torch.compile it is skipped because it would force a
-    graph break."""
+    """An integer mask must hold only 0 and 1. This reads the mask (and waits for the device), once
+    per version of the tensor (``_CHECKED_MASKS``: layers that share a mask check it once per
+    step); under torch.compile it is skipped because it would force a graph break."""
     if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool and not torch.compiler.is_compiling():
+        if _CHECKED_MASKS.passed((mask,), ()):
+            return
         if bool(((mask != 0) & (mask != 1)).any()):
             raise ValueError("attn_mask: an integer mask must hold only 0 and 1 (use a bool mask, True = attend)")
+        _CHECKED_MASKS.remember((mask,), ())
 
 
 def sizes_allowed(*sizes: int) -> str:
@@ -412,6 +415,8 @@ def _check_tensors(query, key, value, attn_mask, attn_bias, block_mask, entries,
 
 # Signatures of the tensor arguments that passed _check_tensors (the settings are checked on every call).
 _VALIDATED = Memo()
+# Integer masks whose values passed check_mask_values, by identity and version.
+_CHECKED_MASKS = CheckedValues()
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 

@@ -193,13 +193,18 @@ def test_integer_masks_of_zeros_and_ones_are_accepted():
 def test_a_remembered_validation_still_rejects_a_call_that_differs_in_one_dtype_shape_or_device():
     """Checks are run once per signature of the tensors (types, shapes, dtypes, devices); a call
     that differs from a remembered one in any of these is checked afresh, and the values of an
-    integer mask are read on every call."""
+    integer mask are read once per tensor and version."""
     inputs = _inputs()
     mask = _mask(B, 1, SQ, SK, dtype=torch.int32)
     expected = flash_dma_func(**inputs, attn_mask=mask)
     assert torch.equal(flash_dma_func(**inputs, attn_mask=mask), expected)  # the remembered signature
     with pytest.raises(ValueError, match=r"attn_mask: an integer mask must hold only 0 and 1"):
         flash_dma_func(**inputs, attn_mask=2 * mask)
+    changed = mask.clone()
+    assert torch.equal(flash_dma_func(**inputs, attn_mask=changed), expected)
+    changed[0, 0, 0, 0] = 2  # changed in place after it passed: read again
+    with pytest.raises(ValueError, match=r"attn_mask: an integer mask must hold only 0 and 1"):
+        flash_dma_func(**inputs, attn_mask=changed)
     with pytest.raises(TypeError, match=r"key: expected dtype torch.float32 \(the dtype of query\), got torch.float16"):
         flash_dma_func(**{**inputs, "key": inputs["key"].half()}, attn_mask=mask)
     with pytest.raises(TypeError, match=r"attn_mask: expected a bool .* got torch.float32"):
