@@ -177,7 +177,8 @@ def create_mask(
     *,
     kind: str = "topk",
     packed: bool = False,
-) -> torch.Tensor | BitMask:
+    is_causal: bool = False,
+) -> torch.Tensor | BitMask | KeyIntervals:
     """A token-level dynamic mask: the keys with the largest bias, per row of the bias.
 
     The arguments are those of the earlier Flash-DMA ``create_mask``, except that its ``type`` is the
@@ -207,10 +208,18 @@ def create_mask(
         packed: return a :class:`~flash_dma.BitMask` (one bit per pair, with its block summary),
             selected and packed a chunk of query rows at a time, so that no ``[Sq, Sk]`` bool
             tensor exists at once: the form to pass for a per-pair bias's per-query selection.
+        is_causal: each of the ``query_len`` queries selects among the keys it sees under the
+            causal rule (key ``j <= i + key_len - query_len``, bottom-right as in
+            ``flash_dma_func``), and the mask holds that rule. With a per-key bias, ``kind="topk"``,
+            no ``block_size`` and a per-key (or padding) ``attention_mask``, the result is that
+            selection as :class:`~flash_dma.KeyIntervals` (one run of queries per key, made by
+            :func:`causal_topk_intervals`: nothing ``[Sq, Sk]``, whatever ``packed`` says); with
+            other inputs, the per-query bool mask (a ``BitMask`` with ``packed``).
 
     Returns:
-        bool, the broadcast shape of ``attention_bias`` and the (aligned) ``attention_mask``;
-        True = attend (with ``packed``, that mask as a ``BitMask``). Pass it as
+        bool, the broadcast shape of ``attention_bias`` and the (aligned) ``attention_mask`` (with
+        ``is_causal``, ``query_len`` rows); True = attend (with ``packed``, that mask as a
+        ``BitMask``; see ``is_causal`` for ``KeyIntervals``). Pass it as
         ``flash_dma_func(attn_mask=...)`` together with the bias.
     """
     _check_bias(attention_bias, "[1|B, 1|Hkv|H, 1|Sq, Sk]")
@@ -234,19 +243,30 @@ def create_mask(
         raise TypeError(f"min_dtype: expected a float or None, got {type(min_dtype).__name__} {min_dtype!r}")
     if block_size is not None:
         check_int("block_size", block_size, 1)
-    if not isinstance(packed, bool):
-        raise TypeError(f"packed: expected a bool, got {type(packed).__name__} {packed!r}")
+    for name, flag in (("packed", packed), ("is_causal", is_causal)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
     allowed = _allowed_keys(attention_mask, key_len, query_len, batch_size, attention_bias.device)
 
     with torch.no_grad():
         bias = attention_bias.detach()
+        masked = allowed is not None or min_dtype is not None
         if allowed is None:
             allowed = torch.ones((), dtype=torch.bool, device=bias.device)
         bias, allowed = _broadcast("attention_mask", bias, allowed)  # views: nothing is copied
+        if is_causal and kind == "topk" and block_size is None and bias.shape[2] == 1:
+            # A per-key selection under the causal rule: one run of queries per key.
+            keys = allowed[:, :, 0] if min_dtype is None else allowed[:, :, 0] & (bias[:, :, 0] > min_dtype)
+            return causal_topk_intervals(bias[:, :, 0], window_size, keys if masked else None, query_len=query_len)
+        if is_causal:  # each row its own visible keys
+            bias, allowed = (t.expand(*t.shape[:2], query_len, key_len) for t in (bias, allowed))
 
         def select(start: int, stop: int) -> torch.Tensor:
             """The selection of rows ``[start, stop)`` (the one row, if the inputs broadcast over rows)."""
             rows_bias, rows_allowed = (t[:, :, start:stop] if t.shape[2] > 1 else t for t in (bias, allowed))
+            if is_causal:
+                rows = torch.arange(start, stop, device=bias.device)
+                rows_allowed = rows_allowed & visible_positions(rows, query_len, key_len, (UNBOUNDED, 0))
             if min_dtype is not None:
                 rows_allowed = rows_allowed & (rows_bias > min_dtype)
             if kind == "topk":

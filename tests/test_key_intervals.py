@@ -7,6 +7,7 @@ import torch
 from flash_dma import (
     KeyIntervals,
     causal_topk_intervals,
+    create_mask,
     flash_dma_func,
     flash_dma_with_kvcache,
     interval_mask,
@@ -133,3 +134,53 @@ def test_attention_refuses_intervals_of_another_problem():
     wrong = KeyIntervals(intervals.start, intervals.end.long(), intervals.shape, intervals.summary)
     with pytest.raises(ValueError, match="KeyIntervals.end must be int32"):
         flash_dma_func(**inputs | {"attn_mask": wrong})
+
+
+def _today(bias, padding, query_len: int, key_len: int, **kwargs) -> torch.Tensor:
+    """create_mask's bool mask for the same selection without is_causal: the per-key bias made per
+    pair, the causal rule and the padding as one 4-D mask."""
+    rows = torch.arange(query_len, device=bias.device)[:, None]
+    causal = torch.arange(key_len, device=bias.device) <= rows + key_len - query_len
+    mask = causal[None, None] & (True if padding is None else padding[:, None, None, :])
+    return create_mask(bias.expand(*bias.shape[:2], query_len, key_len), mask, bias.shape[0], **kwargs)
+
+
+@pytest.mark.parametrize("lengths", [(40, 40), (17, 63), (63, 17)], ids=lambda s: f"Sq{s[0]}-Sk{s[1]}")
+def test_create_mask_of_a_per_key_bias_under_the_causal_rule_is_key_intervals(lengths):
+    query_len, key_len = lengths
+    gen = seeded_generator(f"create{lengths}")
+    bias = torch.randint(0, 6, (2, 3, 1, key_len), generator=gen).float().to(DEVICE)  # ties
+    bias[1, 2, 0, 5] = -1e30  # at min_dtype: masked
+    padding = (torch.rand(2, key_len, generator=gen) < 0.8).to(DEVICE)
+    for mask, window in ((None, 3), (padding, 7), (padding, 1000)):
+        intervals = create_mask(bias, mask, window_size=window, query_len=query_len, min_dtype=-1e30, is_causal=True)
+        expected = _today(bias, mask, query_len, key_len, window_size=window, min_dtype=-1e30)
+        assert isinstance(intervals, KeyIntervals) and torch.equal(intervals.dense(), expected)
+        packed = create_mask(bias, mask, window_size=window, query_len=query_len, min_dtype=-1e30, is_causal=True, packed=True)
+        assert isinstance(packed, KeyIntervals) and torch.equal(packed.end, intervals.end)
+
+
+def test_create_mask_padding_of_the_newest_keys_under_the_causal_rule():
+    """A [B, Sq] padding mask covers the queries' own keys, the earlier ones a cache of real tokens."""
+    gen = seeded_generator("newest")
+    bias = torch.randn(2, 2, 1, 50, generator=gen).to(DEVICE)
+    padding = torch.ones(2, 10, dtype=torch.int64, device=DEVICE)
+    padding[1, 4] = 0
+    intervals = create_mask(bias, padding, query_len=10, window_size=6, is_causal=True)
+    keys = torch.cat([torch.ones(2, 40, dtype=torch.bool, device=DEVICE), padding.bool()], dim=1)
+    assert torch.equal(intervals.dense(), _today(bias, keys, 10, 50, window_size=6))
+
+
+def test_create_mask_other_inputs_under_the_causal_rule_stay_bool():
+    """Block smoothing, kind="relu" and a per-pair bias select per query: a bool mask (or its
+    BitMask) holding the causal rule, as today's mask with the rule in a 4-D mask."""
+    gen = seeded_generator("other")
+    bias = torch.randn(1, 2, 1, 70, generator=gen).to(DEVICE)
+    for kwargs in (dict(window_size=20, block_size=16), dict(kind="relu")):
+        mask = create_mask(bias, query_len=30, is_causal=True, **kwargs)
+        assert mask.dtype == torch.bool and torch.equal(mask, _today(bias, None, 30, 70, **kwargs))
+    pairs = torch.randn(1, 2, 30, 70, generator=gen).to(DEVICE)
+    packed = create_mask(pairs, window_size=9, is_causal=True, packed=True)
+    assert torch.equal(packed.dense(), _today(pairs, None, 30, 70, window_size=9))
+    with pytest.raises(TypeError, match="is_causal"):
+        create_mask(bias, window_size=4, is_causal=1)
