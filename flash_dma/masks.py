@@ -64,6 +64,17 @@ def _check_bias(attention_bias, expected: str) -> None:
         raise ValueError(f"attention_bias: expected a 4-D tensor {expected}, got shape {tuple(attention_bias.shape)}")
 
 
+def _as_bool(name: str, mask, device: torch.device, owner: str) -> torch.Tensor:
+    """``mask``, a bool (True = keep) or 0/1 integer tensor on ``device`` (that of ``owner``), as bool."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(f"{name}: expected a bool (True = keep) or 0/1 integer tensor, got {mask.dtype}")
+    if mask.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of {owner}), got {mask.device}")
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
 def _allowed_keys(
     attention_mask, key_len: int, query_len: int | None, batch_size: int | None, device: torch.device
 ) -> torch.Tensor | None:
@@ -76,15 +87,7 @@ def _allowed_keys(
     """
     if attention_mask is None:
         return None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask: expected a torch.Tensor or None, got {type(attention_mask).__name__}")
-    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
-        raise TypeError(f"attention_mask: expected a bool (True = keep) or 0/1 integer tensor, got {attention_mask.dtype}")
-    if attention_mask.device != device:
-        raise ValueError(
-            f"attention_mask: expected device {device} (the device of attention_bias), got {attention_mask.device}"
-        )
-    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+    allowed = _as_bool("attention_mask", attention_mask, device, "attention_bias")
     if allowed.dim() == 4:
         if allowed.shape[-1] != key_len:
             raise ValueError(
@@ -346,20 +349,15 @@ def _key_mask(key_mask, scores: torch.Tensor) -> torch.Tensor | None:
     """A causal top-k's ``key_mask`` as bool ``[B, H, Sk]`` broadcasting with ``scores`` (True = may be kept), or None."""
     if key_mask is None:
         return None
-    if not isinstance(key_mask, torch.Tensor):
-        raise TypeError(f"key_mask: expected a torch.Tensor or None, got {type(key_mask).__name__}")
-    if key_mask.dtype.is_floating_point or key_mask.dtype.is_complex:
-        raise TypeError(f"key_mask: expected a bool (True = may be kept) or 0/1 integer tensor, got {key_mask.dtype}")
-    if key_mask.device != scores.device:
-        raise ValueError(f"key_mask: expected device {scores.device} (the device of scores), got {key_mask.device}")
-    mask = key_mask[:, None, :] if key_mask.dim() == 2 else key_mask
+    mask = _as_bool("key_mask", key_mask, scores.device, "scores")
+    mask = mask[:, None, :] if mask.dim() == 2 else mask
     fits = mask.dim() == 3 and mask.shape[2] == scores.shape[2]
     if not fits or any(m != s and 1 not in (m, s) for m, s in zip(mask.shape[:2], scores.shape[:2])):
         raise ValueError(
             f"key_mask: expected a padding mask [B, Sk] or a mask [B, H, Sk] that broadcasts with scores of shape "
             f"{tuple(scores.shape)}, got shape {tuple(key_mask.shape)}"
         )
-    return mask if mask.dtype == torch.bool else mask != 0
+    return mask
 
 
 def causal_topk_intervals(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 import flash_dma
-from flash_dma import BitMask, BlockMask, build_block_mask, pack_mask
+from flash_dma import BitMask, BlockMask, KeyIntervals, build_block_mask, causal_topk_intervals, interval_mask, pack_mask
 from flash_dma.backends.reference import reference_attention, reference_topk_attention, valid_indices, visible_positions
 from flash_dma.backends.triton import backward as triton_backward
 from flash_dma.backends.triton import topk_union
@@ -30,7 +30,7 @@ from flash_dma.block_mask import effective_mask_rows
 from flash_dma.inputs import FP8_DTYPE, FP8_OUT_DTYPE, dequantize, head_descale, output_dtype
 from flash_dma.masks import topk_block_mask
 from flash_dma.memo import forget_memos
-from tests.fuzz.configs import INDICES, Trial
+from tests.fuzz.configs import INDICES, INTERVALS, Trial
 from tests.helpers import Case, assert_close, poisoned_empty, reference_outputs, topk_reference_outputs, triton_call
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": FP8_DTYPE}
@@ -107,6 +107,28 @@ def _indices(trial: Trial, gen: torch.Generator, device) -> torch.Tensor:
     return _stored(torch.where(listed, keys, -1).to(torch.int32), trial.padded, -7)
 
 
+def _key_intervals(trial: Trial, gen: torch.Generator, device) -> KeyIntervals:
+    """The intervals trial's mask (``Trial``), its tensors stored as the trial's layout says: a
+    causal top-k of scores ``[Bm, Hm, Sk]`` (keys padded by the mask pattern and density: none
+    with "all", every one with "none"), or runs of rows ``[start, end)`` spilling past the rows."""
+    batch, heads, sq, sk = trial.dims(trial.mask)
+    shape = (batch, heads, sk)
+    spec = trial.intervals
+    if spec["kind"] == "topk":
+        scores = torch.randint(0, 4, shape, generator=gen, device=device).float() if spec["ties"] else torch.randn(shape, generator=gen, device=device)
+        padding = None
+        if trial.mask_pattern != "all":
+            padding = torch.rand(batch, sk, generator=gen, device=device) < (0.0 if trial.mask_pattern == "none" else trial.mask_density)
+        dtype = torch.float32 if trial.dtype == "fp8" else TORCH_DTYPES[trial.dtype]  # scores in the model's precision
+        scores = _stored(scores.to(dtype), trial.padded, float("nan"))
+        return causal_topk_intervals(scores, spec["keep"], padding, query_len=sq, block_size=trial.block_size)
+    start = torch.randint(-2, sq + 2, shape, generator=gen, device=device, dtype=torch.int32)
+    end = start + torch.randint(-2, sq + 2, shape, generator=gen, device=device, dtype=torch.int32)
+    # Reads past the keys would pick up runs over every row.
+    start = _stored(start, trial.padded, -(2**30)) if spec["start"] else None
+    return interval_mask(_stored(end, trial.padded, 2**30), start, query_len=sq, block_size=trial.block_size)
+
+
 def make_inputs(trial: Trial, device) -> tuple[dict, BlockMask | None, torch.Tensor]:
     """``(inputs, block_mask, dout)``: inputs in ``flash_dma_func``'s argument names, seeded by the trial."""
     gen = torch.Generator(device=device).manual_seed(trial.data_seed)
@@ -120,7 +142,10 @@ def make_inputs(trial: Trial, device) -> tuple[dict, BlockMask | None, torch.Ten
         .requires_grad_(trial.grad_qkv and not fp8)
         for i, (s, h) in enumerate(((sq, trial.heads), (sk, trial.kv_heads), (sk, trial.kv_heads)))
     )
-    mask = None if trial.mask is None else _mask(trial, gen, device)
+    if trial.walk == INTERVALS:
+        mask = _key_intervals(trial, gen, device)
+    else:
+        mask = None if trial.mask is None else _mask(trial, gen, device)
     if trial.walk == INDICES:
         mask = _indices(trial, gen, device)
     bias = None
@@ -429,7 +454,12 @@ def _compare_topk(trial: Trial, inputs: dict, dout, out, lse, grads: dict, outco
 
 
 def _snapshot(inputs: dict, block_mask) -> dict:
-    tensors = {name: t.words if isinstance(t, BitMask) else t for name, t in inputs.items() if t is not None}
+    tensors = {}
+    for name, t in inputs.items():
+        if isinstance(t, KeyIntervals):
+            tensors.update({f"{name}.end": t.end, **({} if t.start is None else {f"{name}.start": t.start})})
+        elif t is not None:
+            tensors[name] = t.words if isinstance(t, BitMask) else t
     if block_mask is not None:
         tensors.update(state=block_mask.state, kv_lists=block_mask.kv_lists, q_lists=block_mask.q_lists)
     return {name: t.detach().clone() for name, t in tensors.items()}

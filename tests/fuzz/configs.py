@@ -35,6 +35,11 @@ WALKS = ("dense", "listed", "summary", "topk")
 # seed's other families stay as they were).
 INDICES = "indices"
 _INDICES_FRACTION = 0.2
+# Families whose mask is KeyIntervals (a causal top-k's, or runs of rows of any kind), drawn after
+# the indices draw, so that a seed's other families stay as they were.
+INTERVALS = "intervals"
+_INTERVALS_FRACTION = 0.15
+INTERVAL_KINDS = ("topk", "runs")
 WIDTHS = (1, 5, 16, 64)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 MASK_DTYPES = ("bool", "uint8", "int64")
@@ -115,7 +120,10 @@ class Trial:
     ``topk_block_mask`` (with the mask, if any, as its padding mask); ``indices`` calls
     ``flash_dma_topk_func`` with ``width`` keys listed per query (no mask; the mask pattern and
     density shape the lists, ``check.py``), its bias per pair ``"{1|B},Sq,{1|Hkv|H},W"`` or per
-    key ``"{1|B},{1|Hkv|H},Sk"``.
+    key ``"{1|B},{1|Hkv|H},Sk"``; ``intervals`` passes the mask as ``KeyIntervals`` in blocks of
+    ``block_size``, described by ``intervals``: a causal top-k (``causal_topk_intervals`` of random
+    scores, ``keep`` per query, few distinct values with ``ties``, keys padded as the mask pattern
+    and density say) or random runs of rows (``interval_mask``, with a start row or from row 0).
     """
 
     index: int
@@ -154,6 +162,7 @@ class Trial:
     packed: bool = False  # summary walk: the mask passed as a BitMask, which carries its own summary
     width: int = 0  # indices walk: W, the keys listed per query
     union_share: float | None = None  # indices walk: the backward's union share forced (-1: no block, 1: every block)
+    intervals: dict | None = None  # intervals walk: kind, keep, ties, start (class docstring)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -187,6 +196,8 @@ class Trial:
             parts.append(self.walk + (f"{self.block_size[0]}x{self.block_size[1]}" if self.block_size else "") + ("-packed" if self.packed else ""))
         if self.walk == INDICES:
             parts.append(f"W{self.width}")
+        if self.walk == INTERVALS:
+            parts.append(self.intervals["kind"] + (f"-keep{self.intervals['keep']}" if self.intervals["kind"] == "topk" else ""))
         if self.causal:
             parts.append("causal")
         if self.window != (-1, -1):
@@ -264,7 +275,14 @@ def _sample_family(rng: random.Random, space: Space, head_dim: int) -> Family:
         seqlen_k=seqlen_k,
     )
     if rng.random() >= _INDICES_FRACTION or family.dtype == "fp8":  # flash_dma_topk_func takes no FP8
-        return family
+        if rng.random() >= _INTERVALS_FRACTION:
+            return family
+        # Key intervals span the queries and keys: they broadcast over batch and heads only.
+        mask = f"{rng.choice(('1', 'B'))},{rng.choice(('1', 'Hkv', 'H'))},Sq,Sk"
+        block_q, block_k = _block_size(rng)
+        return dataclasses.replace(
+            family, walk=INTERVALS, mask=mask, mask_dtype="int32", block_size=(block_q, max(32, block_k)), topk_per_query=False,
+        )
     bias = None
     if family.bias is not None:
         batch, heads = rng.choice(("1", "B")), rng.choice(("1", "Hkv", "H"))
@@ -358,4 +376,15 @@ def sample_trial(space: Space, seed: int, index: int) -> Trial:
         packed=family.walk == "summary" and family.mask is not None and family.block_size[1] >= 32 and rng.random() < 0.5,
         width=rng.choice(WIDTHS) if family.walk == INDICES else 0,
         union_share=rng.choice((None, -1.0, 1.0)) if family.walk == INDICES else None,
+        intervals=_intervals(rng, seqlen_k) if family.walk == INTERVALS else None,
     )
+
+
+def _intervals(rng: random.Random, seqlen_k: int) -> dict:
+    """An intervals trial's contents (``Trial``): a causal top-k keeping up to past every key, or runs."""
+    return {
+        "kind": rng.choice(INTERVAL_KINDS),
+        "keep": rng.randint(0, seqlen_k + 2),
+        "ties": rng.random() < 0.3,
+        "start": rng.random() < 0.7,
+    }

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import flash_dma
+from flash_dma import KeyIntervals
 from tests.fuzz import run
 from tests.fuzz.check import make_inputs, run_trial
-from tests.fuzz.configs import Space, Trial, family_pool, sample_trial
+from tests.fuzz.configs import INTERVALS, Space, Trial, family_pool, sample_trial
 from tests.fuzz.report import repro_command
 from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES
 
@@ -53,7 +54,11 @@ def test_trials_are_reproducible_and_keep_to_their_family():
     again, _, dout_again = make_inputs(trial, DEVICE)
     assert torch.equal(dout, dout_again)
     for name, t in first.items():
-        assert (t is None and again[name] is None) or torch.equal(t, again[name]), name
+        other = again[name]
+        if isinstance(t, KeyIntervals):  # its rows
+            assert torch.equal(t.end, other.end) and (t.start is None or torch.equal(t.start, other.start)), name
+            continue
+        assert (t is None and other is None) or torch.equal(t, other), name
 
 
 def _plain_trial(**changes) -> Trial:
@@ -150,6 +155,23 @@ def test_exceptions_are_crashes(monkeypatch):
     outcome = run_trial(_plain_trial(), DEVICE)
     assert (outcome.status, outcome.stage) == ("crash", "forward")
     assert outcome.problems[0] == "RuntimeError in forward: boom"
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(intervals={"kind": "topk", "keep": 5, "ties": True, "start": True}, mask="B,Hkv,Sq,Sk", causal=True),
+        dict(intervals={"kind": "topk", "keep": 9, "ties": False, "start": True}, mask="1,H,Sq,Sk", seqlen_q=30, seqlen_k=12),
+        dict(intervals={"kind": "runs", "keep": 0, "ties": False, "start": True}, mask="B,1,Sq,Sk", check_inputs=True),
+        dict(intervals={"kind": "runs", "keep": 0, "ties": False, "start": False}, mask="1,Hkv,Sq,Sk", causal=True, padded=False),
+    ],
+    ids=["topk-ties-causal", "topk-Sq>Sk", "runs", "runs-from-row-0-causal"],
+)
+def test_key_interval_trials_match_the_reference(changes):
+    """The intervals walk on every kind of contents (seed 0's CI families hold none)."""
+    trial = _plain_trial(walk=INTERVALS, mask_dtype="int32", mask_pattern="random", block_size=(16, 32), **changes)
+    outcome = run_trial(trial, DEVICE)
+    assert outcome.status == "ok", outcome.problems
 
 
 def test_command_line_writes_the_report(tmp_path, capsys):

@@ -40,17 +40,24 @@ def tokens(batch: int = 2, seqlen: int = 40, device="cpu") -> torch.Tensor:
     return torch.stack([torch.randperm(96, generator=gen)[:seqlen] + 1 for _ in range(batch)]).to(device)
 
 
+def _assert_loss_and_gradients_match(reference, ours, expected_loss, loss) -> dict:
+    """The losses match and so, after their backward, does every parameter's gradient; returns
+    ``ours``'s parameters by name."""
+    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
+    expected_loss.backward()
+    loss.backward()
+    grads = dict(ours.named_parameters())
+    for name, parameter in reference.named_parameters():
+        torch.testing.assert_close(grads[name].grad, parameter.grad, atol=2e-5, rtol=1e-4, msg=name)
+    return grads
+
+
 def test_loss_logits_and_gradients_match_sdpa():
     reference, ours = doge_models()
     input_ids = tokens()
     expected, actual = reference(input_ids, labels=input_ids), ours(input_ids, labels=input_ids)
     torch.testing.assert_close(actual.logits, expected.logits, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(actual.loss, expected.loss, atol=1e-6, rtol=1e-5)
-    expected.loss.backward()
-    actual.loss.backward()
-    grads = dict(ours.named_parameters())
-    for name, parameter in reference.named_parameters():
-        torch.testing.assert_close(grads[name].grad, parameter.grad, atol=2e-5, rtol=1e-4, msg=name)
+    grads = _assert_loss_and_gradients_match(reference, ours, expected.loss, actual.loss)
     assert grads["model.layers.0.self_attn.A"].grad.abs().sum() > 0 and grads["model.layers.1.self_attn.dt_proj.weight"].grad.abs().sum() > 0
 
 
@@ -103,12 +110,7 @@ def test_padded_batches_select_from_the_key_padding(monkeypatch):
     expected, actual = reference(input_ids, attention_mask=padding, labels=labels), ours(input_ids, attention_mask=padding, labels=labels)
     real = padding.bool()
     torch.testing.assert_close(actual.logits[real], expected.logits[real], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(actual.loss, expected.loss, atol=1e-6, rtol=1e-5)
-    expected.loss.backward()
-    actual.loss.backward()
-    grads = dict(ours.named_parameters())
-    for name, parameter in reference.named_parameters():
-        torch.testing.assert_close(grads[name].grad, parameter.grad, atol=2e-5, rtol=1e-4, msg=name)
+    _assert_loss_and_gradients_match(reference, ours, expected.loss, actual.loss)
 
 
 def test_a_mask_of_the_callers_takes_dogess_own_top_k(monkeypatch):
