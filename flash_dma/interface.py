@@ -104,6 +104,7 @@ def flash_dma_topk_func(
     window_size: tuple[int, int] = (UNBOUNDED, UNBOUNDED),
     softcap: float = 0,
     deterministic: bool = False,
+    unique_indices: bool = False,
     return_lse: bool = False,
     backend: str | None = None,
 ):
@@ -112,9 +113,9 @@ def flash_dma_topk_func(
     The query heads of a key/value head's group share that head's list. An entry counts when it is
     in ``[0, Sk)`` and inside the causal/window band of its query (``-1`` pads a list); each entry
     that counts is one attended pair, so a key listed twice counts twice. Scores, softmax, LSE,
-    empty rows and gradients follow :func:`flash_dma_func`. On the Triton backend a call whose
-    lists hold a quarter of the keys or more runs as the same attention over the packed per-query
-    mask, where the dense kernels are faster (``docs/api.md``); the results are the same.
+    empty rows and gradients follow :func:`flash_dma_func`. On the Triton backend each pass walks
+    the indices or runs as the same attention over the packed per-query mask, whichever a cost
+    model finds faster for the call's shapes (``docs/api.md``); the results are the same.
 
     Args:
         query: ``[B, Sq, H, D]``, float16, bfloat16 or float32; D from 1 to 256.
@@ -130,6 +131,12 @@ def flash_dma_topk_func(
         softcap: when > 0, scores are ``softcap * tanh(x / softcap)`` before the bias is added.
         deterministic: make the gradients bitwise reproducible (dK and dV summed key by key in a
             fixed order, instead of added by atomics: about 3x the backward's time).
+        unique_indices: the caller's promise that no key counts twice in one list (as from
+            :func:`~flash_dma.masks.topk_indices`); not checked (that would synchronise). It lets
+            the packed mask run without a float32 bias plane of ``4 Sk`` bytes per query and head
+            (which it needs to count repeats), so on far longer calls; with a per-pair bias the
+            plane is needed all the same. If a key does repeat, the result is undefined: the
+            mask counts it once, the index walk once per entry.
         return_lse: also return the log-sum-exp of the scores.
         backend: ``"triton"``, ``"reference"`` or None (Triton on CUDA, reference elsewhere).
 
@@ -149,6 +156,7 @@ def flash_dma_topk_func(
         window_size=window_size,
         softcap=softcap,
         deterministic=deterministic,
+        unique_indices=unique_indices,
     )
     implementation = resolve_backend(backend, query.device)
     if query.numel() == 0 or key.shape[1] == 0 or indices.shape[3] == 0:

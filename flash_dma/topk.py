@@ -5,7 +5,8 @@ query heads attends; the rules of ``docs/api.md`` ("flash_dma_topk_func") decide
 count. :func:`normalize_topk_inputs` turns the arguments into a :class:`TopkProblem` that every
 backend can trust, or raises a ``TypeError``/``ValueError`` naming the argument.
 :func:`as_mask_problem` states the same call as a ``flash_dma_func`` problem over the packed
-per-query mask, for the short calls where the dense kernels are faster (``docs/api.md``).
+per-query mask, which the dense kernels walk faster where the lists cover much of the causal band
+(the Triton backend chooses per pass: ``dispatch.topk_plan``, ``docs/api.md``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from flash_dma.backends.reference import valid_indices
+from flash_dma.bit_mask import BitMask
 from flash_dma.inputs import (
     AttentionProblem,
     _check_qkv,
@@ -47,6 +49,7 @@ class TopkProblem:
     window: tuple[int, int]
     softcap: float
     deterministic: bool
+    unique_indices: bool  # the caller's word that no key counts twice in one list (no plane needed)
 
 
 def _check_indices(indices, query, key) -> None:
@@ -83,14 +86,18 @@ def _check_topk_bias(bias, query, key, indices) -> None:
 
 
 def normalize_topk_inputs(
-    query, key, value, indices, attn_bias, *, softmax_scale, is_causal, window_size, softcap, deterministic
+    query, key, value, indices, attn_bias, *, softmax_scale, is_causal, window_size, softcap, deterministic,
+    unique_indices=False,
 ) -> TopkProblem:
     """Validate the arguments of :func:`flash_dma.flash_dma_topk_func`. Index values are not read
-    (that would synchronise with the device): entries outside ``[0, Sk)`` count as none."""
+    (that would synchronise with the device): entries outside ``[0, Sk)`` count as none, and
+    ``unique_indices`` is taken at its word."""
     _check_qkv(query, key, value)
     _check_indices(indices, query, key)
     if attn_bias is not None:
         _check_topk_bias(attn_bias, query, key, indices)
+    if not isinstance(unique_indices, bool):
+        raise TypeError(f"unique_indices: expected a bool, got {type(unique_indices).__name__} {unique_indices!r}")
     return TopkProblem(
         query=_last_dim_contiguous(query),
         key=_last_dim_contiguous(key),
@@ -98,7 +105,20 @@ def normalize_topk_inputs(
         indices=indices,
         attn_bias=attn_bias,
         **normalize_settings(query, softmax_scale, is_causal, window_size, softcap, deterministic),
+        unique_indices=unique_indices,
     )
+
+
+def plane_heads(problem: TopkProblem) -> int:
+    """Heads of the float32 bias plane ``[B, Hd, Sq, Sk]`` that the packed mask of ``problem``
+    needs (:func:`as_mask_problem`), or 0 when it needs none: with ``unique_indices`` and no bias
+    per listed pair, a bit says all an entry does. ``Hd`` is H for a bias per query head with GQA,
+    else Hkv."""
+    bias, num_heads, num_kv_heads = problem.attn_bias, problem.query.shape[2], problem.key.shape[2]
+    if problem.unique_indices and (bias is None or bias.dim() == 3):
+        return 0
+    bias_heads = 1 if bias is None else bias.shape[2 if bias.dim() == 4 else 1]
+    return num_heads if bias_heads == num_heads != num_kv_heads else num_kv_heads
 
 
 class _ListedBias(torch.autograd.Function):
@@ -141,34 +161,42 @@ class _ListedBias(torch.autograd.Function):
         return grad_plane.gather(-1, at) * share, None, None
 
 
-def as_mask_problem(problem: TopkProblem) -> AttentionProblem:
+def as_mask_problem(problem: TopkProblem, bits: BitMask | None = None) -> AttentionProblem:
     """``problem`` as a ``flash_dma_func`` problem with the same outputs and gradients.
 
-    The mask is the ``BitMask`` ``[B, Hkv, Sq, Sk]`` of the entries that count (no host
-    synchronisation); the bias is a float32 plane ``[B, Hd, Sq, Sk]`` (``Hd`` is H for a bias per
-    query head with GQA, else Hkv) that carries what a bit cannot: a key listed several times (each
-    entry is one pair) and a per-pair bias (:class:`_ListedBias`), plus a per-key bias added to its
-    columns. Its gradient flows back to the caller's bias in that bias's shape. ``deterministic``
-    carries over: reproducible gradients when asked for, as the index kernels give them.
+    The mask is the ``BitMask`` ``[B, Hkv, Sq, Sk]`` of the entries that count: ``bits`` when the
+    caller built it (the Triton backend, on the GPU), else built here; neither synchronises with
+    the host. The bias: with ``unique_indices`` and no bias per listed pair, the caller's per-key
+    bias ``[1|B, 1|Hkv|H, Sk]`` as ``[., ., 1, Sk]``, or none. Otherwise a float32 plane
+    ``[B, Hd, Sq, Sk]`` (:func:`plane_heads`) that carries what a bit cannot: a key listed several
+    times (each entry is one pair) and a per-pair bias (:class:`_ListedBias`), plus a per-key bias
+    added to its columns. Either way the gradient flows back to the caller's bias in that bias's
+    shape. ``deterministic`` carries over: reproducible gradients when asked for, as the index
+    kernels give them.
     """
     query, key = problem.query, problem.key
-    batch, seqlen_q, num_heads, _ = query.shape
-    seqlen_k, num_kv_heads = key.shape[1], key.shape[2]
+    seqlen_q, seqlen_k = query.shape[1], key.shape[1]
     bias = problem.attn_bias
-    counting = valid_indices(problem.indices, 0, seqlen_q, seqlen_k, problem.window)  # [B, Sq, Hkv, W]
-    mask = listed_bit_mask(torch.where(counting, problem.indices, -1).transpose(1, 2), seqlen_k)
-    keys = torch.where(counting, problem.indices.long(), seqlen_k).transpose(1, 2)  # [B, Hkv, Sq, W]
-    bias_heads = 1 if bias is None else bias.shape[2 if bias.dim() == 4 else 1]
-    if bias_heads == num_heads != num_kv_heads:
-        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [B, H, Sq, W]
-    if bias is not None and bias.dim() == 4:  # per pair [1|B, Sq, 1|Hd, W]
-        entry_bias = bias.float().transpose(1, 2).expand(keys.shape)
+    heads = plane_heads(problem)
+    counting = None
+    if bits is None or heads > 0:
+        counting = valid_indices(problem.indices, 0, seqlen_q, seqlen_k, problem.window)  # [B, Sq, Hkv, W]
+    if bits is None:
+        bits = listed_bit_mask(torch.where(counting, problem.indices, -1).transpose(1, 2), seqlen_k)
+    if heads == 0:
+        attn_bias = None if bias is None else bias[:, :, None, :]
     else:
-        entry_bias = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
-    plane = _ListedBias.apply(entry_bias, keys, seqlen_k)
-    if bias is not None and bias.dim() == 3:  # per key [1|B, 1|Hd, Sk]
-        plane = plane + bias.float()[:, :, None, :]
+        keys = torch.where(counting, problem.indices.long(), seqlen_k).transpose(1, 2)  # [B, Hkv, Sq, W]
+        if heads != key.shape[2]:
+            keys = keys.repeat_interleave(heads // key.shape[2], dim=1)  # [B, H, Sq, W]
+        if bias is not None and bias.dim() == 4:  # per pair [1|B, Sq, 1|Hd, W]
+            entry_bias = bias.float().transpose(1, 2).expand(keys.shape)
+        else:
+            entry_bias = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
+        attn_bias = _ListedBias.apply(entry_bias, keys, seqlen_k)
+        if bias is not None and bias.dim() == 3:  # per key [1|B, 1|Hd, Sk]
+            attn_bias = attn_bias + bias.float()[:, :, None, :]
     return AttentionProblem(
-        query=query, key=key, value=problem.value, attn_mask=mask, attn_bias=plane, block_mask=None,
+        query=query, key=key, value=problem.value, attn_mask=bits, attn_bias=attn_bias, block_mask=None,
         softmax_scale=problem.softmax_scale, window=problem.window, softcap=problem.softcap, deterministic=problem.deterministic,
     )

@@ -41,21 +41,24 @@ def poison_outputs(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", poisoned_empty(torch.empty_like))
 
 
-# flash_dma_topk_func on the Triton backend walks its indices or, by the share of the keys its lists
-# hold, the packed mask (TOPK_PACKED_KEYS_PER_ENTRY); its backward walks them per query or over each
-# query block's union of keys, block by block by the union's size (topk_union.UNION_SHARE). Each
-# walk: (TOPK_PACKED_KEYS_PER_ENTRY, the union share, None for the default).
-TOPK_WALKS = {"per-query": (0, -1.0), "union": (0, 1.0), "split": (0, None), "packed": (1 << 30, None)}
+# flash_dma_topk_func on the Triton backend walks, in each pass, its indices or the packed mask
+# (dispatch.topk_plan; a split only with unique_indices and no per-pair bias, else both passes take
+# the forward's walk); its index backward walks per query or over each query block's union of keys,
+# block by block by the union's size (topk_union.UNION_SHARE). Each walk: (the forward's and the
+# backward's, the union share, None for the default).
+TOPK_WALKS = {
+    "per-query": ("indices", "indices", -1.0), "union": ("indices", "indices", 1.0), "split": ("indices", "indices", None),
+    "packed": ("packed", "packed", None), "packed-forward": ("packed", "indices", None), "packed-backward": ("indices", "packed", None),
+}
 
 
 @pytest.fixture(params=TOPK_WALKS)
 def topk_walk(request, monkeypatch):
     """Each way a top-k call runs on the Triton backend, in turn."""
-    from flash_dma.backends import triton as triton_backend
-    from flash_dma.backends.triton import topk_union
+    from flash_dma.backends.triton import dispatch, topk_union
 
-    keys_per_entry, share = TOPK_WALKS[request.param]
-    monkeypatch.setattr(triton_backend, "TOPK_PACKED_KEYS_PER_ENTRY", keys_per_entry)
+    forward, backward, share = TOPK_WALKS[request.param]
+    monkeypatch.setattr(dispatch, "TOPK_FORCED_PLAN", dispatch.TopkPlan(forward, backward))
     if share is not None:
         monkeypatch.setattr(topk_union, "UNION_SHARE", share)
     return request.param

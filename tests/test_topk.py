@@ -8,7 +8,7 @@ import torch
 
 from flash_dma import flash_dma_func, flash_dma_topk_func, topk_mask
 from flash_dma.backends import flex, reference
-from flash_dma.topk import as_mask_problem, normalize_topk_inputs
+from flash_dma.topk import as_mask_problem, normalize_topk_inputs, plane_heads
 from tests.helpers import DEVICE
 
 B, SQ, SK, H, HKV, D, W = 2, 8, 12, 4, 2, 16, 3
@@ -52,6 +52,7 @@ BAD_INPUTS = [
     ("window-negative", dict(window_size=(-2, 0)), ValueError, r"window_size: left size must be -1"),
     ("softcap-negative", dict(softcap=-1.0), ValueError, r"softcap: expected a finite float >= 0"),
     ("deterministic-int", dict(deterministic=1), TypeError, r"deterministic: expected a bool, got int 1"),
+    ("unique-indices-none", dict(unique_indices=None), TypeError, r"unique_indices: expected a bool, got NoneType None"),
     ("backend-unknown", dict(backend="cuda"), ValueError, r"backend: expected one of"),
 ]
 
@@ -122,6 +123,12 @@ def test_the_packed_mask_problem_attends_as_the_indices(bias):
     packed = as_mask_problem(problem)
     assert packed.attn_mask.shape == (B, HKV, SQ, SK) and not packed.deterministic
     assert as_mask_problem(dataclasses.replace(problem, deterministic=True)).deterministic
+    _assert_attends_as_the_indices(problem, packed, leaves)
+
+
+def _assert_attends_as_the_indices(problem, packed, leaves) -> None:
+    """The packed ``flash_dma_func`` problem has the top-k ``problem``'s output, LSE and gradients
+    of ``leaves`` (in their shapes), on the reference backend."""
     results = []
     for out, lse in (reference.topk_attention(problem), reference.attention(packed)):
         results.append((out, lse, torch.autograd.grad(out.square().sum(), leaves)))
@@ -129,5 +136,41 @@ def test_the_packed_mask_problem_attends_as_the_indices(bias):
     torch.testing.assert_close(packed_out, out)
     torch.testing.assert_close(packed_lse, lse)
     for grad, packed_grad in zip(grads, packed_grads):
-        assert not packed_grad.isnan().any()
+        assert not packed_grad.isnan().any() and packed_grad.shape == grad.shape
         torch.testing.assert_close(packed_grad, grad, atol=1e-4, rtol=1e-4)  # sums over queries in another order
+
+
+@pytest.mark.parametrize(
+    ("unique", "bias", "heads"),
+    [(True, None, 0), (True, (B, H, SK), 0), (True, (1, SQ, 1, W), HKV), (False, None, HKV), (False, (1, H, SK), H),
+     (False, (B, SQ, HKV, W), HKV)],
+    ids=["unique", "unique-keys", "unique-pairs", "repeats", "repeats-keys-H", "repeats-pairs-Hkv"],
+)
+def test_a_bias_plane_is_needed_for_repeats_or_a_per_pair_bias(unique, bias, heads):
+    inputs = _inputs(attn_bias=None if bias is None else torch.randn(bias).to(DEVICE))
+    problem = normalize_topk_inputs(**inputs, softmax_scale=None, is_causal=False, window_size=(-1, -1), softcap=0.0,
+                                    deterministic=False, unique_indices=unique)
+    assert plane_heads(problem) == heads
+    packed = as_mask_problem(problem)
+    if heads:
+        assert packed.attn_bias.shape == (B, heads, SQ, SK) and packed.attn_bias.dtype == torch.float32
+    else:  # the caller's per-key bias, or none
+        assert packed.attn_bias is None if bias is None else packed.attn_bias.shape == (B, H, 1, SK)
+
+
+@pytest.mark.parametrize("bias", [None, (B, H, SK), (1, 1, SK)], ids=["none", "keys-B,H", "keys-1,1"])
+def test_unique_indices_attend_as_the_indices_without_a_plane(bias):
+    """Distinct keys per list (with -1 and entries past Sk): the packed problem without a plane has
+    the index attention's output, LSE and gradients, the bias's in its own shape."""
+    gen = torch.Generator().manual_seed(5)
+    indices = torch.rand(B, SQ, HKV, SK + 2, generator=gen).argsort(-1)[..., :W].to(torch.int32)
+    indices[:, ::3, :, 0] = -1
+    inputs = _inputs(indices=indices.to(DEVICE))
+    if bias is not None:
+        inputs["attn_bias"] = torch.randn(bias, generator=gen).to(DEVICE)
+    leaves = [t.requires_grad_() for t in (inputs["query"], inputs["key"], inputs["value"], inputs["attn_bias"]) if t is not None]
+    problem = normalize_topk_inputs(**inputs, softmax_scale=None, is_causal=True, window_size=(-1, -1), softcap=0.0,
+                                    deterministic=False, unique_indices=True)
+    packed = as_mask_problem(problem)
+    assert packed.attn_bias is None or packed.attn_bias.dim() == 4 and packed.attn_bias.shape[2] == 1
+    _assert_attends_as_the_indices(problem, packed, leaves)

@@ -46,8 +46,9 @@ from flash_dma import (
     topk_block_mask,
 )
 from flash_dma.backends.triton import backward as triton_backward
-from flash_dma.backends.triton import topk_union
+from flash_dma.backends.triton import dispatch, topk_union
 from flash_dma.backends.triton.block_summary import block_lists, block_state
+from flash_dma.backends.triton.dispatch import TOPK_INDICES, TOPK_PACKED, TopkPlan
 from flash_dma.backends.triton.key_list import build_key_list
 from flash_dma.inputs import DESCALES, FP8_DTYPE
 
@@ -274,11 +275,12 @@ class Topk:
             (self.batch, self.seqlen_k, self.kv_heads, self.head_dim),
             tuple(sizes.get(s, 1) for s in self.bias.split(",")) if self.bias else None,
         )
-        packed_keys_per_entry, share = {
-            "indices": (0, topk_union.UNION_SHARE), "union": (0, 1.0), "per-query": (0, -1.0), "packed": (self.seqlen_k, topk_union.UNION_SHARE),
+        passes, share = {
+            "indices": (TOPK_INDICES, topk_union.UNION_SHARE), "union": (TOPK_INDICES, 1.0), "per-query": (TOPK_INDICES, -1.0),
+            "packed": (TOPK_PACKED, topk_union.UNION_SHARE),
         }[self.walk]
         with (
-            mock.patch.object(triton_backend, "TOPK_PACKED_KEYS_PER_ENTRY", packed_keys_per_entry),
+            mock.patch.object(dispatch, "TOPK_FORCED_PLAN", TopkPlan(passes, passes)),
             mock.patch.object(topk_union, "UNION_SHARE", share),
         ):
             out, lse = flash_dma_topk_func(

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import triton
 
-from flash_dma.backends.triton import topk_runs_packed
+from flash_dma.backends.triton.dispatch import TOPK_PACKED, topk_plan
 from tests.fuzz.check import Outcome
 from tests.fuzz.configs import INDICES, Trial
 
@@ -25,12 +25,24 @@ def repro_command(trial: Trial) -> str:
     return f"python -m tests.fuzz.run --config '{trial.to_json()}'"
 
 
+def topk_packed_passes(trial: Trial) -> int:
+    """Passes of a top-k trial that the Triton backend runs as the packed mask (0 to 2). Its lists may
+    repeat keys (no unique_indices), so the mask needs a bias plane, per query head for a bias per
+    query head with GQA."""
+    bias_heads = trial.bias.split(",")[2 if trial.bias.count(",") == 3 else 1] if trial.bias else "1"
+    plane_heads = trial.heads if bias_heads == "H" and trial.heads != trial.kv_heads else trial.kv_heads
+    window = (trial.window[0], 0) if trial.causal else trial.window
+    plan = topk_plan(trial.batch, trial.seqlen_q, trial.seqlen_k, trial.heads, trial.kv_heads, trial.head_dim, trial.width,
+                     window, plane_heads, trial.deterministic, needs_grad=True)
+    return sum(walk == TOPK_PACKED for walk in plan)
+
+
 def features(trial: Trial, outcome: Outcome) -> list[str]:
     """The properties of a trial that the coverage table counts."""
     tags = [trial.dtype, f"D={trial.head_dim}", f"H/Hkv={trial.heads // trial.kv_heads}", f"walk={trial.walk}"]
     tags.append(f"mask[{trial.mask}] {trial.mask_dtype}" if trial.mask else "no mask")
     if trial.walk == INDICES:
-        tags.append("top-k run as the packed mask" if topk_runs_packed(trial.seqlen_k, trial.width) else "top-k index kernels")
+        tags.append("top-k run as the packed mask" if topk_packed_passes(trial) else "top-k index kernels")
     tags.append(f"bias[{trial.bias}]" + (" fp32" if trial.bias_fp32 else "") if trial.bias else "no bias")
     if trial.mask:
         tags.append(f"mask pattern {trial.mask_pattern}")

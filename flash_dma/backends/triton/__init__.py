@@ -18,9 +18,10 @@ How the kernels walk a mask's sparsity is chosen here, from shapes alone (no hos
 What a mask tensor becomes (bits, summary, key list) is made once per version of the tensor
 (:data:`_DERIVED`), so a mask shared by every layer is read once per step, not once per call.
 
-A top-k call (``flash_dma_topk_func``) walks its indices, unless its lists cover a large share of
-the keys (:data:`TOPK_PACKED_KEYS_PER_ENTRY`): it then runs as the same attention over the packed
-per-query mask (``flash_dma.topk.as_mask_problem``), which the dense kernels walk as above.
+Each pass of a top-k call (``flash_dma_topk_func``) walks its indices or the same attention over
+the packed per-query mask of its entries (``flash_dma.topk.as_mask_problem``, built by
+``topk_bits.py``), which the dense kernels walk as above: whichever ``dispatch.topk_plan`` finds
+cheaper from the call's shapes. A call whose passes differ runs through ``topk_passes.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from flash_dma.backends.triton.backward import attention_backward
-from flash_dma.backends.triton.dispatch import hopper_takes_bits
+from flash_dma.backends.triton.dispatch import TOPK_PACKED, hopper_takes_bits, topk_plan
 from flash_dma.backends.triton.layout import Call, TopkCall, input_form
 from flash_dma.backends.triton.merge import merge_partial  # the ring's, beside partial_forward
 from flash_dma.backends.triton.ops import (
@@ -41,6 +42,8 @@ from flash_dma.backends.triton.ops import (
     summary_state,
     topk_attention_op,
 )
+from flash_dma.backends.triton.topk_bits import topk_bit_mask
+from flash_dma.backends.triton.topk_passes import topk_split_op
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE
 from flash_dma.memo import DerivedTensors
@@ -50,13 +53,6 @@ SMALL_PROBLEM = 1 << 24  # B x H x Sq x Sk
 # may still read far more than a key list costs (two launches, about 10 us on an H100): past this
 # many bytes of K and V, a per-key mask over a cache is gathered through a key list.
 KEY_LIST_CACHE_BYTES = 8 << 20
-# A top-k call over at most this many keys per list entry (Sk <= 4 W) runs as the packed per-query
-# mask. The index kernels cost about W per query, on tiles of the group's G heads padded to 16
-# rows; the dense ones about the band (up to Sk per query) on full tiles, so where the lists hold a
-# quarter of the keys or more the band is cheaper (an estimate: measure with `bench --suite topk`).
-# It also bounds what the conversion allocates: a float32 plane of 4 Sk bytes per query and head,
-# at most 16 bytes per list entry, as much as the index backward's sorted map.
-TOPK_PACKED_KEYS_PER_ENTRY = 4
 # What a dense mask becomes for the kernels (its bits, summary or key list), made once per version
 # of the mask: every layer that shares a mask, forward and backward, reuses one read of it.
 _DERIVED = DerivedTensors()
@@ -165,22 +161,28 @@ def attention_with_cache(cached):
     )
 
 
-def topk_runs_packed(seqlen_k: int, width: int) -> bool:
-    """Whether a top-k call over ``seqlen_k`` keys listing ``width`` per query runs as the packed mask."""
-    return seqlen_k <= TOPK_PACKED_KEYS_PER_ENTRY * width
-
-
 def topk_attention(problem):
-    """Backend entry point of ``flash_dma_topk_func``: ``(out, lse)`` for a :class:`~flash_dma.topk.TopkProblem`."""
+    """Backend entry point of ``flash_dma_topk_func``: ``(out, lse)`` for a
+    :class:`~flash_dma.topk.TopkProblem`, each pass walking the indices or the packed mask as
+    :func:`~flash_dma.backends.triton.dispatch.topk_plan` chooses."""
     # Imported here: flash_dma.topk imports flash_dma.masks, which imports this package, and a
     # top-level import would make importing flash_dma.masks (or .summaries) first a cycle.
-    from flash_dma.topk import as_mask_problem
+    from flash_dma.topk import as_mask_problem, plane_heads
 
-    if topk_runs_packed(problem.key.shape[1], problem.indices.shape[3]):
-        return attention(as_mask_problem(problem))
+    query, key, bias = problem.query, problem.key, problem.attn_bias
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, problem.value, bias))
+    plan = topk_plan(
+        query.shape[0], query.shape[1], key.shape[1], query.shape[2], key.shape[2], query.shape[3], problem.indices.shape[3],
+        problem.window, plane_heads(problem), problem.deterministic, needs_grad,
+    )
+    if plan.forward == plan.backward == TOPK_PACKED:  # one BitMask, saved for the backward
+        bits = topk_bit_mask(problem.indices, query.shape[1], key.shape[1], problem.window)
+        return attention(as_mask_problem(problem, bits))
     left, right = problem.window
     call = TopkCall(
-        problem.query, problem.key, problem.value, problem.indices, problem.attn_bias, problem.softmax_scale, left, right,
-        problem.softcap, problem.deterministic,
+        query, key, problem.value, problem.indices, bias, problem.softmax_scale, left, right, problem.softcap,
+        problem.deterministic,
     )
-    return topk_attention_op(call)
+    if plan.forward == plan.backward:
+        return topk_attention_op(call)
+    return topk_split_op(call, plan.forward == TOPK_PACKED)

@@ -12,6 +12,7 @@ keeps the two equal.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -27,6 +28,7 @@ from flash_dma.backends.triton.layout import (
     Call,
     Sequences,
     TopkCall,
+    band,
     input_form,
     tma_aligned,
     walk_kind,
@@ -194,6 +196,173 @@ def topk_form(call: TopkCall) -> Form:
         softcap=call.softcap > 0,
         aligned=tma_aligned(call.q, call.k, call.v),
     )
+
+
+# flash_dma_topk_func: each pass walks the indices (the index kernels: the topk rows of ROUTES) or
+# the packed per-query mask of its entries (``flash_dma.topk.as_mask_problem``, which the rows after
+# them serve), whichever the cost model below makes cheaper.
+TOPK_INDICES, TOPK_PACKED = "indices", "packed"
+# Memory bounds of the packed form. Its BitMask costs Sk / 8 bytes per query and K/V head: at most
+# twice the indices' 4 W. A bias plane (``topk.plane_heads``) costs 4 Sk bytes per query and plane
+# head: at most 16 bytes per list entry, as much as the index backward's sorted map.
+TOPK_BITS_KEYS_PER_ENTRY = 64
+TOPK_PLANE_KEYS_PER_ENTRY = 4
+TOPK_COST_KEYS = 32768  # the length at which the index backward's costs are given
+_TOPK_TILE = 128  # the dense kernels' tiles (and the BitMask's summary blocks): 128 x 128 pairs
+_TOPK_ROWS = 16  # the index kernels' tiles hold the group's heads in at least 16 rows (tl.dot's least)
+_TOPK_HEAD_DIM = 128  # the head dim at which the costs are given; both walks scale with it
+
+
+class TopkPlan(NamedTuple):
+    """The walk of each pass of a top-k call: :data:`TOPK_INDICES` or :data:`TOPK_PACKED`."""
+
+    forward: str
+    backward: str
+
+
+class TopkCosts(NamedTuple):
+    """The top-k cost model's constants, in picoseconds per unit of work on the H100 (bf16, head
+    dim 128, groups of up to 16 heads). Refit them from ``flash-dma bench --suite topkfit``
+    (``benchmark/suites.topkfit_cases`` says how)."""
+
+    walk_forward: float  # index forward, per list entry (query x K/V head x slot)
+    # Index backward per entry at TOPK_COST_KEYS keys: with overlapping selections (neighbouring
+    # queries list many of the same keys, which the union walk shares), with random ones (and for
+    # groups of WIDE_GROUP heads, which keep the per-query walk), and with deterministic=True.
+    walk_backward_overlapping: float
+    walk_backward_random: float
+    walk_backward_deterministic: float
+    walk_backward_growth: float  # the backward's cost per entry grows as (Sk / TOPK_COST_KEYS) ** this
+    packed_forward: float  # dense kernels over the BitMask, per (query head x key) pair of the band's tiles
+    packed_backward: float
+    packed_backward_deterministic: float
+    bits_entry: float  # building the BitMask (``topk_bits.py``): per list entry
+    bits_pair: float  # and per (query x K/V head x key), its words zeroed and read once
+    plane_forward: float  # a bias plane: per (query x plane head x key), built and read
+    plane_backward: float  # and its gradient
+
+
+# From docs/benchmarks.md ("Top-k index attention": llm shape, W = 2048, per-key bias) and its
+# packed per-query mask and dense rows: forward 25.5 ms at 32K and 107.5 at 128K over 2^28 and
+# 2^30 entries; backward 81.6 (random) and 44.3 (overlapping) at 32K, 741.6 and 336.4 at 128K, a
+# growth of (Sk / 32K) ** 0.5; deterministic 414 at 32K (design notes, "Why the misses"); the
+# packed mask 8.71 / 27.3 ms at 32K over 8.6e9 pairs of causal tiles, 35.5 / 110.5 at 64K; the dense
+# deterministic backward 1.13x the plain one. The BitMask build and the plane are estimates from
+# their bytes (the first atomics-bound, the second about 40 bytes per pair) until the sweep measures them.
+TOPK_COSTS = TopkCosts(
+    walk_forward=97.0, walk_backward_overlapping=165.0, walk_backward_random=304.0,
+    walk_backward_deterministic=1540.0, walk_backward_growth=0.5, packed_forward=1.0, packed_backward=3.2,
+    packed_backward_deterministic=3.6, bits_entry=4.0, bits_pair=0.1, plane_forward=16.0, plane_backward=8.0,
+)
+
+
+@functools.lru_cache(maxsize=1024)  # it walks the query blocks: once per shape, not per call
+def band_tiles(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int, tile: int = _TOPK_TILE) -> int:
+    """``tile x tile`` tiles of the ``[Sq, Sk]`` plane that hold a visible pair (bottom-right
+    aligned, -1 unbounded): the tiles the dense kernels visit when every one of them is kept."""
+    band_lo, band_hi = band(window_left, window_right, seqlen_q, seqlen_k)
+    shift = seqlen_k - seqlen_q
+    tiles = 0
+    for first in range(0, seqlen_q, tile):
+        last = min(first + tile, seqlen_q) - 1
+        lowest, highest = max(0, first + shift + band_lo), min(seqlen_k - 1, last + shift + band_hi)
+        if lowest <= highest:
+            tiles += highest // tile - lowest // tile + 1
+    return tiles
+
+
+class TopkWork(NamedTuple):
+    """What each walk of a top-k call costs in units of :class:`TopkCosts`'s constants."""
+
+    entries: float  # list entries (B x Sq x Hkv x W), weighted by the index tiles' rows and the head dim
+    backward_growth: float  # (Sk / TOPK_COST_KEYS), the base of the index backward's growth
+    pairs: float  # (query head x key) pairs of the band's tiles, B x H x tiles x 128^2, weighted by the head dim
+    bit_rows: float  # BitMask rows, B x Hkv x Sq: each costs W entries and Sk keys
+    width: int
+    seqlen_k: int
+    plane: float  # bias-plane elements, B x Hd x Sq x Sk (0: no plane)
+    wide_group: bool  # WIDE_GROUP heads or more per K/V head: no union walk in the index backward
+
+
+def topk_work(
+    batch: int, seqlen_q: int, seqlen_k: int, num_heads: int, num_kv_heads: int, head_dim: int, width: int,
+    window: tuple[int, int], plane_heads: int,
+) -> TopkWork:
+    """The :class:`TopkWork` of a top-k call (``plane_heads``: ``topk.plane_heads``)."""
+    group = num_heads // num_kv_heads
+    scale = head_dim / _TOPK_HEAD_DIM
+    tile_rows = max(_TOPK_ROWS, 1 << (group - 1).bit_length())
+    return TopkWork(
+        entries=batch * seqlen_q * num_kv_heads * width * scale * tile_rows / _TOPK_ROWS,
+        backward_growth=seqlen_k / TOPK_COST_KEYS,
+        pairs=batch * num_heads * band_tiles(seqlen_q, seqlen_k, *window) * _TOPK_TILE**2 * scale,
+        bit_rows=batch * num_kv_heads * seqlen_q,
+        width=width,
+        seqlen_k=seqlen_k,
+        plane=batch * plane_heads * seqlen_q * seqlen_k,
+        wide_group=group >= WIDE_GROUP,
+    )
+
+
+def topk_plan_costs(work: TopkWork, costs: TopkCosts, deterministic: bool, needs_grad: bool) -> dict[TopkPlan, float]:
+    """The predicted time (ps) of each plan open to a call of ``work`` under ``costs``, the index
+    walk first. The packed form is left out past :data:`TOPK_BITS_KEYS_PER_ENTRY` and, with a
+    plane, past :data:`TOPK_PLANE_KEYS_PER_ENTRY` keys per list entry; with a plane both passes
+    take one walk (the plane's gradient goes through the packed forward's graph)."""
+    if deterministic:
+        per_entry = costs.walk_backward_deterministic
+    elif work.wide_group:
+        per_entry = costs.walk_backward_random
+    else:
+        # Between overlapping and random selections, which shapes do not tell apart: their
+        # geometric mean, the choice whose worse ratio to the best of the two is the smaller.
+        per_entry = math.sqrt(costs.walk_backward_overlapping * costs.walk_backward_random)
+    walk = (work.entries * costs.walk_forward, work.entries * per_entry * work.backward_growth**costs.walk_backward_growth)
+    packed = (
+        work.pairs * costs.packed_forward + work.plane * costs.plane_forward,
+        work.pairs * (costs.packed_backward_deterministic if deterministic else costs.packed_backward)
+        + work.plane * costs.plane_backward,
+    )
+    if not needs_grad:
+        walk, packed = (walk[0], 0.0), (packed[0], 0.0)
+    bits = work.bit_rows * (work.width * costs.bits_entry + work.seqlen_k * costs.bits_pair)
+    keys_per_entry = work.seqlen_k / max(work.width, 1)
+    fits = keys_per_entry <= TOPK_BITS_KEYS_PER_ENTRY and (work.plane == 0 or keys_per_entry <= TOPK_PLANE_KEYS_PER_ENTRY)
+    options = {TopkPlan(TOPK_INDICES, TOPK_INDICES): walk[0] + walk[1]}
+    if fits:
+        options[TopkPlan(TOPK_PACKED, TOPK_PACKED)] = bits + packed[0] + packed[1]
+    if fits and needs_grad and work.plane == 0:
+        options[TopkPlan(TOPK_PACKED, TOPK_INDICES)] = bits + packed[0] + walk[1]
+        options[TopkPlan(TOPK_INDICES, TOPK_PACKED)] = walk[0] + bits + packed[1]
+    return options
+
+
+# A plan every top-k call takes where it is open to the call (a split needs no bias plane), whatever
+# its cost: for the tests, the sanitizer driver and the benchmark's side-by-side rows. None: the
+# cost model chooses.
+TOPK_FORCED_PLAN: TopkPlan | None = None
+
+
+def topk_plan(
+    batch: int, seqlen_q: int, seqlen_k: int, num_heads: int, num_kv_heads: int, head_dim: int, width: int,
+    window: tuple[int, int], plane_heads: int, deterministic: bool, needs_grad: bool,
+) -> TopkPlan:
+    """The walk of each pass of a top-k call, from its shapes alone (no host synchronisation).
+
+    The plan of least predicted time under :data:`TOPK_COSTS` (:func:`topk_plan_costs`; the index
+    walk on a tie, as it needs no more memory). The index walk costs its entries; the packed mask
+    costs the band's tiles (every one kept: an upper bound, as selections that cluster leave some
+    empty), the BitMask's build (once, by the pass that walks it first) and a bias plane where
+    one is needed (``plane_heads`` > 0). Where it costs least, the forward walks one and the
+    backward the other, and the BitMask lives in that pass alone. A forward alone
+    (``needs_grad`` False) is chosen by its own cost. :data:`TOPK_FORCED_PLAN` overrides.
+    """
+    forced = TOPK_FORCED_PLAN
+    if forced is not None:
+        return forced if forced.forward == forced.backward or plane_heads == 0 else TopkPlan(forced.forward, forced.forward)
+    work = topk_work(batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim, width, window, plane_heads)
+    options = topk_plan_costs(work, TOPK_COSTS, deterministic, needs_grad)
+    return min(options, key=options.get)
 
 
 def hopper_takes_bits(call: Call) -> bool:

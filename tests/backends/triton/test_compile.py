@@ -104,15 +104,16 @@ def test_reduce_overhead_mode_replays_like_eager():
 
 def test_topk_fullgraph_forward_and_backward_match_eager(topk_walk):
     from flash_dma import flash_dma_topk_func
-    from tests.backends.triton.test_topk import TopkCase, make_topk_inputs
+    from tests.backends.triton.test_topk import SPLIT_WALKS, TopkCase, make_topk_inputs
 
     torch._dynamo.reset()
-    case = TopkCase(seqlen_q=20, seqlen_k=30, width=8, bias="keys:B,Hkv", causal=True)
+    # Unique lists for the walks that split the passes (their custom ops), repeats for the others.
+    case = TopkCase(seqlen_q=20, seqlen_k=30, width=8, bias="keys:B,Hkv", causal=True, unique=topk_walk in SPLIT_WALKS)
     inputs = make_topk_inputs(case, KERNEL_DTYPES[0])
     leaves = [inputs[n] for n in ("query", "key", "value", "attn_bias")]
 
     def attend(q, k, v, bias, indices):
-        return flash_dma_topk_func(q, k, v, indices, bias, is_causal=True, backend="triton")
+        return flash_dma_topk_func(q, k, v, indices, bias, is_causal=True, unique_indices=case.unique, backend="triton")
 
     eager = attend(*leaves, inputs["indices"])
     eager_grads = torch.autograd.grad(eager.sum(), leaves)

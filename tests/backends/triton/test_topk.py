@@ -1,7 +1,8 @@
 """flash_dma_topk_func on the Triton kernels against the float64 gather-based reference: output,
 LSE and every gradient, with -1 entries, duplicates, out-of-range entries, rows with no counting
-entry, causal and window rules on the indices, both bias forms, GQA and MQA; each through the
-index kernels and through the packed per-query mask that short calls run as."""
+entry, causal and window rules on the indices, both bias forms, GQA and MQA; each through every
+plan of its passes (the index kernels, the packed per-query mask, or one in each pass), and the
+cost model that chooses the plan (``dispatch.topk_plan``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from flash_dma import flash_dma_func, flash_dma_topk_func, topk_mask
-from flash_dma.backends import triton as triton_backend
+from flash_dma.backends.triton import dispatch
+from flash_dma.backends.triton.dispatch import TOPK_INDICES, TOPK_PACKED, TopkPlan, topk_plan
+from tests.conftest import TOPK_WALKS
 from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, Case, assert_close, call_kwargs, guarded, topk_reference_outputs
 
 
@@ -23,21 +26,35 @@ class TopkCase(Case):
     width: int = 5
     # Keys drawn from the first `hot` keys only (0: all), so that many queries pick the same keys.
     hot: int = 0
+    # No key listed twice in a row's list, passed on as unique_indices=True.
+    unique: bool = False
 
     def __str__(self) -> str:
-        return super().__str__() + f"-W{self.width}" + (f"-hot{self.hot}" if self.hot else "")
+        return super().__str__() + f"-W{self.width}" + (f"-hot{self.hot}" if self.hot else "") + ("-unique" if self.unique else "")
+
+    @property
+    def splits(self) -> bool:
+        """Whether the passes may walk differently: unique indices and no bias per listed pair."""
+        return self.unique and not (self.bias or "").startswith("pairs")
 
 
 def make_indices(case: TopkCase, gen: torch.Generator) -> torch.Tensor:
-    """Random keys with -1 entries, entries past Sk, repeats, and one query row listing nothing."""
+    """Random keys with -1 entries, entries past Sk, repeats (none for a unique case), and one query
+    row listing nothing."""
     shape = (case.batch, case.seqlen_q, case.kv_heads, case.width)
     high = case.hot or max(case.seqlen_k, 1)  # with no key at all, key 0 is out of range too
-    indices = torch.randint(0, high, shape, generator=gen)
+    if case.unique:  # distinct draws among the keys and 3 past them, then -1 where the list is longer
+        draws = max(high + 3, case.width)
+        indices = torch.rand(*shape[:3], draws, generator=gen).argsort(-1)[..., : case.width]
+        indices = torch.where(indices >= high + 3, -1, torch.where(indices >= high, case.seqlen_k + indices - high, indices))
+    else:
+        indices = torch.randint(0, high, shape, generator=gen)
     draw = torch.rand(shape, generator=gen)
     indices = torch.where(draw < 0.15, -1, indices)
-    indices = torch.where(draw > 0.95, case.seqlen_k + torch.randint(0, 3, shape, generator=gen), indices)
-    repeat = torch.rand(shape, generator=gen) < 0.2
-    indices = torch.where(repeat, indices.roll(1, dims=-1), indices)
+    if not case.unique:
+        indices = torch.where(draw > 0.95, case.seqlen_k + torch.randint(0, 3, shape, generator=gen), indices)
+        repeat = torch.rand(shape, generator=gen) < 0.2
+        indices = torch.where(repeat, indices.roll(1, dims=-1), indices)
     indices[:, case.seqlen_q // 2 :][:, :1] = -1
     return indices.to(DEVICE, torch.int32)
 
@@ -65,7 +82,9 @@ def reference(case: TopkCase, inputs: dict, dout: torch.Tensor, compute_dtype: t
 
 
 def run_triton(case: TopkCase, inputs: dict, **kwargs):
-    out, lse = flash_dma_topk_func(**inputs, **call_kwargs(case), return_lse=True, backend="triton", **kwargs)
+    out, lse = flash_dma_topk_func(
+        **inputs, **call_kwargs(case), unique_indices=case.unique, return_lse=True, backend="triton", **kwargs
+    )
     dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
     out.backward(dout)
     return out, lse, dout
@@ -93,13 +112,25 @@ TOPK_CASES = [
     TopkCase(seqlen_q=17, seqlen_k=1, heads=4, kv_heads=4, width=5, bias="pairs:1,Hkv"),
     TopkCase(batch=1, seqlen_q=63, seqlen_k=63, head_dim=64, width=64, bias="pairs:1,1", bias_fp32=True, softcap=3.0, causal=True, hot=6),
     TopkCase(batch=2, seqlen_q=17, seqlen_k=63, heads=4, kv_heads=1, width=5, bias="keys:B,Hkv", bias_fp32=True, causal=True, hot=3),
+    # Unique lists: the passes may walk differently (the split walks), without a bias plane.
+    TopkCase(batch=1, seqlen_q=33, seqlen_k=100, width=16, bias="keys:B,H", causal=True, unique=True),
+    TopkCase(batch=1, seqlen_q=63, seqlen_k=40, heads=6, kv_heads=2, head_dim=40, width=16, window=(20, 3), unique=True),
 ]
+SPLIT_WALKS = [walk for walk, (forward, backward, _) in TOPK_WALKS.items() if forward != backward]
+
+
+def skip_unless_open(case: TopkCase, walk: str) -> None:
+    """A split walk on a case that cannot split runs as the 'packed' or 'split' walk does: skipped."""
+    if walk in SPLIT_WALKS and not case.splits:
+        pytest.skip("a split needs unique indices and no per-pair bias: both passes take the forward's walk")
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", TOPK_CASES, ids=str)
 def test_topk_matches_reference(case, dtype, topk_walk, poison_outputs):
-    """dK and dV added by atomics in the dQ walk (the index kernels), or a packed per-query mask."""
+    """dK and dV added by atomics in the dQ walk (the index kernels), a packed per-query mask, or
+    one in each pass."""
+    skip_unless_open(case, topk_walk)
     check_against_reference(case, dtype)
 
 
@@ -107,21 +138,77 @@ def test_topk_matches_reference(case, dtype, topk_walk, poison_outputs):
 @pytest.mark.parametrize("case", TOPK_CASES, ids=str)
 def test_deterministic_topk_matches_reference(case, dtype, poison_outputs, monkeypatch):
     """deterministic=True on the index kernels: dK and dV key-outer, over the sorted inverse map."""
-    monkeypatch.setattr(triton_backend, "TOPK_PACKED_KEYS_PER_ENTRY", 0)
+    monkeypatch.setattr(dispatch, "TOPK_FORCED_PLAN", TopkPlan(TOPK_INDICES, TOPK_INDICES))
     check_against_reference(case, dtype, deterministic=True)
 
 
-@pytest.mark.parametrize("seqlen_k, packed", [(32, True), (33, False)])
-def test_calls_whose_lists_cover_a_quarter_of_the_keys_run_as_the_packed_mask(seqlen_k, packed, monkeypatch):
-    converted, convert = [], triton_backend.as_mask_problem
-    monkeypatch.setattr(triton_backend, "as_mask_problem", lambda problem: convert(converted.append(problem) or problem))
-    case = TopkCase(seqlen_q=9, seqlen_k=seqlen_k, width=8, bias="pairs:B,Hkv")
-    check_against_reference(case, KERNEL_DTYPES[0])
-    assert triton_backend.TOPK_PACKED_KEYS_PER_ENTRY == 4 and len(converted) == packed
+LLM = dict(batch=1, num_heads=16, num_kv_heads=4, head_dim=128, window=(-1, 0), deterministic=False)
+INDICES, PACKED = TopkPlan(TOPK_INDICES, TOPK_INDICES), TopkPlan(TOPK_PACKED, TOPK_PACKED)
+
+
+@pytest.mark.parametrize(
+    ("seqlen", "width", "plane_heads", "needs_grad", "plan"),
+    [
+        # The measured rows (docs/benchmarks.md, W = 2048): at 32K the packed mask wins both passes,
+        # at 64K its forward, at 128K the index forward.
+        (32768, 2048, 0, True, PACKED),
+        (65536, 2048, 0, False, PACKED),
+        (131072, 2048, 0, False, INDICES),
+        # Lists of 1/64 of the keys: the band costs the mask 32x the index walk's entries.
+        (32768, 512, 0, False, INDICES),
+        (32768, 512, 0, True, INDICES),
+        # A bias plane costs 4 Sk bytes per query and head: none past 4 keys per list entry.
+        (8192, 2048, 4, True, PACKED),
+        (8193, 2048, 4, True, INDICES),
+    ],
+    ids=["32K-fwdbwd", "64K-fwd", "128K-fwd", "W512-fwd", "W512-fwdbwd", "plane-4W", "plane-past-4W"],
+)
+def test_topk_plan_at_measured_and_bounding_points(seqlen, width, plane_heads, needs_grad, plan):
+    assert topk_plan(seqlen_q=seqlen, seqlen_k=seqlen, width=width, plane_heads=plane_heads, needs_grad=needs_grad, **LLM) == plan
+
+
+def _costs(walk_forward: float, walk_backward: float) -> dispatch.TopkCosts:
+    """Costs where the index walk's passes cost the given multiples of the packed mask's."""
+    return dispatch.TopkCosts(
+        walk_forward=walk_forward, walk_backward_overlapping=walk_backward, walk_backward_random=walk_backward,
+        walk_backward_deterministic=walk_backward, walk_backward_growth=0.0, packed_forward=1.0, packed_backward=1.0,
+        packed_backward_deterministic=1.0, bits_entry=0.0, bits_pair=0.0, plane_forward=0.0, plane_backward=0.0,
+    )
+
+
+# 16K causal, W = 1024: 2^26 entries and 2^31 pairs of tiles, so an entry costs 32 pairs' worth.
+@pytest.mark.parametrize(
+    ("walk_forward", "walk_backward", "plane_heads", "needs_grad", "plan"),
+    [
+        (1.0, 1.0, 0, True, INDICES),
+        (64.0, 64.0, 0, True, PACKED),
+        (1.0, 64.0, 0, True, TopkPlan(TOPK_INDICES, TOPK_PACKED)),
+        (64.0, 1.0, 0, True, TopkPlan(TOPK_PACKED, TOPK_INDICES)),
+        (64.0, 1.0, 0, False, PACKED),  # a forward alone: the backward's costs do not count
+        # With a plane (W = 4096: a pass of the mask costs 8 entries' worth), no split, though one
+        # would cost least: 8 + 1 and 1 + 8 entries' worth against 65 and 16, or 13 and 16.
+        (64.0, 1.0, 4, True, PACKED),
+        (1.0, 12.0, 4, True, INDICES),
+    ],
+    ids=["index-cheaper", "mask-cheaper", "split-mask-backward", "split-mask-forward", "forward-only",
+         "plane-packed-not-split", "plane-indices-not-split"],
+)
+def test_topk_plan_takes_each_pass_where_it_costs_least(walk_forward, walk_backward, plane_heads, needs_grad, plan, monkeypatch):
+    monkeypatch.setattr(dispatch, "TOPK_COSTS", _costs(walk_forward, walk_backward))
+    shape = dict(seqlen_q=16384, seqlen_k=16384, width=1024 if plane_heads == 0 else 4096)
+    assert topk_plan(**shape, plane_heads=plane_heads, needs_grad=needs_grad, **LLM) == plan
+
+
+def test_a_forced_plan_wins_where_it_is_open(monkeypatch):
+    monkeypatch.setattr(dispatch, "TOPK_FORCED_PLAN", TopkPlan(TOPK_PACKED, TOPK_INDICES))
+    shape = dict(seqlen_q=64, seqlen_k=1 << 20, width=1, needs_grad=True, **LLM)  # far past every bound
+    assert topk_plan(plane_heads=0, **shape) == TopkPlan(TOPK_PACKED, TOPK_INDICES)
+    assert topk_plan(plane_heads=4, **shape) == PACKED  # a plane: both passes take the forward's walk
 
 
 def test_rows_with_no_counting_entry_give_zero_and_no_gradient(topk_walk):
     case = TopkCase(batch=1, seqlen_q=20, seqlen_k=10, heads=2, kv_heads=1, width=4, bias="pairs:1,H", causal=True)
+    skip_unless_open(case, topk_walk)
     inputs = make_topk_inputs(case, KERNEL_DTYPES[-1])
     inputs["indices"][:, :12] = 9  # above the diagonal for queries 0..10 (Sq > Sk): none counts
     inputs["indices"][:, 15] = -1
@@ -136,8 +223,10 @@ def test_rows_with_no_counting_entry_give_zero_and_no_gradient(topk_walk):
 
 @pytest.mark.parametrize("bias", ["pairs:1,1", "keys:1,H"])
 def test_gradients_are_bitwise_reproducible(bias, topk_walk):
-    # Many queries pick the same few keys: the dK/dV sums are longest there.
-    case = TopkCase(seqlen_q=24, seqlen_k=30, width=8, bias=bias, causal=True, hot=4)
+    # Many queries pick the same few keys: the dK/dV sums are longest there. Unique lists of a per-key
+    # bias run every split too.
+    case = TopkCase(seqlen_q=24, seqlen_k=30, width=8, bias=bias, causal=True, **({"hot": 4} if bias.startswith("pairs") else {"unique": True}))
+    skip_unless_open(case, topk_walk)
     runs = []
     for _ in range(2):
         inputs = make_topk_inputs(case, KERNEL_DTYPES[0])
