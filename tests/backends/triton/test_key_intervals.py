@@ -22,6 +22,7 @@ from tests.helpers import (
     DEVICE,
     DTYPE_IDS,
     KERNEL_DTYPES,
+    ON_GPU,
     SUMMARY_BLOCK_SIZES,
     Case,
     assert_close,
@@ -152,13 +153,46 @@ def test_attention_over_intervals_matches_the_reference(case, dtype, poison_outp
     """Forward and backward on the Triton backend, intervals of a causal top-k per key/value head
     (case.causal) or of runs of any kind per query head, against the float64 reference over the
     same mask as bool."""
+    _check_attention(case, dtype, keep=11, block_size=(16, 32))
+
+
+# Long enough for several tiles of every kind, at the head dims the Hopper kernels take.
+GPU_CASES = [
+    Case(seqlen_q=1000, seqlen_k=1000, heads=8, kv_heads=2, head_dim=128, bias="B,Hkv,1,Sk", causal=True),
+    Case(batch=1, seqlen_q=700, seqlen_k=2048, heads=4, kv_heads=2, head_dim=64, bias="B,H,1,Sk", causal=True),
+    Case(batch=1, seqlen_q=1023, seqlen_k=1000, heads=4, kv_heads=1, head_dim=64, bias="1,H,Sq,Sk"),
+]
+
+
+@pytest.mark.gpu_only
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_long_intervals_on_the_gpu(case, dtype, poison_outputs):
+    """bf16 and fp16 on the GPU (the Hopper kernels' bits path on sm90), a Doge-like keep of 128."""
+    _check_attention(case, dtype, keep=128, block_size=(128, 128))
+
+
+@pytest.mark.gpu_only
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("key_len", [1000, 4099], ids=lambda n: f"Sk{n}")
+def test_bf16_scores_on_the_gpu(key_len, poison_outputs):
+    """bf16 scores (the interpreter has no bf16), where rounding makes ties common, over many tiles
+    of keys: the kernel's ends are plain torch's, padding included."""
+    scores = _scores((2, 2, key_len), f"bf16{key_len}", torch.bfloat16)
+    allowed = (torch.rand(2, 1, key_len, generator=seeded_generator("bf16-padding")) < 0.9).to(DEVICE).expand(2, 2, key_len)
+    for query_len, keep in ((key_len, 128), (key_len // 3, 1024)):
+        assert torch.equal(build_causal_topk_ends(scores, allowed, keep, query_len), causal_topk_ends(scores, allowed, keep, query_len))
+
+
+def _check_attention(case: Case, dtype, keep: int, block_size) -> None:
     inputs = make_inputs(case, dtype, requires_grad=True)
     shape = (case.batch, case.kv_heads if case.causal else case.heads, case.seqlen_k)
     if case.causal:
-        intervals = causal_topk_intervals(_scores(shape, str(case)), 11, query_len=case.seqlen_q, block_size=(16, 32))
+        intervals = causal_topk_intervals(_scores(shape, str(case)), keep, query_len=case.seqlen_q, block_size=block_size)
     else:
         start, end = random_intervals(*shape[:2], case.seqlen_q, case.seqlen_k, str(case))
-        intervals = interval_mask(end, start, query_len=case.seqlen_q, block_size=(32, 64))
+        intervals = interval_mask(end, start, query_len=case.seqlen_q, block_size=block_size)
     dout = torch.randn(inputs["query"].shape, generator=case.generator("dout")).to(DEVICE, dtype)
     out, lse = flash_dma_func(**{**inputs, "attn_mask": intervals}, is_causal=case.causal, return_lse=True, backend="triton")
     out.backward(dout)
