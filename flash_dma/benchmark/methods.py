@@ -26,6 +26,8 @@ from flash_dma import (
     flash_dma_with_kvcache,
     pack_mask,
 )
+from flash_dma.backends.triton import dispatch
+from flash_dma.backends.triton.dispatch import TOPK_INDICES, TOPK_PACKED, TopkPlan
 from flash_dma.benchmark import layers, llama
 from flash_dma.benchmark.inputs import DTYPE, CacheInputs, Inputs, TokenInputs, pad_documents
 from flash_dma.benchmark.suites import Case
@@ -145,18 +147,43 @@ class FlashDmaNoMask(Method):
 
 
 class FlashDmaTopk(Method):
-    name = "flash-dma-topk"
-    description = (
-        "`flash_dma_topk_func(q, k, v, indices, bias[:, :, 0], is_causal=True)`: each query's kept keys "
-        "as top-k indices `[B, Sq, Hkv, W]`, gathered by the kernels, the per-key bias gathered with them "
-        "(topk suite)"
-    )
+    """``flash_dma_topk_func`` on a case's top-k indices: its passes as the cost model plans them
+    (``dispatch.topk_plan``), or each pass forced to one walk, so that a run measures the walks
+    side by side (the topkfit suite)."""
+
+    # name -> (the plan every call takes, None for the model's; unique_indices)
+    VARIANTS = {
+        "flash-dma-topk": (None, True),
+        "flash-dma-topk-indices": (TopkPlan(TOPK_INDICES, TOPK_INDICES), True),
+        "flash-dma-topk-packed": (TopkPlan(TOPK_PACKED, TOPK_PACKED), True),
+        "flash-dma-topk-plane": (TopkPlan(TOPK_PACKED, TOPK_PACKED), False),
+    }
+    _DESCRIPTIONS = {
+        "flash-dma-topk": "each pass as the cost model plans it",
+        "flash-dma-topk-indices": "both passes forced onto the index walk (the indices gathered by the kernels)",
+        "flash-dma-topk-packed": "both passes forced onto the packed per-query mask, its BitMask built inside the call",
+        "flash-dma-topk-plane": "the packed mask with `unique_indices=False`: a float32 bias plane counts repeats",
+    }
+
+    def __init__(self, name: str):
+        self.name = name
+        self.plan, self.unique = self.VARIANTS[name]
+        self.description = (
+            f"`flash_dma_topk_func(q, k, v, indices, bias[:, :, 0], is_causal=True, unique_indices={self.unique})`: "
+            f"each query's kept keys as top-k indices `[B, Sq, Hkv, W]` with the per-key bias; {self._DESCRIPTIONS[name]}"
+        )
 
     def prepare(self, case: Case, inputs: Inputs) -> Prepared:
         bias = None if inputs.bias is None else inputs.bias[:, :, 0]  # per key [1, Hkv, Sk]
 
         def forward() -> torch.Tensor:
-            return flash_dma_topk_func(inputs.query, inputs.key, inputs.value, inputs.indices, bias, is_causal=True)
+            # The plan is taken in the forward call; the backward follows it.
+            chosen, dispatch.TOPK_FORCED_PLAN = dispatch.TOPK_FORCED_PLAN, self.plan
+            try:
+                return flash_dma_topk_func(inputs.query, inputs.key, inputs.value, inputs.indices, bias, is_causal=True,
+                                           unique_indices=self.unique)
+            finally:
+                dispatch.TOPK_FORCED_PLAN = chosen
 
         return Prepared(forward, inputs.leaves)
 
@@ -775,9 +802,10 @@ METHODS: dict[str, Method] = {
         FlashDmaPadded(),
         FlashDmaKvcache(),
         FlashDmaNoCache(),
-        FlashDmaTopk(),
+        FlashDmaTopk("flash-dma-topk"),
         FlashDmaFp8(),
         FlashDmaV1Dense(),
-        PackDense(),  # new methods last: the plots' colours follow this order
+        PackDense(),
+        *(FlashDmaTopk(name) for name in FlashDmaTopk.VARIANTS if name != "flash-dma-topk"),  # new methods last: the plots' colours follow this order
     )
 }

@@ -73,6 +73,10 @@ SUITE_HELP = {
     "forms": "the llm shape at 16K, block top-k 1/8, plain and in the contract's other forms (softcap, "
              "deterministic gradients): what each form costs against the plain call; and at head dims 96, "
              "192 and 256 against Flex",
+    "topkfit": "the sweep behind flash_dma_topk_func's choice of walk per pass (dispatch.TOPK_COSTS): the "
+               "llm shape with each query's top-2048 keys, random and overlapping, at 16K-128K, through the index "
+               "walk, the packed mask built in the call, the same mask handed over built, and the plan chosen; "
+               "8K with a bias plane, and H=64 at 32K. `python -m flash_dma.benchmark.topk_fit` fits the costs",
 }
 SUITES = tuple(SUITE_HELP)
 MODES = ("fwd", "fwdbwd")
@@ -124,6 +128,11 @@ LLM_LONG_LENGTH = 131072
 LLM_LONG_KEEP = 1 / 8
 # MLA-like: many query heads share each gather of the listed keys (the topk suite's TFLOP/s targets).
 TOPK_WIDE_SHAPE = {**LLM_SHAPE, "heads": 64}
+TOPKFIT_LENGTHS = (16384, 32768, 65536, 131072)
+TOPKFIT_PLANE_LENGTH = 8192  # 4 keys per list entry: the longest a bias plane is allowed
+# The plan the model picks; each pass on the index walk; on the packed mask, built in the call; the
+# mask handed over built (its conversion excluded); the last two's difference is the conversion.
+TOPKFIT_METHODS = ("flash-dma-topk", "flash-dma-topk-indices", "flash-dma-topk-packed", "flash-dma")
 
 TOPKQ_LENGTH = 16384
 TOPKQ_KEEP = 1 / 8  # of the key blocks, per query block, the sink and local blocks included
@@ -479,6 +488,29 @@ def llm_cases(quick: bool = False) -> list[Case]:
     return cases
 
 
+def topkfit_cases(quick: bool = False) -> list[Case]:
+    """The top-k cost model's sweep (``dispatch.TopkCosts``): at each of :data:`TOPKFIT_LENGTHS`,
+    random and overlapping selections of 2048 keys per query through :data:`TOPKFIT_METHODS`,
+    forward and forward+backward; then the bias plane at :data:`TOPKFIT_PLANE_LENGTH` (the packed
+    mask with and without it) and a wide group (H=64) at 32K, whose chosen forward is a case of its
+    own: ``quick`` runs that one row. ``flash_dma.benchmark.topk_fit`` turns the results into the
+    constants."""
+
+    def case(shape: dict, length: int, mask: str, methods: tuple[str, ...]) -> Case:
+        return Case("topkfit", "prefill", **shape, seqlen_q=length, seqlen_k=length, keep=TOPK_KEPT_KEYS / length,
+                    methods=methods, modes=MODES, window=TOPK_KEPT_KEYS, mask=mask)
+
+    wide_chosen = replace(case(TOPK_WIDE_SHAPE, TOPK_LENGTH, "query-index", TOPKFIT_METHODS[:1]), modes=("fwd",))
+    if quick:
+        return [wide_chosen]
+    cases = [case(LLM_SHAPE, length, mask, TOPKFIT_METHODS) for length in TOPKFIT_LENGTHS for mask in INDEX_SELECTIONS]
+    return cases + [
+        case(LLM_SHAPE, TOPKFIT_PLANE_LENGTH, "query-index", ("flash-dma-topk-indices", "flash-dma-topk-packed", "flash-dma-topk-plane")),
+        case(TOPK_WIDE_SHAPE, TOPK_LENGTH, "query-index", TOPKFIT_METHODS[1:]),
+        wide_chosen,
+    ]
+
+
 def topkq_cases(quick: bool = False) -> list[Case]:
     """One case: each query block picks its own blocks, so there is no per-call variant (the
     selection is only ever a block mask) and no float-mask SDPA (an 8 GiB ``[H, S, S]`` mask)."""
@@ -632,6 +664,7 @@ BUILDERS = {
     "varlen": varlen_cases,
     "kvcache": kvcache_cases,
     "forms": forms_cases,
+    "topkfit": topkfit_cases,
 }
 
 
