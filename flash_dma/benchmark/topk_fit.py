@@ -3,6 +3,9 @@
     flash-dma bench --suite topkfit --out benchmarks/topkfit
     python -m flash_dma.benchmark.topk_fit benchmarks/topkfit/results.json
 
+(or the suite's lengths in several runs, ``--lengths``, each to its own ``--out``, their
+``results.json`` files named together),
+
 prints the fitted :class:`~flash_dma.backends.triton.dispatch.TopkCosts`, to paste into
 ``dispatch.py``, then per case the time of each plan as its measured passes add up, the plan the
 fitted model picks, its ratio to the fastest, and the ratio of the row the run's own model chose
@@ -174,9 +177,9 @@ def plan_table(results: list[dict], costs: TopkCosts) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path, help="results.json of `flash-dma bench --suite topkfit`")
+    parser.add_argument("results", type=Path, nargs="+", help="results.json of `flash-dma bench --suite topkfit` runs")
     args = parser.parse_args(argv)
-    results = json.loads(args.results.read_text())["results"]
+    results = [row for path in args.results for row in json.loads(path.read_text())["results"]]
     costs = fit(results)
     fields = ", ".join(f"{name}={value:.4g}" for name, value in costs._asdict().items())
     print(f"TOPK_COSTS = TopkCosts({fields})\n")

@@ -4,6 +4,7 @@ constants gives them back, and the plan table ranks the plans of its rows."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -62,3 +63,17 @@ def test_the_plan_table_ranks_each_case_s_plans():
     assert all(row[6] == "1.00x" for row in rows if row[3] == "fwd")
     # With the backward, the picks differ by selection only where the two selections' plans do.
     assert all(float(row[6].rstrip("x")) < 1.5 for row in rows)
+
+
+def test_main_fits_several_runs_together(tmp_path, capsys):
+    rows = _results(KNOWN)
+    short = [row for row in rows if row["case"]["seqlen_k"] < 131072]
+    paths = []
+    for name, part in (("short", short), ("long", [row for row in rows if row not in short])):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"results": part}))
+    assert topk_fit.main([str(p) for p in paths]) == 0
+    printed = capsys.readouterr().out
+    # Both files' rows count: the fit is the known one, and the second file's 128K rows are tabled.
+    assert f"walk_backward_growth={KNOWN.walk_backward_growth:.4g}," in printed
+    assert "| 131072 | 16 | query-index-overlap | fwdbwd |" in printed
