@@ -38,6 +38,7 @@ import triton.language as tl
 import flash_dma.backends.triton as triton_backend
 from flash_dma import (
     build_block_mask,
+    causal_topk_intervals,
     flash_dma_func,
     flash_dma_topk_func,
     flash_dma_varlen_func,
@@ -48,9 +49,12 @@ from flash_dma import (
 from flash_dma.backends.triton import backward as triton_backward
 from flash_dma.backends.triton import dispatch, topk_union
 from flash_dma.backends.triton.block_summary import block_lists, block_state
+from flash_dma.backends.triton.key_intervals import build_causal_topk_ends, build_interval_state, build_interval_words
 from flash_dma.backends.triton.dispatch import TOPK_INDICES, TOPK_PACKED, TopkPlan
 from flash_dma.backends.triton.key_list import build_key_list
+from flash_dma.bit_mask import pack_mask_words
 from flash_dma.inputs import DESCALES, FP8_DTYPE
+from flash_dma.key_intervals import causal_topk_ends, interval_rows, interval_states
 
 MARK = "[sanitize-driver]"
 # Largest error allowed against the float32 reference, relative to max(1, |reference|): loose,
@@ -162,7 +166,9 @@ class Attention:
     ``walk``: "auto" (as the backend chooses: small problems read the mask on every tile),
     "listed" (key list or in-call summary, as large problems), "summary" (``build_block_mask``
     of ``block_size`` passed in), "packed" (the mask as a ``BitMask`` in blocks of
-    ``block_size``), "topk" (``topk_block_mask`` per query block of the bias, no mask).
+    ``block_size``), "topk" (``topk_block_mask`` per query block of the bias, no mask),
+    "intervals" (``KeyIntervals`` of a causal top-k of random per-key scores, a quarter of the keys
+    kept per query, ``mask`` ``"B,1,1,Sk"`` its key padding, in blocks of ``block_size``).
     """
 
     batch: int
@@ -198,6 +204,10 @@ class Attention:
                 leaves["attn_bias"].detach(), self.seqlen_k // 4, block_size=self.block_size, query_len=self.seqlen_q,
                 is_causal=self.causal, sink_blocks=1, local_blocks=1,
             )
+        elif self.walk == "intervals":
+            scores = target.floats(torch.randn(self.batch, self.kv_heads, self.seqlen_k, generator=gen))
+            padding = None if mask is None else mask[:, 0, 0]
+            mask = causal_topk_intervals(scores, self.seqlen_k // 4, padding, query_len=self.seqlen_q, block_size=self.block_size)
         with _walk(self.walk == "listed", self.query_chunks):  # the backward too: query_chunks is the dK/dV launch's
             out, lse = flash_dma_func(
                 **leaves, attn_mask=mask, is_causal=self.causal, window_size=self.window, softcap=self.softcap,
@@ -433,6 +443,33 @@ def summary_block_state(target: Target, gen: torch.Generator) -> Results:
     return results
 
 
+def summary_intervals(target: Target, gen: torch.Generator) -> Results:
+    """The key-interval kernels (block states of runs of rows, with and without start rows, their
+    BitMask words, and a causal top-k's end rows over padded keys with ties) against the plain-torch
+    builders on the CPU, on ragged lengths, 600 rows (several programs of words) and one key."""
+    results = {}
+    for i, (batch, heads, query_len, key_len, block_size) in enumerate(
+        [(2, 3, 129, 257, (16, 32)), (1, 2, 600, 70, (128, 128)), (2, 1, 17, 1, (32, 64))]
+    ):
+        start = torch.randint(-2, query_len + 2, (batch, heads, key_len), generator=gen, dtype=torch.int32)
+        end = start + torch.randint(-2, query_len + 2, (batch, heads, key_len), generator=gen, dtype=torch.int32)
+        start, end = target.ints(start), target.ints(end)
+        for name, begin in (("", start), ("-from0", None)):
+            if target.kernels:
+                state = build_interval_state(begin, end, query_len, *block_size)
+                words = build_interval_words(begin, end, query_len)
+            else:
+                state = interval_states(begin, end, query_len, block_size)
+                words = pack_mask_words(interval_rows(begin, end, 0, query_len))
+            results.update({f"state{i}{name}": state, f"words{i}{name}": words})
+    scores = target.floats(torch.randint(0, 5, (2, 2, 300), generator=gen).float(), fp32=True)
+    padding = target.ints(torch.rand(2, 1, 300, generator=gen) < 0.8).expand(2, 2, 300)
+    for query_len, keep in ((300, 40), (129, 7)):
+        build = build_causal_topk_ends if target.kernels else causal_topk_ends
+        results[f"ends{query_len}"] = build(scores, padding, keep, query_len)
+    return results
+
+
 def summary_topk(target: Target, gen: torch.Generator) -> Results:
     """``topk_block_mask`` per key with a padding mask (on CUDA: the block top-k kernel), per query
     block under causal attention, and per packed sequence (the kernel again); the lists come from
@@ -569,6 +606,12 @@ CASES = {
                    block_size=(128, 128)),
         _attention("attn-topk-d64-causal", batch=2, seqlen_q=257, seqlen_k=257, heads=4, kv_heads=2, head_dim=64,
                    bias="B,Hkv,1,Sk", causal=True, walk="topk", block_size=(32, 32)),
+        # KeyIntervals (Doge's selection): walked as the BitMask of their words, on Hopper's bits path
+        # at D = 64 and 128; queries after cached keys, padded keys.
+        _attention("attn-intervals-d64-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=64,
+                   bias="B,Hkv,1,Sk", causal=True, walk="intervals", block_size=(128, 128)),
+        _attention("attn-intervals-d128-padded", batch=2, seqlen_q=129, seqlen_k=300, heads=8, kv_heads=2, head_dim=128,
+                   mask="B,1,1,Sk", bias="B,H,1,Sk", causal=True, walk="intervals", block_size=(64, 32)),
         _attention("attn-sq1-gqa-d128", batch=2, seqlen_q=1, seqlen_k=257, heads=4, kv_heads=1, head_dim=128,
                    mask="B,Hkv,1,Sk", bias="B,H,1,Sk", causal=True, walk="listed"),
         _attention("attn-len1", batch=3, seqlen_q=1, seqlen_k=1, heads=4, kv_heads=4, head_dim=64,
@@ -662,6 +705,7 @@ CASES = {
         # The builders of walks: block summaries and key lists.
         Case("summary-block-state", summary_block_state),
         Case("summary-topk", summary_topk),
+        Case("summary-intervals", summary_intervals),
         Case("summary-key-list", summary_key_list),
         Case("canary-oob", canary_out_of_bounds, torch.float32, reference=False, default=False),
     ]

@@ -14,7 +14,7 @@ import triton
 
 from flash_dma.backends.triton.dispatch import TOPK_PACKED, topk_plan
 from tests.fuzz.check import Outcome
-from tests.fuzz.configs import INDICES, Trial
+from tests.fuzz.configs import INDICES, INTERVALS, Trial
 
 MARKDOWN_FAILURES = 50  # failures listed in the Markdown report (the JSON has them all)
 _RESULT_COLUMNS = ("trials", "ok", "mismatches", "crashes", "stopped", "seconds", "trials_per_second")
@@ -43,6 +43,8 @@ def features(trial: Trial, outcome: Outcome) -> list[str]:
     tags.append(f"mask[{trial.mask}] {trial.mask_dtype}" if trial.mask else "no mask")
     if trial.walk == INDICES:
         tags.append("top-k run as the packed mask" if topk_packed_passes(trial) else "top-k index kernels")
+    if trial.walk == INTERVALS:
+        tags.append(f"key intervals of a {'causal top-k' if trial.intervals['kind'] == 'topk' else 'random runs'}")
     tags.append(f"bias[{trial.bias}]" + (" fp32" if trial.bias_fp32 else "") if trial.bias else "no bias")
     if trial.mask:
         tags.append(f"mask pattern {trial.mask_pattern}")
