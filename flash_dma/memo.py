@@ -6,6 +6,7 @@ derived from an input, made once per version of it (:class:`DerivedTensors`)."""
 from __future__ import annotations
 
 import weakref
+from contextvars import ContextVar
 
 import torch
 
@@ -82,6 +83,11 @@ def forget_memos() -> None:
         memo.clear()
 
 
+# True while a call's host code runs with its kernels handed to the compiler, none launched
+# (``backends/triton/launch.py``, "Compiling ahead"): what it derives is never written.
+DRY_RUN: ContextVar[bool] = ContextVar("flash_dma_dry_run", default=False)
+
+
 def _traced_or_captured() -> bool:
     """Whether the current call is traced (``torch.compile``) or captured in a CUDA graph: a
     memoised result would then be baked into the graph, and a later replay would not see a change."""
@@ -94,7 +100,8 @@ class DerivedTensors:
     and the backward, is worked on once per step, and one changed in place is worked on again.
 
     Keyed by identity, held by weak reference (an entry goes with its source). A source without a
-    version counter (an inference tensor), or a call being traced or captured, is never memoised.
+    version counter (an inference tensor), or a call being traced, captured or dry-run
+    (:data:`DRY_RUN`), is never memoised.
     """
 
     def __init__(self):
@@ -105,7 +112,7 @@ class DerivedTensors:
 
     def get(self, source: torch.Tensor, key, make):
         """``make()``, or what it returned for ``source`` and ``key`` as ``source`` is now."""
-        if source.is_inference() or _traced_or_captured():
+        if source.is_inference() or _traced_or_captured() or DRY_RUN.get():
             return make()
         entry = self._entries.get(id(source))
         version = source._version

@@ -30,6 +30,8 @@ import torch
 
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.dispatch import TOPK_PACKED, hopper_takes_bits, topk_plan
+from flash_dma.backends.triton.forward import attention_forward
+from flash_dma.backends.triton.launch import AHEAD
 from flash_dma.backends.triton.layout import Call, TopkCall, input_form
 from flash_dma.backends.triton.merge import merge_partial  # the ring's, beside partial_forward
 from flash_dma.backends.triton.ops import (
@@ -119,7 +121,25 @@ def _bits_and_walk(mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
 
 def attention(problem):
     """Backend entry point: ``(out, lse)`` for a validated :class:`~flash_dma.inputs.AttentionProblem`."""
-    return attention_op(_call(problem))
+    if torch.compiler.is_compiling():
+        return attention_op(_call(problem))
+    # A call that needs a kernel compiled first starts compiling all of its kernels (``launch.py``).
+    token = AHEAD.set((dry_attention, (problem, torch.is_grad_enabled())))
+    try:
+        return attention_op(_call(problem))
+    finally:
+        AHEAD.reset(token)
+
+
+def dry_attention(problem, grad_enabled: bool) -> None:
+    """The host code of :func:`attention` on ``problem``, and of its backward where ``grad_enabled``
+    and an input requires grad (its upstream gradient laid out as the output), for a dry run
+    (``launch.dry_run``): each launch starts compiling its kernel, none runs."""
+    call = _call(problem)
+    out, lse = attention_forward(call)
+    bias = problem.attn_bias
+    if grad_enabled and any(t is not None and t.requires_grad for t in (problem.query, problem.key, problem.value, bias)):
+        attention_backward(torch.empty_like(out), call, out, lse, bias is not None and bias.requires_grad)
 
 
 def partial_forward(problem):

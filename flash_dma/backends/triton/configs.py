@@ -120,6 +120,14 @@ def autotune_enabled() -> bool:
     return os.environ.get("FLASH_DMA_AUTOTUNE", "0") == "1" and not triton_interpreting()
 
 
+def compile_ahead_enabled() -> bool:
+    """Whether a call that needs a kernel compiled has all of its kernels, its backward's
+    included, compiled side by side on threads (``launch.py``), unless ``FLASH_DMA_COMPILE_AHEAD=0``.
+    Never while autotuning (candidates are timed on the call's own tensors) nor under the
+    interpreter (nothing compiles)."""
+    return os.environ.get("FLASH_DMA_COMPILE_AHEAD", "1") != "0" and not autotune_enabled() and not triton_interpreting()
+
+
 @functools.lru_cache(maxsize=None)
 def _generation(device_index: int) -> str:
     return "sm90" if torch.cuda.get_device_capability(device_index)[0] >= 9 else "sm80"

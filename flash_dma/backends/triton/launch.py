@@ -16,16 +16,32 @@ The configuration of a problem kind (the caller's ``key``) is chosen once per pr
 
 Whichever way, a candidate whose shared memory exceeds the device's is passed over.
 Under the Triton interpreter the first candidate runs through ``kernel[grid]``.
+
+Compiling ahead. On an empty cache each kernel takes seconds to compile (Triton's passes, ptxas,
+and the host compiler for its C launcher), and a call's launches would compile theirs one after
+another, the backward's only once the forward is done. Instead, a backend entry point names the
+call's *dry run* in :data:`AHEAD` for the length of the call: its host code (forward and backward),
+run once more under :func:`dry_run`, where a launch launches nothing and starts compiling its
+kernel on a pool of threads (:meth:`Launcher.compile_ahead`). The call's first launch that needs a
+kernel compiled runs it (:func:`run_ahead`); then every kernel of the call compiles side by side,
+and each launch waits for its own. Threads suffice: Triton releases the GIL in its LLVM passes and
+runs ptxas and the host compiler as subprocesses. Never under CUDA graph capture (the dry run
+allocates), ``torch.compile`` tracing (the entry point sets nothing), autotuning or the interpreter
+(``configs.compile_ahead_enabled``), nor with ``FLASH_DMA_COMPILE_AHEAD=0``.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -33,8 +49,8 @@ import triton
 import triton.testing
 from triton.runtime import _allocation
 
-from flash_dma.backends.triton.configs import autotune_enabled, triton_interpreting
-from flash_dma.memo import Memo, forget_memos
+from flash_dma.backends.triton.configs import autotune_enabled, compile_ahead_enabled, triton_interpreting
+from flash_dma.memo import DRY_RUN, Memo, forget_memos
 
 _I32 = 2**31
 
@@ -64,6 +80,16 @@ def _int_spec(value: int):
 _LAUNCHERS: list["Launcher"] = []
 
 
+def _constexpr_slots(kernel) -> list[int]:
+    """Positions of the kernel's constexpr parameters (read off its signature under the
+    interpreter, whose jit functions do not list them)."""
+    slots = getattr(kernel, "constexprs", None)
+    if slots is None:
+        parameters = inspect.signature(kernel.fn).parameters.values()
+        slots = [i for i, parameter in enumerate(parameters) if "constexpr" in str(parameter.annotation)]
+    return list(slots)
+
+
 def forget_choices() -> None:
     """Drop every launcher's chosen configurations and compiled handles, and every memoised
     decision, so that the next calls choose again (for example after ``FLASH_DMA_AUTOTUNE`` or
@@ -71,6 +97,7 @@ def forget_choices() -> None:
     for launcher in _LAUNCHERS:
         launcher.choices.clear()
         launcher.compiled.clear()
+        launcher.pending.clear()
         launcher._stored = None
     forget_memos()
 
@@ -159,9 +186,10 @@ class Launcher:
         not_specialized = getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"] or ()
         self.other_int_slots = [names.index(n) for n in not_specialized]
         self.reset_slots = [names.index(n) for n in reset_to_zero]
-        self.constexpr_slots = list(getattr(kernel, "constexprs", ()))
+        self.constexpr_slots = _constexpr_slots(kernel)
         self.choices: dict = {}  # problem key -> Config
         self.compiled: dict = {}  # launch signature -> (CompiledKernel, Config)
+        self.pending: dict = {}  # launch signature -> Future of (CompiledKernel, Config), compiling ahead
         self.plans = Memo()  # (caller's layout, pointers aligned) -> Prepared
         self._stored: dict | None = None  # tuning choices on disk, read on first use
         _LAUNCHERS.append(self)
@@ -172,8 +200,13 @@ class Launcher:
         ``build()`` gives ``(args, key)``: all parameters before the configuration's, and what
         the configuration choice depends on. It runs once per ``layout``, which must therefore
         determine everything in ``args`` but the tensors' addresses. ``candidates()`` lists the
-        configurations and ``grid(config.kwargs)`` gives the grid.
+        configurations and ``grid(config.kwargs)`` gives the grid. In a dry run (:func:`dry_run`)
+        it launches nothing: it starts compiling the kernel (:meth:`compile_ahead`).
         """
+        launches = _DRY.get()
+        if launches is not None:
+            launches.append((self.kernel.__name__, self.compile_ahead(*build(), candidates)))
+            return
         addresses = [t.data_ptr() for t in tensors]
         # Triton specialises each pointer on its own 16-byte alignment: a misaligned call needs the pattern.
         aligned = math.gcd(*addresses) % 16 == 0
@@ -189,6 +222,15 @@ class Launcher:
         if triton_interpreting():
             config = candidates()[0]
             return Prepared(self.kernel, None, _grid3(grid(config.kwargs)), list(args), self.tensor_slots, config.all_kwargs())
+        signature = self._signature(args, key)
+        entry = self.compiled.get(signature)
+        if entry is None:
+            entry = self.compiled[signature] = self._compiled_ahead(signature, grid, args, key, candidates)
+        compiled, config = entry
+        return Prepared(self.kernel, compiled, _grid3(grid(config.kwargs)), [*args, *config.kwargs.values()], self.tensor_slots, {})
+
+    def _signature(self, args: list, key: tuple) -> tuple:
+        """The launch signature of ``args``: what picks the compiled kernel (see the class doc)."""
         self._check_classified(args)
         tensors = [args[i] for i in self.tensor_slots]
         addresses = [t.data_ptr() for t in tensors]
@@ -203,12 +245,7 @@ class Launcher:
             int_key = (tuple(map(_int_spec, ints)), tuple(-_I32 <= x < _I32 for x in others))
         # The constexprs given in ``args`` are compiled in: a kernel built for one set serves no other.
         constants = tuple([args[i] for i in self.constexpr_slots if i < len(args)])
-        signature = (key, constants, int_key, tuple([t.dtype for t in tensors]), tuple(a % 16 == 0 for a in addresses))
-        entry = self.compiled.get(signature)
-        if entry is None:
-            entry = self.compiled[signature] = self._compile(grid, args, key, candidates)
-        compiled, config = entry
-        return Prepared(self.kernel, compiled, _grid3(grid(config.kwargs)), [*args, *config.kwargs.values()], self.tensor_slots, {})
+        return (key, constants, int_key, tuple([t.dtype for t in tensors]), tuple(a % 16 == 0 for a in addresses))
 
     def _check_classified(self, args: list) -> None:
         # An int the launcher does not classify would be specialised by Triton behind its back.
@@ -216,6 +253,51 @@ class Launcher:
         stray = [self.kernel.arg_names[i] for i, a in enumerate(args) if type(a) is int and i not in known]
         if stray:
             raise TypeError(f"{self.kernel.__name__}: int parameters {stray} are neither specialized nor do_not_specialize")
+
+    # -- compiling ahead (module doc) -----------------------------------------------------------
+
+    def compile_ahead(self, args: list, key: tuple, candidates: Callable[[], list]) -> Future | None:
+        """Start compiling the kernel that :meth:`prepare` would give ``args``, on the pool, unless
+        it is compiled or compiling already; :meth:`prepare` waits for it. Returns the compilation's
+        future, or None where there is nothing to compile (compiled already, or under the
+        interpreter) or the choice needs the call's own tensors (autotuning)."""
+        if triton_interpreting() or autotune_enabled():
+            return None
+        signature = self._signature(args, key)
+        if signature in self.compiled:
+            return None
+        future = self.pending.get(signature)
+        if future is None:
+            pointers = list(args)
+            for slot in self.tensor_slots:
+                pointers[slot] = _Pointer(args[slot])
+            future = self.pending[signature] = _pool().submit(self._compile_on_pool, pointers, key, candidates())
+        return future
+
+    def _compile_on_pool(self, args: list, key: tuple, configs: list):
+        """``(compiled, config)`` as :meth:`_compile` gives them, for a thread of the pool; the
+        kernel's C launcher is built too (by the host compiler, into Triton's cache), so that its
+        first launch only loads it. No CUDA call: a graph may be captured meanwhile."""
+        with torch.cuda.device(args[self.tensor_slots[0]].device):
+            compiled, config = self._compile(None, args, key, lambda: configs)
+        triton.runtime.driver.active.launcher_cls(compiled.src, compiled.metadata)
+        return compiled, config
+
+    def _compiled_ahead(self, signature: tuple, grid, args: list, key: tuple, candidates: Callable[[], list]):
+        """``(compiled, config)`` for ``signature``: from the pool, where the call's dry run (run
+        here if it has not run yet) started it; else compiled here."""
+        if signature not in self.pending:
+            run_ahead()
+        future = self.pending.get(signature)
+        if future is None:
+            return self._compile(grid, args, key, candidates)
+        try:
+            return future.result()
+        except Exception:
+            # Compiled again here: a genuine error then reaches the caller from its own call.
+            return self._compile(grid, args, key, candidates)
+        finally:
+            self.pending.pop(signature, None)
 
     # -- the slow path: once per launch signature ----------------------------------------------
 
@@ -299,3 +381,76 @@ class Launcher:
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps(self._stored, indent=1, sort_keys=True))
         partial.replace(path)  # atomic: a concurrent process never reads half a file
+
+
+# -- compiling ahead: the dry run and the pool (module doc) -----------------------------------
+
+# For the length of a backend entry point's call, the call's dry run as ``(function, arguments)``:
+# the call's first launch that needs a kernel compiled runs it (:func:`run_ahead`).
+AHEAD: ContextVar[tuple | None] = ContextVar("flash_dma_ahead", default=None)
+# While a dry run runs, the launches it reached, as ``(kernel name, compilation or None)``.
+_DRY: ContextVar[list | None] = ContextVar("flash_dma_dry_launches", default=None)
+
+
+class _Pointer:
+    """What Triton's specialisation and the launcher read of a tensor argument (its dtype, its
+    device and whether its address is 16-byte aligned), without the tensor: a compilation on the
+    pool outlives the dry run, whose tensors are then freed for the call's own."""
+
+    __slots__ = ("dtype", "device", "_address")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.dtype, self.device, self._address = tensor.dtype, tensor.device, tensor.data_ptr() % 16
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    """The threads that compile ahead: one per CPU this process may run on."""
+    # Triton makes its driver on first use, unguarded: here, before any thread of the pool can.
+    triton.runtime.driver.active.get_current_target()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return ThreadPoolExecutor(max_workers=cpus, thread_name_prefix="flash-dma-compile")
+
+
+# A forked child has none of its parent's threads: it starts a pool of its own.
+os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
+@contextmanager
+def dry_run() -> Iterator[list[tuple[str, Future | None]]]:
+    """Run the host code inside launching no kernel: each launch it reaches starts compiling its
+    kernel on the pool (:meth:`Launcher.compile_ahead`). Yields the launches, as ``(kernel name,
+    compilation)``: the compilation's future, or None where there was nothing to compile.
+
+    What a dry run makes is never written: it is no result, and is not memoised
+    (``flash_dma.memo.DRY_RUN``).
+    """
+    launches: list[tuple[str, Future | None]] = []
+    token, dry = _DRY.set(launches), DRY_RUN.set(True)
+    try:
+        yield launches
+    finally:
+        DRY_RUN.reset(dry)
+        _DRY.reset(token)
+
+
+def run_ahead() -> None:
+    """Run the current call's dry run (:data:`AHEAD`), once per call, where compiling ahead is on
+    and no CUDA graph is being captured: every kernel of the call then compiles side by side."""
+    ahead = AHEAD.get()
+    if ahead is None:
+        return
+    AHEAD.set(None)
+    if not compile_ahead_enabled() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    function, arguments = ahead
+    try:
+        with dry_run():
+            function(*arguments)
+    except Exception:
+        # Compiling ahead only saves time: whatever stops the dry run (memory for its tensors beside
+        # the call's, a backward the call never runs), the call goes on and compiles the rest itself.
+        pass

@@ -1,17 +1,31 @@
-"""Launching: every head dim fits the device, tuning is stored on disk, and the direct launch
-path takes the right compiled kernel whatever the strides and alignment of its inputs."""
+"""Launching: every head dim fits the device, tuning is stored on disk, the direct launch path
+takes the right compiled kernel whatever the strides and alignment of its inputs, and a call's
+kernels are compiled ahead, side by side, by a dry run of the call."""
 
 import gc
 import json
 import weakref
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flash_dma import flash_dma_func, memo
 from flash_dma.backends.triton import launch, layout
 from flash_dma import build_block_mask
-from tests.helpers import DEVICE, KERNEL_DTYPES, Case, assert_close, assert_gradients_close, make_inputs, reference_outputs
+from tests.helpers import (
+    DEVICE,
+    KERNEL_DTYPES,
+    Case,
+    assert_close,
+    assert_gradients_close,
+    make_inputs,
+    reference_outputs,
+    triton_call,
+)
 
 
 @pytest.fixture
@@ -171,3 +185,178 @@ def test_a_compiled_kernel_serves_only_its_own_constexprs():
         scores = blocks.mean(-1) if mean else blocks.amax(-1)
         expected = torch.zeros_like(scores, dtype=torch.int8).scatter_(-1, scores.topk(3, dim=-1).indices, 2)
         assert torch.equal(block_topk_state(bias, None, None, block, 3, 0, mean), expected), (block, mean)
+
+
+# -- compiling ahead (launch.py's module doc) -------------------------------------------------
+
+AHEAD_CASES = [
+    # A per-key mask made into a key list, and a per-pair one walked by a summary built per call.
+    Case(batch=1, seqlen_q=70, seqlen_k=70, heads=4, kv_heads=2, head_dim=16, mask="1,Hkv,1,Sk", bias="1,Hkv,1,Sk", causal=True, listed=True),
+    Case(seqlen_q=40, seqlen_k=90, heads=4, kv_heads=2, head_dim=16, mask="B,Hkv,Sq,Sk", bias="1,H,Sq,Sk", listed=True),
+    Case(seqlen_q=70, seqlen_k=70, heads=2, kv_heads=1, head_dim=32, mask="1,1,Sq,Sk", packed=True, block_size=(32, 32), causal=True),
+    Case(seqlen_q=70, seqlen_k=70, heads=2, kv_heads=1, head_dim=32, causal=True),
+]
+
+
+@pytest.fixture
+def backend_calls(monkeypatch):
+    """The problems the Triton backend's entry point receives, and the kernels each launch runs."""
+    import flash_dma.backends.triton as triton_backend
+
+    problems, launched = [], []
+    entry, run = triton_backend.attention, launch.Prepared.run
+    monkeypatch.setattr(triton_backend, "attention", lambda problem: problems.append(problem) or entry(problem))
+    monkeypatch.setattr(launch.Prepared, "run", lambda self, *tensors: launched.append(self.kernel.__name__) or run(self, *tensors))
+    return problems, launched
+
+
+@pytest.mark.parametrize("case", AHEAD_CASES, ids=str)
+def test_a_dry_run_reaches_every_launch_of_the_call_and_runs_none(case, backend_calls):
+    """The call's dry run goes through its forward's and its backward's host code: it reaches the
+    launches that the call itself makes, in order, and launches none of them."""
+    import flash_dma.backends.triton as triton_backend
+
+    problems, launched = backend_calls
+    inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
+    triton_call(case, inputs).sum().backward()
+    calls = list(launched)
+    small = triton_backend.SMALL_PROBLEM
+    triton_backend.SMALL_PROBLEM = 0 if case.listed else small  # as triton_call had it
+    try:
+        with launch.dry_run() as launches:
+            triton_backend.dry_attention(problems[0], True)
+        with launch.dry_run() as forward_launches:
+            triton_backend.dry_attention(problems[0], False)  # no backward without grad mode
+    finally:
+        triton_backend.SMALL_PROBLEM = small
+    assert [name for name, _ in launches] == calls and "_dq_kernel" in calls
+    assert launched == calls  # nothing ran in the dry runs
+    assert all(compilation is None for _, compilation in launches)  # the interpreter compiles nothing
+    assert [name for name, _ in forward_launches] == calls[: calls.index("_delta_kernel")]
+
+
+@pytest.mark.parametrize("made", ["key-list", "interval-words"])
+def test_what_a_dry_run_derives_is_never_reused(made, poison_outputs, monkeypatch):
+    """A dry run's tensors are never written (here: NaN or the largest int), so what it makes of a
+    mask (a per-key mask's key list, a KeyIntervals' words) must not be kept for the mask's next
+    call (``memo.DRY_RUN``)."""
+    import flash_dma.backends.triton as triton_backend
+    from flash_dma import interval_mask
+    from flash_dma.backends.triton import key_intervals
+    from flash_dma.inputs import normalize_inputs
+
+    monkeypatch.setattr(triton_backend, "SMALL_PROBLEM", 0)
+    case = Case(batch=1, seqlen_q=70, seqlen_k=70, heads=4, kv_heads=2, head_dim=16, mask="1,Hkv,1,Sk", bias="1,Hkv,1,Sk", causal=True)
+    inputs = make_inputs(case, KERNEL_DTYPES[0])
+    if made == "interval-words":  # each key seen by the rows [key // 2, 70)
+        ends = torch.full((1, 2, 70), 70, dtype=torch.int32, device=DEVICE)
+        starts = torch.arange(70, dtype=torch.int32, device=DEVICE).div(2, rounding_mode="floor").expand(1, 2, 70).contiguous()
+        intervals = interval_mask(ends, starts, query_len=70, block_size=(32, 32))
+        inputs["attn_mask"] = intervals
+    problem = normalize_inputs(*inputs.values(), is_causal=True, descales=(None, None, None))
+    memos = (len(triton_backend._DERIVED), len(key_intervals._BITS_OF))
+    with launch.dry_run() as launches:
+        triton_backend.dry_attention(problem, False)
+    kernel = "_key_list_kernel" if made == "key-list" else "_interval_words_kernel"
+    assert kernel in [name for name, _ in launches] and (len(triton_backend._DERIVED), len(key_intervals._BITS_OF)) == memos
+    out = flash_dma_func(**inputs, is_causal=True, backend="triton")
+    dense = {**inputs, "attn_mask": intervals.dense()} if made == "interval-words" else inputs
+    oracle, _, _ = reference_outputs(case, dense, None, torch.float64)
+    baseline, _, _ = reference_outputs(case, dense, None, KERNEL_DTYPES[0])
+    assert_close("out", out, oracle, baseline)
+
+
+@triton.jit
+def _doubled_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + offsets, 2 * tl.load(X + offsets, mask=offsets < n), mask=offsets < n)
+
+
+@pytest.fixture
+def compiling_pool(monkeypatch):
+    """Launchers that compile as on a GPU, on a pool of two threads, with stand-ins for Triton's
+    compilation: ``on_pool`` lists each kernel compiled on the pool (name, arguments), and a
+    compilation by the call fails. Every choice is forgotten before and after."""
+    pool = ThreadPoolExecutor(2)
+    compiled = SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=0))
+    on_pool = []
+
+    def compile_on_pool(self, args, key, configs):
+        on_pool.append((self.kernel.__name__, args))
+        return compiled, configs[0]
+
+    monkeypatch.setattr(launch, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(launch, "_pool", lambda: pool)
+    monkeypatch.setattr(launch.Launcher, "_compile_on_pool", compile_on_pool)
+    monkeypatch.setattr(launch.Launcher, "_compile", lambda *_: pytest.fail("the call compiled a kernel itself"))
+    launch.forget_choices()
+    yield SimpleNamespace(compiled=compiled, on_pool=on_pool)
+    launch.forget_choices()  # the plans made here hold the stand-in kernel
+    pool.shutdown()
+
+
+def _doubled_launch():
+    """A launcher of ``_doubled_kernel`` and its launch's ``(tensors, build, candidates, grid)``."""
+    launcher = launch.Launcher(_doubled_kernel, tensors=("X", "Y"), specialized=("n",))
+    x, y = torch.ones(64, device=DEVICE), torch.empty(64, device=DEVICE)
+    args = [x, y, 64, 32]
+    return launcher, ([x, y], lambda: (args, ("doubled",)), lambda: [triton.Config({}, num_warps=4, num_stages=1)], lambda meta: (2,))
+
+
+def test_a_launch_takes_the_kernel_its_dry_run_started(compiling_pool):
+    """A dry run hands each kernel to the pool once, without its tensors (only what Triton
+    specialises on), and the launch that needs it waits for it instead of compiling its own."""
+    launcher, (tensors, build, candidates, grid) = _doubled_launch()
+    with launch.dry_run() as launches:
+        launcher.launch("layout", tensors, build, candidates, grid)
+        launcher.launch("layout", tensors, build, candidates, grid)  # compiling already: nothing more
+    (name, first), (_, second) = launches
+    assert name == "_doubled_kernel" and first is second and first.result()[0] is compiling_pool.compiled
+    ((_, arguments),) = compiling_pool.on_pool
+    assert not any(isinstance(a, torch.Tensor) for a in arguments)
+    assert [(a.dtype, a.device, a.data_ptr()) for a in arguments[:2]] == [(t.dtype, t.device, t.data_ptr() % 16) for t in tensors]
+    prepared = launcher.prepare(grid, *build(), candidates)
+    assert prepared.compiled is compiling_pool.compiled and launcher.pending == {}
+
+
+def test_a_kernel_that_failed_on_the_pool_is_compiled_by_its_call(compiling_pool, monkeypatch):
+    """A failure on the pool is not the call's: the call compiles the kernel again, and a genuine
+    error then comes from its own compilation."""
+    own = SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=0))
+    monkeypatch.setattr(launch.Launcher, "_compile_on_pool", lambda *_: (_ for _ in ()).throw(RuntimeError("on the pool")))
+    monkeypatch.setattr(launch.Launcher, "_compile", lambda self, grid, args, key, candidates: (own, candidates()[0]))
+    launcher, (tensors, build, candidates, grid) = _doubled_launch()
+    with launch.dry_run():
+        launcher.launch("layout", tensors, build, candidates, grid)
+    assert launcher.prepare(grid, *build(), candidates).compiled is own and launcher.pending == {}
+
+
+def test_a_call_starts_every_kernel_compiling_at_its_first_compilation(compiling_pool, monkeypatch):
+    """End to end, on a layout never seen: the call's first launch that needs a kernel runs the
+    call's dry run, once, which hands every kernel of the forward and the backward to the pool;
+    each launch then takes its kernel from there. After the call the entry point has left nothing set."""
+    monkeypatch.setattr(launch, "compile_ahead_enabled", lambda: True)
+    dry_runs = []
+    dry_run = launch.dry_run
+    monkeypatch.setattr(launch, "dry_run", lambda: dry_runs.append(1) or dry_run())
+    launched = []
+    monkeypatch.setattr(launch.Prepared, "run", lambda self, *tensors: launched.append(self.kernel.__name__))  # no GPU to run on
+    case = AHEAD_CASES[0]
+    inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
+    triton_call(case, inputs).sum().backward()
+    assert [name for name, _ in compiling_pool.on_pool] == launched and len(launched) == 6
+    assert dry_runs == [1] and launch.AHEAD.get() is None
+
+
+def test_compiling_ahead_is_on_unless_turned_off_or_autotuning(monkeypatch):
+    from flash_dma.backends.triton import configs
+
+    monkeypatch.setattr(configs, "triton_interpreting", lambda: False)
+    monkeypatch.delenv("FLASH_DMA_AUTOTUNE", raising=False)
+    monkeypatch.delenv("FLASH_DMA_COMPILE_AHEAD", raising=False)
+    assert configs.compile_ahead_enabled()
+    monkeypatch.setenv("FLASH_DMA_COMPILE_AHEAD", "0")
+    assert not configs.compile_ahead_enabled()
+    monkeypatch.setenv("FLASH_DMA_COMPILE_AHEAD", "1")
+    monkeypatch.setenv("FLASH_DMA_AUTOTUNE", "1")  # candidates are timed on the call's own tensors
+    assert not configs.compile_ahead_enabled()
