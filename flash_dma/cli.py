@@ -1,4 +1,4 @@
-"""The ``flash-dma`` command: ``demo``, ``bench``, ``bench-cp`` and ``selfcheck``, and ``--version``.
+"""The ``flash-dma`` command: ``demo``, ``bench``, ``bench-cp``, ``selfcheck`` and ``precompile``, and ``--version``.
 
 The arguments are parsed before anything imports torch or the kernels, so that ``--help`` and
 ``--version`` answer at once. Each subcommand names two functions as ``"module:function"``: one
@@ -60,6 +60,11 @@ SUBCOMMANDS = {
         "run attention on an example on every available backend",
         "flash_dma.selfcheck:add_arguments",
         "flash_dma.selfcheck:main",
+    ),
+    "precompile": Subcommand(
+        "compile the kernels of named shapes and forms into Triton's cache, in parallel (CUDA)",
+        "flash_dma.precompile:add_arguments",
+        "flash_dma.precompile:main",
     ),
 }
 
