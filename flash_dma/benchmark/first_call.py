@@ -2,8 +2,10 @@
 
 Each row runs a child Python process (``python -c CHILD_CODE REQUEST``). The child imports
 flash_dma, makes the case's inputs, prepares the method (for a Llama method: builds the model),
-then times its first call, forward or forward + backward, synchronised, and prints one JSON
-line, which the parent parses. Compilation and autotuning in the child are what is measured.
+then times its first call, forward or forward + backward, synchronised (the forward alone too),
+and prints one JSON line, which the parent parses. Compilation and autotuning in the child are
+what is measured; a flash-dma call compiles its kernels side by side ("Compiling ahead" in
+``backends/triton/launch.py``) unless the child's environment sets ``FLASH_DMA_COMPILE_AHEAD=0``.
 
 - Warm cache: the child runs twice with the default compiler caches, and the second run is
   reported; the first fills the caches (or finds them full already).
@@ -29,6 +31,7 @@ from flash_dma.benchmark.inputs import make_inputs
 from flash_dma.benchmark.measure import Measurement
 from flash_dma.benchmark.methods import METHODS, Prepared
 from flash_dma.benchmark.suites import Case
+from flash_dma.precompile import CompileRecord
 
 # The clock starts before any import: importing flash_dma (torch, triton) is part of the wait.
 CHILD_CODE = (
@@ -42,26 +45,19 @@ COMPILER_CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 @dataclass(frozen=True)
 class ChildTimes:
     """``before_s``: from the child's start to its first call (imports, inputs, the model);
-    ``first_s``: the first call, synchronised; ``compiles``: each Triton compilation of the child,
-    as ``(kernel name, seconds, cache hit)``, in order (see :class:`CompileRecord`)."""
+    ``first_s``: the first call, synchronised; ``forward_s``: its forward alone (all of it for a
+    forward); ``compiles``: each Triton compilation of the child, as ``(kernel name, seconds,
+    cache hit)``, in the order they finished (``flash_dma.precompile.CompileRecord``)."""
 
     before_s: float
     first_s: float
+    forward_s: float
     compiles: tuple[tuple[str, float, bool], ...] = ()
 
-
-class CompileRecord:
-    """A Triton compilation listener that keeps each compilation's kernel, time and cache hit.
-
-    Triton calls it for every kernel it compiles or finds in its cache (``knobs.compilation.listener``);
-    a cache hit's time is that of loading the binary.
-    """
-
-    def __init__(self) -> None:
-        self.compiles: list[tuple[str, float, bool]] = []
-
-    def __call__(self, *, src, metadata, metadata_group, times, cache_hit: bool) -> None:
-        self.compiles.append((metadata["name"], times.total / 1e6, cache_hit))
+    @property
+    def compiled(self) -> int:
+        """The kernels the child compiled (found in no cache)."""
+        return sum(not hit for _, _, hit in self.compiles)
 
 
 class ChildFailed(RuntimeError):
@@ -79,18 +75,22 @@ def _case_from_dict(fields: dict) -> Case:
                    "documents": documents})
 
 
-def first_call_seconds(prepared: Prepared, mode: str, synchronize: Callable[[], None]) -> float:
-    """Wall time of the first forward (``"fwd"``) or forward and backward (``"fwdbwd"``)."""
+def first_call_seconds(prepared: Prepared, mode: str, synchronize: Callable[[], None]) -> tuple[float, float]:
+    """Wall times of the first forward (``"fwd"``) or forward and backward (``"fwdbwd"``), and of its forward alone."""
     start = time.perf_counter()
     out = prepared.forward()
-    if mode == "fwdbwd":
-        out.backward(torch.ones_like(out))
     synchronize()
-    return time.perf_counter() - start
+    forward_s = time.perf_counter() - start
+    if mode != "fwdbwd":
+        return forward_s, forward_s
+    out.backward(torch.ones_like(out))
+    synchronize()
+    return time.perf_counter() - start, forward_s
 
 
 def child_main(start: float, argv: list[str] | None = None) -> None:
-    """The child's body: runs the request in ``argv[1]`` and prints ``{"before_s": .., "first_s": .., "compiles": [..]}``."""
+    """The child's body: runs the request in ``argv[1]`` and prints ``{"before_s": .., "first_s": ..,
+    "forward_s": .., "compiles": [..]}``."""
     request = json.loads((sys.argv if argv is None else argv)[1])
     case = _case_from_dict(request["case"])
     device = torch.device(request["device"])
@@ -105,10 +105,10 @@ def child_main(start: float, argv: list[str] | None = None) -> None:
         prepared = METHODS[request["method"]].prepare(case, make_inputs(case, device))
         synchronize()
         before_s = time.perf_counter() - start
-        first_s = first_call_seconds(prepared, request["mode"], synchronize)
+        first_s, forward_s = first_call_seconds(prepared, request["mode"], synchronize)
     finally:
         triton.knobs.compilation.listener = listening
-    print(json.dumps({"before_s": before_s, "first_s": first_s, "compiles": record.compiles}), flush=True)
+    print(json.dumps({"before_s": before_s, "first_s": first_s, "forward_s": forward_s, "compiles": record.compiles}), flush=True)
 
 
 def parse_child_output(stdout: str) -> ChildTimes:
@@ -117,7 +117,8 @@ def parse_child_output(stdout: str) -> ChildTimes:
         if line.startswith("{"):
             fields = json.loads(line)
             compiles = tuple((str(name), float(seconds), bool(hit)) for name, seconds, hit in fields.get("compiles", ()))
-            return ChildTimes(before_s=float(fields["before_s"]), first_s=float(fields["first_s"]), compiles=compiles)
+            return ChildTimes(before_s=float(fields["before_s"]), first_s=float(fields["first_s"]),
+                              forward_s=float(fields["forward_s"]), compiles=compiles)
     raise ChildFailed(f"no result line in the child's output ({len(stdout)} characters)")
 
 

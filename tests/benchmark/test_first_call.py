@@ -29,21 +29,15 @@ def _case(cache="warm", **changes) -> Case:
 
 
 def test_the_child_line_carries_its_compilations():
-    stdout = '{"before_s": 1.0, "first_s": 2.0, "compiles": [["_fwd", 1.5, false], ["_dq", 0.01, true]]}\n'
-    assert parse_child_output(stdout).compiles == (("_fwd", 1.5, False), ("_dq", 0.01, True))
-
-
-def test_the_compile_record_keeps_name_seconds_and_cache_hit():
-    from types import SimpleNamespace
-
-    record = first_call.CompileRecord()
-    record(src=None, metadata={"name": "_kernel"}, metadata_group={}, times=SimpleNamespace(total=2_500_000), cache_hit=False)
-    assert record.compiles == [("_kernel", 2.5, False)]
+    stdout = '{"before_s": 1.0, "first_s": 2.0, "forward_s": 1.5, "compiles": [["_fwd", 1.5, false], ["_dq", 0.01, true]]}\n'
+    times = parse_child_output(stdout)
+    assert times.compiles == (("_fwd", 1.5, False), ("_dq", 0.01, True)) and times.compiled == 1
 
 
 def test_the_result_is_the_last_json_line():
-    stdout = 'loading...\n{"before_s": 1.0, "first_s": 9.0}\nwarning: {not json\n{"before_s": 2.5, "first_s": 0.75}\n'
-    assert parse_child_output(stdout) == ChildTimes(before_s=2.5, first_s=0.75)
+    stdout = ('loading...\n{"before_s": 1.0, "first_s": 9.0, "forward_s": 3.0}\nwarning: {not json\n'
+              '{"before_s": 2.5, "first_s": 0.75, "forward_s": 0.5}\n')
+    assert parse_child_output(stdout) == ChildTimes(before_s=2.5, first_s=0.75, forward_s=0.5)
     with pytest.raises(ChildFailed, match="no result line"):
         parse_child_output("Traceback (most recent call last):\n")
 
@@ -58,7 +52,7 @@ def test_the_request_holds_the_whole_case():
 class FakeRun:
     """Stands in for ``subprocess.run``: records the calls, answers with a canned process."""
 
-    def __init__(self, returncode=0, stdout='{"before_s": 4.0, "first_s": 2.0}\n', stderr="", timeout=False):
+    def __init__(self, returncode=0, stdout='{"before_s": 4.0, "first_s": 2.0, "forward_s": 1.0}\n', stderr="", timeout=False):
         self.calls = []
         self.returncode, self.stdout, self.stderr, self.timeout = returncode, stdout, stderr, timeout
 
@@ -71,7 +65,7 @@ class FakeRun:
 
 def test_run_child_runs_python_on_the_request():
     fake = FakeRun()
-    assert run_child("REQUEST", {"A": "1"}, run=fake) == ChildTimes(before_s=4.0, first_s=2.0)
+    assert run_child("REQUEST", {"A": "1"}, run=fake) == ChildTimes(before_s=4.0, first_s=2.0, forward_s=1.0)
     ((command, kwargs),) = fake.calls
     assert command == [sys.executable, "-c", CHILD_CODE, "REQUEST"]
     assert kwargs["env"] == {"A": "1"} and kwargs["capture_output"] and kwargs["text"] and kwargs["timeout"] > 0
@@ -90,7 +84,7 @@ def test_warm_cache_runs_the_child_twice_and_reports_the_second():
 
     def run(request, env):
         runs.append((request, env))
-        return ChildTimes(before_s=5.0, first_s=30.0) if len(runs) == 1 else ChildTimes(before_s=4.0, first_s=2.0)
+        return ChildTimes(5.0, 30.0, 20.0) if len(runs) == 1 else ChildTimes(4.0, 2.0, 1.0)
 
     case = _case("warm")
     m = measure_first_call(case, "flash-dma-percall", "fwdbwd", run=run)
@@ -107,7 +101,7 @@ def test_cold_caches_give_the_child_fresh_empty_cache_folders():
         assert len(set(folders)) == 2 and not any(os.path.exists(f) for f in folders)
         assert os.path.isdir(os.path.dirname(folders[0]))
         assert env["PATH"] == os.environ["PATH"]  # the rest of the environment is kept
-        return ChildTimes(before_s=4.0, first_s=25.0)
+        return ChildTimes(before_s=4.0, first_s=25.0, forward_s=12.0)
 
     m = measure_first_call(_case("cold"), "flash-dma-percall", "fwd", run=run)
     assert m.ms == 25000.0 and len(runs) == 1
@@ -119,7 +113,8 @@ def test_the_child_prints_its_times_on_the_cpu(mode, capsys):
     start = time.perf_counter()
     child_main(start, ["-c", child_request(_case(), "flash-dma-percall", mode, device="cpu")])
     times = parse_child_output(capsys.readouterr().out)
-    assert times.before_s > 0 and times.first_s > 0
+    assert times.before_s > 0 and 0 < times.forward_s <= times.first_s
+    assert (times.forward_s == times.first_s) == (mode == "fwd")
     assert times.before_s + times.first_s <= time.perf_counter() - start
     assert first_call.triton.knobs.compilation.listener is None  # the child's record is not left installed
 
