@@ -31,6 +31,7 @@ import torch
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.dispatch import TOPK_PACKED, hopper_takes_bits, topk_plan
 from flash_dma.backends.triton.forward import attention_forward
+from flash_dma.backends.triton.key_intervals import as_bit_mask
 from flash_dma.backends.triton.launch import AHEAD
 from flash_dma.backends.triton.layout import Call, TopkCall, input_form
 from flash_dma.backends.triton.merge import merge_partial  # the ring's, beside partial_forward
@@ -80,7 +81,7 @@ def walk_fields(state: torch.Tensor, block_size, kv_lists=None, q_lists=None) ->
 def _call(problem) -> Call:
     """The :class:`~flash_dma.backends.triton.layout.Call` of a validated
     :class:`~flash_dma.inputs.AttentionProblem`, with the walk of its mask chosen (module doc)."""
-    mask, summary = problem.attn_mask, problem.block_mask
+    mask, summary = as_bit_mask(problem.attn_mask), problem.block_mask  # key intervals: as their BitMask
     batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, _ = problem.entries
     bits = isinstance(mask, BitMask)
     if bits and (mask.shape[2] == 1 or mask.shape[3] == 1):
