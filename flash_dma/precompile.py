@@ -45,6 +45,7 @@ FORMS = {
     "none": "neither mask nor bias",
 }
 DTYPES = ("bf16", "fp16")
+AUTOTUNING_EXIT_CODE = 2
 DESCRIPTION = (
     "Fill Triton's kernel cache (TRITON_CACHE_DIR, by default ~/.triton/cache) with the kernels of the "
     "attention calls named below, compiled in parallel, so that a new process on this machine, an image "
@@ -196,9 +197,15 @@ def main(args: argparse.Namespace) -> int:
     import torch
     import triton
 
+    from flash_dma.backends.triton.configs import autotune_enabled
+
     if not torch.cuda.is_available():
         print("flash-dma precompile: no CUDA GPU is available; which kernels a call takes depends on the GPU.")
         return NO_CUDA_EXIT_CODE
+    if autotune_enabled():
+        print("flash-dma precompile: FLASH_DMA_AUTOTUNE=1 times each kernel's candidates on a call's own tensors, "
+              "so nothing can be compiled ahead; unset it to precompile.")
+        return AUTOTUNING_EXIT_CODE
     selected = problems(args)
     record, listening = CompileRecord(), triton.knobs.compilation.listener
     triton.knobs.compilation.listener = record

@@ -61,6 +61,13 @@ def test_without_a_gpu_it_says_so(capsys):
     assert "no CUDA GPU" in capsys.readouterr().out
 
 
+@pytest.mark.gpu_only
+def test_while_autotuning_it_says_why_it_compiles_nothing(monkeypatch, capsys):
+    monkeypatch.setenv("FLASH_DMA_AUTOTUNE", "1")
+    assert precompile.main(_parse()) == precompile.AUTOTUNING_EXIT_CODE
+    assert "FLASH_DMA_AUTOTUNE=1" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("form", list(precompile.FORMS))
 def test_it_starts_compiling_the_kernels_of_the_call(form, monkeypatch):
     """The dry run of each problem reaches the launches that the same call makes, forward and

@@ -348,6 +348,34 @@ def test_a_call_starts_every_kernel_compiling_at_its_first_compilation(compiling
     assert dry_runs == [1] and launch.AHEAD.get() is None
 
 
+@pytest.mark.gpu_only
+def test_on_a_gpu_a_new_layout_compiles_on_the_pool_and_passes_the_oracle(monkeypatch):
+    """On the GPU, every kernel that a call of a layout never seen needs, its backward's included,
+    is compiled by the pool's threads (none by the call's own), and the call's results pass."""
+    import threading
+
+    monkeypatch.delenv("FLASH_DMA_COMPILE_AHEAD", raising=False)
+    threads = []
+    compile_kernel = launch.Launcher._compile
+    monkeypatch.setattr(launch.Launcher, "_compile",
+                        lambda self, *args: threads.append(threading.current_thread().name) or compile_kernel(self, *args))
+    launch.forget_choices()
+    case = Case(batch=1, seqlen_q=1000, seqlen_k=1000, heads=4, kv_heads=2, head_dim=64, mask="1,Hkv,1,Sk", bias="1,Hkv,1,Sk",
+                causal=True, listed=True)
+    inputs = make_inputs(case, torch.bfloat16, requires_grad=True)
+    dout = torch.randn(inputs["query"].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    try:
+        out = triton_call(case, inputs)
+        out.backward(dout)
+    finally:
+        launch.forget_choices()
+    assert len(threads) >= 4 and all(name.startswith("flash-dma-compile") for name in threads), threads
+    oracle_out, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
+    baseline_out, _, baseline = reference_outputs(case, inputs, dout, torch.bfloat16)
+    assert_close("out", out, oracle_out, baseline_out)
+    assert_gradients_close(inputs, oracle, baseline)
+
+
 def test_compiling_ahead_is_on_unless_turned_off_or_autotuning(monkeypatch):
     from flash_dma.backends.triton import configs
 
