@@ -55,8 +55,18 @@ def test_bad_arguments_are_refused():
     mask = torch.ones(1, 1, 4, 40, dtype=torch.bool)
     with pytest.raises(ValueError, match="block_size"):
         pack_mask(mask, block_size=(16, 16))  # key blocks of whole words only
-    with pytest.raises(TypeError, match="attn_mask"):
-        pack_mask(mask.float())
+    with pytest.raises(TypeError, match="attn_mask: expected a bool, 0/1 integer or additive float tensor"):
+        pack_mask(mask.to(torch.complex64))
+
+
+def test_additive_float_masks_pack_the_pairs_they_keep():
+    kept = torch.rand(2, 1, 9, 70, generator=torch.Generator().manual_seed(7)) < 0.5
+    for dtype in (torch.float32, torch.float16):
+        additive = torch.where(kept, torch.randn(kept.shape).to(dtype), torch.finfo(dtype).min)
+        additive[0, 0, 0, :3] = float("-inf")
+        expected = kept.clone()
+        expected[0, 0, 0, :3] = False
+        assert torch.equal(pack_mask(additive.to(DEVICE)).dense().cpu(), expected)
     with pytest.raises(ValueError, match="indices"):
         indices_to_mask(torch.tensor([[[[0, 40]]]]), 40)
     with pytest.raises(TypeError, match="indices"):
