@@ -88,6 +88,13 @@ def forget_memos() -> None:
 DRY_RUN: ContextVar[bool] = ContextVar("flash_dma_dry_run", default=False)
 
 
+def dry_running() -> bool:
+    """Whether the current host code is a call's dry run (``launch.dry_run``): it launches no
+    kernel, and what it derives is never written, so it must not be memoised, nor counted by
+    whoever watches for a call's launches."""
+    return DRY_RUN.get()
+
+
 def _traced_or_captured() -> bool:
     """Whether the current call is traced (``torch.compile``) or captured in a CUDA graph: a
     memoised result would then be baked into the graph, and a later replay would not see a change."""
@@ -112,7 +119,11 @@ class DerivedTensors:
 
     def get(self, source: torch.Tensor, key, make):
         """``make()``, or what it returned for ``source`` and ``key`` as ``source`` is now."""
-        if source.is_inference() or _traced_or_captured() or DRY_RUN.get():
+        if not isinstance(source, torch.Tensor):
+            # Keyed by a tensor's version counter: a mask object (BitMask, KeyIntervals) must be
+            # turned into its tensors first, or the entry could never see it change.
+            raise TypeError(f"source: expected a torch.Tensor, got {type(source).__name__}")
+        if source.is_inference() or _traced_or_captured() or dry_running():
             return make()
         entry = self._entries.get(id(source))
         version = source._version

@@ -32,7 +32,7 @@ from flash_dma.backends.triton.layout import kernel_view, placeholder, tensor_la
 from flash_dma.bit_mask import WORD_BITS, BitMask, words_per_row
 from flash_dma.integers import cdiv
 from flash_dma.key_intervals import KeyIntervals
-from flash_dma.memo import DRY_RUN
+from flash_dma.memo import dry_running
 
 _KEYS = 1024  # keys classified per program of the state kernel
 _ROWS, _WORDS, _ROW_SPAN = 16, 8, 256  # rows and words per step of the words kernel; rows per program
@@ -303,6 +303,6 @@ def as_bit_mask(mask):
     if bit_mask is None:
         bit_mask = BitMask(interval_words(mask.start, mask.end, mask.shape[2]), mask.shape, mask.summary)
         # Kept unless traced (a graph would bake it in) or dry-run (its words are never written: ``memo.DRY_RUN``).
-        if not torch.compiler.is_compiling() and not DRY_RUN.get():
+        if not torch.compiler.is_compiling() and not dry_running():
             _BITS_OF[mask] = bit_mask
     return bit_mask
