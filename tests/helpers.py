@@ -177,21 +177,32 @@ def make_inputs(case: Case, dtype: torch.dtype, device=DEVICE, requires_grad: bo
     }
 
 
-def hopper_passes(monkeypatch) -> list[str]:
-    """Record the passes that the routing table sends to the Hopper kernels, so that a test meant
-    for them can check that they ran (and not the Triton kernels in their place)."""
-    from flash_dma.backends.triton import backward, dispatch, forward
+def hopper_passes(monkeypatch, passes=("forward", "dkdv", "dq")) -> list[str]:
+    """Record each of ``passes`` that a call runs on the Hopper kernels, so that a test meant for
+    them can check that they ran (and not the Triton kernels in their place).
+
+    A pass is recorded where its Hopper kernel launches, once per launch, not where it is routed:
+    the routing is memoised per layout, and a call's dry run (``launch.py``, "Compiling ahead"), which
+    goes through the same host code launching nothing, may be the one that routes it. What the dry
+    run reaches is left out (``flash_dma.memo.dry_running``).
+    """
+    from flash_dma.backends.triton import backward, forward
+    from flash_dma.memo import dry_running
 
     taken = []
 
-    def routed(pass_, form):
-        kernel = dispatch.route(pass_, form)
-        if kernel == dispatch.HOPPER:
-            taken.append(pass_)
-        return kernel
+    def recorded(pass_, launch):
+        def launched(*args):
+            if not dry_running():
+                taken.append(pass_)
+            return launch(*args)
 
-    for module in (forward, backward):
-        monkeypatch.setattr(module, "route", routed)
+        return launched
+
+    modules = {"forward": forward, "dkdv": backward, "dq": backward}
+    for pass_ in passes:
+        name = f"hopper_{pass_}"
+        monkeypatch.setattr(modules[pass_], name, recorded(pass_, getattr(modules[pass_], name)))
     return taken
 
 

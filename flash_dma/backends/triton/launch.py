@@ -90,6 +90,17 @@ def _constexpr_slots(kernel) -> list[int]:
     return list(slots)
 
 
+def _not_specialized_slots(kernel) -> list[int]:
+    """Positions of the kernel's ``do_not_specialize`` parameters (named or numbered). A compiled
+    jit function keeps the list as an attribute (empty when none); the interpreter's keeps the
+    decorator's arguments instead (None when none)."""
+    if hasattr(kernel, "do_not_specialize"):
+        listed = kernel.do_not_specialize
+    else:
+        listed = kernel.kwargs.get("do_not_specialize")
+    return [p if isinstance(p, int) else kernel.arg_names.index(p) for p in listed or ()]
+
+
 def forget_choices() -> None:
     """Drop every launcher's chosen configurations and compiled handles, and every memoised
     decision, so that the next calls choose again (for example after ``FLASH_DMA_AUTOTUNE`` or
@@ -183,8 +194,7 @@ class Launcher:
         names = kernel.arg_names
         self.tensor_slots = [names.index(n) for n in tensors]
         self.int_slots = [names.index(n) for n in specialized]
-        not_specialized = getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"] or ()
-        self.other_int_slots = [names.index(n) for n in not_specialized]
+        self.other_int_slots = _not_specialized_slots(kernel)
         self.reset_slots = [names.index(n) for n in reset_to_zero]
         self.constexpr_slots = _constexpr_slots(kernel)
         self.choices: dict = {}  # problem key -> Config

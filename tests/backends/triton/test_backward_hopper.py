@@ -21,6 +21,7 @@ from tests.helpers import (
     Case,
     assert_close,
     assert_gradients_close,
+    hopper_passes,
     kernel_call,
     make_inputs,
     reference_outputs,
@@ -91,12 +92,9 @@ def _hopper_kernels(case: Case) -> list[str]:
 
 @pytest.fixture
 def hopper_calls(monkeypatch):
-    """The backward launches that took a Hopper kernel: ``"dkdv"`` or ``"dq"``."""
-    calls = []
-    for name in ("dkdv", "dq"):
-        launch = getattr(backward_module, f"hopper_{name}")
-        monkeypatch.setattr(backward_module, f"hopper_{name}", lambda *args, _l=launch, _n=name: (calls.append(_n), _l(*args)))
-    return calls
+    """The backward launches that took a Hopper kernel: ``"dkdv"`` or ``"dq"`` (``hopper_passes``:
+    the call's own, not its dry run's)."""
+    return hopper_passes(monkeypatch, ("dkdv", "dq"))
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from tests.helpers import (
     Case,
     assert_close,
     assert_gradients_close,
+    hopper_passes,
     make_inputs,
     reference_outputs,
     triton_call,
@@ -200,12 +201,14 @@ AHEAD_CASES = [
 
 @pytest.fixture
 def backend_calls(monkeypatch):
-    """The problems the Triton backend's entry point receives, and the kernels each launch runs."""
+    """The problems the Triton backend's entry point receives, each with the number of launches
+    run before it (on a GPU, ``pack_mask`` launches kernels of its own before the call), and the
+    kernels each launch runs."""
     import flash_dma.backends.triton as triton_backend
 
     problems, launched = [], []
     entry, run = triton_backend.attention, launch.Prepared.run
-    monkeypatch.setattr(triton_backend, "attention", lambda problem: problems.append(problem) or entry(problem))
+    monkeypatch.setattr(triton_backend, "attention", lambda problem: problems.append((problem, len(launched))) or entry(problem))
     monkeypatch.setattr(launch.Prepared, "run", lambda self, *tensors: launched.append(self.kernel.__name__) or run(self, *tensors))
     return problems, launched
 
@@ -219,19 +222,22 @@ def test_a_dry_run_reaches_every_launch_of_the_call_and_runs_none(case, backend_
     problems, launched = backend_calls
     inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
     triton_call(case, inputs).sum().backward()
-    calls = list(launched)
+    (problem, first), = problems
+    calls = launched[first:]  # the call's own: from its entry point on, its backward's included
     small = triton_backend.SMALL_PROBLEM
     triton_backend.SMALL_PROBLEM = 0 if case.listed else small  # as triton_call had it
     try:
         with launch.dry_run() as launches:
-            triton_backend.dry_attention(problems[0], True)
+            triton_backend.dry_attention(problem, True)
         with launch.dry_run() as forward_launches:
-            triton_backend.dry_attention(problems[0], False)  # no backward without grad mode
+            triton_backend.dry_attention(problem, False)  # no backward without grad mode
     finally:
         triton_backend.SMALL_PROBLEM = small
-    assert [name for name, _ in launches] == calls and "_dq_kernel" in calls
-    assert launched == calls  # nothing ran in the dry runs
-    assert all(compilation is None for _, compilation in launches)  # the interpreter compiles nothing
+    # The backward's dQ pass is reached, on the Triton kernel or (on sm90) the Hopper one.
+    assert [name for name, _ in launches] == calls and {"_dq_kernel", "_dq_hopper_kernel"} & {*calls}
+    assert launched[first:] == calls  # nothing ran in the dry runs
+    # Nothing to compile: the call compiled every kernel (the interpreter compiles none).
+    assert all(compilation is None for _, compilation in launches)
     assert [name for name, _ in forward_launches] == calls[: calls.index("_delta_kernel")]
 
 
@@ -329,6 +335,40 @@ def test_a_kernel_that_failed_on_the_pool_is_compiled_by_its_call(compiling_pool
     with launch.dry_run():
         launcher.launch("layout", tensors, build, candidates, grid)
     assert launcher.prepare(grid, *build(), candidates).compiled is own and launcher.pending == {}
+
+
+@pytest.mark.parametrize("not_specialized", [None, ["n"], [2]], ids=["none", "named", "numbered"])
+def test_a_launcher_reads_its_kernel_compiled_or_interpreted(not_specialized):
+    """Triton's jit function keeps ``do_not_specialize`` as a list (empty when none) and the
+    interpreter's keeps the decorator's arguments: a launcher classifies the ints of either alike."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    specialized = () if not_specialized else ("n",)
+    expected = ([], [2]) if not_specialized else ([2], [])
+    for kind in (JITFunction, InterpretedFunction):
+        kernel = kind(_doubled_kernel.fn, do_not_specialize=not_specialized)
+        launcher = launch.Launcher(kernel, tensors=("X", "Y"), specialized=specialized)
+        assert (launcher.int_slots, launcher.other_int_slots, launcher.constexpr_slots) == (*expected, [3]), kind.__name__
+
+
+def test_a_dry_run_is_not_counted_as_the_calls_hopper_launches(compiling_pool, monkeypatch):
+    """``hopper_passes`` (the Hopper tests' record of the kernels a call ran) counts the call's own
+    launches: its dry run goes through the same host code, Hopper launches included, and launches none."""
+    from flash_dma.backends.triton import backward, dispatch
+
+    monkeypatch.setattr(launch, "compile_ahead_enabled", lambda: True)
+    monkeypatch.setattr(launch.Prepared, "run", lambda self, *tensors: None)  # no GPU to run on
+    # The backward routed to the Hopper kernels, stood in for by launches of nothing that list
+    # what reached them: the call's and its dry run's.
+    monkeypatch.setattr(backward, "route", lambda pass_, form: dispatch.HOPPER)
+    reached = []
+    for name in ("dkdv", "dq"):
+        monkeypatch.setattr(backward, f"hopper_{name}", lambda *args, name=name: reached.append(name))
+    taken = hopper_passes(monkeypatch, ("dkdv", "dq"))  # the forward takes whichever kernel this machine routes it to
+    case = AHEAD_CASES[0]
+    triton_call(case, make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)).sum().backward()
+    assert reached == ["dkdv", "dq"] * 2 and taken == ["dkdv", "dq"]
 
 
 def test_a_call_starts_every_kernel_compiling_at_its_first_compilation(compiling_pool, monkeypatch):
