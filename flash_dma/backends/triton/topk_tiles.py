@@ -137,14 +137,19 @@ def topk_arguments(call: TopkCall) -> tuple[list, list]:
 def topk_launch(launcher, call: TopkCall, extra_tensors: list, extra_runtime: list, extra_flags: list, tiles, grid_rows: int):
     """Launch ``launcher``'s kernel for ``call`` over the grid ``(grid_rows, B x Hkv)``: the shared
     pointers, then ``extra_tensors``, the shared runtime arguments, ``extra_runtime``, the shared
-    flags, ``extra_flags``, ``BLOCK_D`` and the tile (``tiles()``'s configurations)."""
+    flags, ``extra_flags``, ``BLOCK_D`` and the tile (``tiles()``'s configurations, which may
+    depend on the head dim and the GQA group's padded size only)."""
     q, k = call.q, call.k
     block_d = configs.head_dim_block(q.shape[3])
     tensors = [q, k, call.v, call.indices, placeholder(q.device, torch.float32) if call.bias is None else call.bias, *extra_tensors]
+    # The tiles' rows hold the group's heads padded to a power of 2: the key of the launcher's tile
+    # choice names it, or a choice made for one group would serve another and leave heads unwritten.
+    padded_group = configs.next_power_of_2(q.shape[2] // k.shape[2])
 
     def build():
         runtime, flags = topk_arguments(call)
-        return [*tensors, *runtime, *extra_runtime, *flags, *extra_flags, block_d], (q.dtype, *flags, *extra_flags, block_d)
+        key = (q.dtype, *flags, *extra_flags, block_d, padded_group)
+        return [*tensors, *runtime, *extra_runtime, *flags, *extra_flags, block_d], key
 
     layout = (
         call_signature(call, TOPK_TENSORS), tuple((t.shape, t.stride(), t.dtype) for t in extra_tensors), *extra_runtime, *extra_flags,

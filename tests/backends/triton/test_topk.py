@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flash_dma import flash_dma_func, flash_dma_topk_func, topk_mask
-from flash_dma.backends.triton import dispatch
+from flash_dma.backends.triton import dispatch, launch
 from flash_dma.backends.triton.dispatch import TOPK_INDICES, TOPK_PACKED, TopkPlan, topk_plan
 from tests.conftest import TOPK_WALKS
 from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, Case, assert_close, call_kwargs, guarded, topk_reference_outputs
@@ -206,19 +206,50 @@ def test_a_forced_plan_wins_where_it_is_open(monkeypatch):
     assert topk_plan(plane_heads=4, **shape) == PACKED  # a plane: both passes take the forward's walk
 
 
-def test_rows_with_no_counting_entry_give_zero_and_no_gradient(topk_walk):
-    case = TopkCase(batch=1, seqlen_q=20, seqlen_k=10, heads=2, kv_heads=1, width=4, bias="pairs:1,H", causal=True)
+@pytest.mark.parametrize("bias", ["pairs:1,H", "keys:1,H"])
+def test_rows_with_no_counting_entry_give_zero_and_no_gradient(bias, topk_walk, poison_outputs):
+    """Rows whose listed keys all lie past the diagonal, or that list none: out 0, LSE -inf and no
+    gradient, in every walk (unique lists of a per-key bias run each split: the pass that walks the
+    indices reads the LSE the packed mask's pass wrote, and the reverse)."""
+    unique = bias.startswith("keys")
+    case = TopkCase(batch=1, seqlen_q=20, seqlen_k=10, heads=2, kv_heads=1, width=4, bias=bias, causal=True, unique=unique)
     skip_unless_open(case, topk_walk)
     inputs = make_topk_inputs(case, KERNEL_DTYPES[-1])
-    inputs["indices"][:, :12] = 9  # above the diagonal for queries 0..10 (Sq > Sk): none counts
+    # Past the diagonal for queries 0..11 (Sq > Sk: query i sees keys up to i - 10): none counts.
+    inputs["indices"][:, :12] = torch.arange(6, 10, dtype=torch.int32, device=DEVICE)
     inputs["indices"][:, 15] = -1
     out, lse, _ = run_triton(case, inputs)
-    empty = torch.tensor([i for i in range(20) if i < 11 or i == 15])
+    empty = torch.tensor([i for i in range(20) if i < 12 or i == 15])
     assert torch.equal(out[:, empty], torch.zeros_like(out[:, empty]))
     assert torch.isneginf(lse[:, :, empty]).all()
-    for name in ("query", "attn_bias"):
-        assert not inputs[name].grad.isnan().any()
-        assert torch.equal(inputs[name].grad[:, empty], torch.zeros_like(inputs[name].grad[:, empty]))
+    for name in ("query", "key", "value", "attn_bias"):
+        assert not inputs[name].grad.isnan().any(), name
+    for name in ("query", "attn_bias") if not unique else ("query",):  # a per-key bias has no query axis
+        assert torch.equal(inputs[name].grad[:, empty], torch.zeros_like(inputs[name].grad[:, empty])), name
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_one_tile_choice_per_key(deterministic, monkeypatch):
+    """A launcher chooses a kernel's tile once per key (``launch.Launcher``), so every launch of a
+    top-k kernel under one key must offer the same tiles, whatever the GQA group: a union tile of
+    32 rows chosen for groups of 2 heads and taken by a later call with groups of 4 left half the
+    heads' dQ unwritten on the GPU."""
+    offered: dict = {}
+    launch_one = launch.Launcher.launch
+
+    def recording(self, layout, tensors, build, candidates, grid):
+        _, key = build()
+        offered.setdefault((self.kernel.__name__, key), set()).add(tuple(repr(c.all_kwargs()) for c in candidates()))
+        return launch_one(self, layout, tensors, build, candidates, grid)
+
+    monkeypatch.setattr(launch.Launcher, "launch", recording)
+    for heads in (2, 4, 8):  # tiles of 16 rows at most, then the union's 64: blocks of 16 queries and fewer
+        case = TopkCase(batch=1, seqlen_q=40, seqlen_k=40, heads=heads, kv_heads=1, width=3, bias="keys:1,H", causal=True)
+        run_triton(case, make_topk_inputs(case, KERNEL_DTYPES[0]), deterministic=deterministic)
+    assert {"_topk_fwd_kernel", "_topk_dq_kernel"} <= {name for name, _ in offered}
+    assert ("_union_bwd_kernel" if not deterministic else "_topk_dkdv_kernel") in {name for name, _ in offered}
+    for (name, _), tiles in offered.items():
+        assert len(tiles) == 1, f"{name}: one key, several tile sets {tiles}"
 
 
 @pytest.mark.parametrize("bias", ["pairs:1,1", "keys:1,H"])
