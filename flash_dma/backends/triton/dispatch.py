@@ -242,17 +242,15 @@ class TopkCosts(NamedTuple):
     plane_backward: float  # and its gradient
 
 
-# From docs/benchmarks.md ("Top-k index attention": llm shape, W = 2048, per-key bias) and its
-# packed per-query mask and dense rows: forward 25.5 ms at 32K and 107.5 at 128K over 2^28 and
-# 2^30 entries; backward 81.6 (random) and 44.3 (overlapping) at 32K, 741.6 and 336.4 at 128K, a
-# growth of (Sk / 32K) ** 0.5; deterministic 414 at 32K (design notes, "Why the misses"); the
-# packed mask 8.71 / 27.3 ms at 32K over 8.6e9 pairs of causal tiles, 35.5 / 110.5 at 64K; the dense
-# deterministic backward 1.13x the plain one. The BitMask build and the plane are estimates from
-# their bytes (the first atomics-bound, the second about 40 bytes per pair) until the sweep measures them.
+# Fitted by `python -m flash_dma.benchmark.topk_fit` to one `flash-dma bench --suite topkfit
+# --lengths 16K,32K,64K` run on an H100 (bf16, torch 2.11, triton 3.6; llm shape, W = 2048, random
+# and overlapping selections, H = 16 and 64): at every measured point the plan it picks is the
+# fastest. Not measured by that run: 128K (the growth is fitted over 16K-64K), the deterministic
+# walks (kept at their ratio to the plain ones) and the bias plane (the estimate of its bytes).
 TOPK_COSTS = TopkCosts(
-    walk_forward=97.0, walk_backward_overlapping=165.0, walk_backward_random=304.0,
-    walk_backward_deterministic=1540.0, walk_backward_growth=0.5, packed_forward=1.0, packed_backward=3.2,
-    packed_backward_deterministic=3.6, bits_entry=4.0, bits_pair=0.1, plane_forward=16.0, plane_backward=8.0,
+    walk_forward=94.99, walk_backward_overlapping=165.3, walk_backward_random=301.1,
+    walk_backward_deterministic=1525.0, walk_backward_growth=0.5935, packed_forward=1.067, packed_backward=3.279,
+    packed_backward_deterministic=3.688, bits_entry=1.369, bits_pair=0.2876, plane_forward=16.0, plane_backward=8.0,
 )
 
 
