@@ -15,6 +15,7 @@ from flash_dma.benchmark.suites import (
     layer_cases,
     pqtoken_cases,
     seedtable_cases,
+    topkfit_cases,
     topk_cases,
     varlen_cases,
 )
@@ -102,6 +103,11 @@ def passing_results() -> list[Result]:
                      row(seedtable, "flash-dma-v1", mode, ms=ours * 1.02)]
         if "pack-dense" in seedtable.methods:
             rows.append(row(seedtable, "pack-dense", "fwd", ms=0.4))
+    for fit in topkfit_cases():
+        if "flash-dma-topk" in fit.methods and "flash-dma-topk-indices" in fit.methods:
+            for mode in fit.modes:
+                rows += [row(fit, method, mode, ms=ms) for method, ms in
+                         (("flash-dma-topk", 1.0), ("flash-dma-topk-indices", 1.0), ("flash-dma-topk-packed", 2.0))]
     (pqtoken,) = pqtoken_cases()
     for mode, ours, unmasked, flex in (("fwd", 1.0, 1.0, 4.0), ("fwdbwd", 4.0, 4.0, 16.0)):
         rows += [row(pqtoken, method, mode, ms=ms) for method, ms in (("flash-dma", ours), ("flash-dma-nomask", unmasked), ("flex", flex))]
