@@ -364,8 +364,9 @@ def flash_dma_mask(
     is top-left. The two agree only when the keys end where the queries end, which a static cache
     breaks: its keys run on into empty slots past the queries (and it gives ``q_offset`` as a
     tensor). There, and wherever the caller asks for a materialised mask
-    (``allow_is_causal_skip=False``, as Doge does to add its dynamic mask onto it), the answer is
-    always the complete 4-D mask.
+    (``allow_is_causal_skip=False``, as Doge does from transformers 5.23 to add its dynamic mask
+    onto it), the answer is always the complete 4-D mask; a plain causal one is recorded for
+    ``doge.py``, which reads it, as it reads the padding mask or None, as the causal rule.
     """
     from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
