@@ -44,9 +44,9 @@ from flash_dma.backends.triton.ops import (
     summary_lists,
     summary_state,
     topk_attention_op,
+    topk_split_op,
 )
 from flash_dma.backends.triton.topk_bits import topk_bit_mask
-from flash_dma.backends.triton.topk_passes import topk_split_op
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE
 from flash_dma.memo import DerivedTensors

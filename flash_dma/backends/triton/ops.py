@@ -33,6 +33,7 @@ from flash_dma.backends.triton.layout import (
 )
 from flash_dma.backends.triton.topk_backward import topk_backward
 from flash_dma.backends.triton.topk_forward import topk_forward
+from flash_dma.backends.triton.topk_passes import split_backward, split_forward
 from flash_dma.bit_mask import words_per_row
 from flash_dma.block_mask import state_shape
 from flash_dma.inputs import output_dtype
@@ -161,14 +162,19 @@ def _backward(dout, *fields_out_lse_and_flag) -> tuple[torch.Tensor, torch.Tenso
     return attention_backward(dout, Call(*fields), out, lse, bias_requires_grad)
 
 
-def _backward_tensors(dout, *fields_out_lse_and_flag) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_backward` with an empty dbias when not asked for: custom ops return tensors."""
-    dq, dk, dv, dbias = _backward(dout, *fields_out_lse_and_flag)
-    return dq, dk, dv, dq.new_empty(0) if dbias is None else dbias
+def _tensor_gradients(backward):
+    """``backward`` (``(dq, dk, dv, dbias or None)``) with an empty dbias when not asked for:
+    custom ops return tensors."""
+
+    def gradients(*args):
+        dq, dk, dv, dbias = backward(*args)
+        return dq, dk, dv, dq.new_empty(0) if dbias is None else dbias
+
+    return gradients
 
 
 backward_op = torch.library.custom_op(
-    "flash_dma::backward", _backward_tensors, mutates_args=(),
+    "flash_dma::backward", _tensor_gradients(_backward), mutates_args=(),
     schema=f"(Tensor dout, {_CALL_SCHEMA}, Tensor out, Tensor lse, bool bias_requires_grad) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 
@@ -268,30 +274,50 @@ def _topk_backward(dout, *fields_out_lse_and_flag):
     return topk_backward(dout, TopkCall(*fields), out, lse, bias_requires_grad)
 
 
-def _topk_backward_tensors(dout, *fields_out_lse_and_flag):
-    dq, dk, dv, dbias = _topk_backward(dout, *fields_out_lse_and_flag)
-    return dq, dk, dv, dq.new_empty(0) if dbias is None else dbias
-
-
 topk_backward_op = torch.library.custom_op(
-    "flash_dma::topk_backward", _topk_backward_tensors, mutates_args=(),
+    "flash_dma::topk_backward", _tensor_gradients(_topk_backward), mutates_args=(),
     schema=f"(Tensor dout, {_TOPK_SCHEMA}, Tensor out, Tensor lse, bool bias_requires_grad) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 topk_backward_op.register_fake(_backward_fake)
 
+# A split call (``topk_passes.py``): the top-k call's fields, then whether the forward walks the packed mask.
+split_forward_op = torch.library.custom_op(
+    "flash_dma::topk_split_forward", split_forward, mutates_args=(),
+    schema=f"({_TOPK_SCHEMA}, bool packed_forward) -> (Tensor, Tensor)",
+)
+split_forward_op.register_fake(_forward_fake)
+split_backward_op = torch.library.custom_op(
+    "flash_dma::topk_split_backward", _tensor_gradients(split_backward), mutates_args=(),
+    schema=f"(Tensor dout, {_TOPK_SCHEMA}, bool packed_forward, Tensor out, Tensor lse, bool bias_requires_grad) "
+           "-> (Tensor, Tensor, Tensor, Tensor)",
+)
+split_backward_op.register_fake(_backward_fake)
+
 
 def _topk_setup_context(ctx, inputs, output):
-    _setup_context(ctx, inputs, output, TOPK_TENSORS)
+    _setup_context(ctx, inputs, output, TOPK_TENSORS)  # a split's flag joins the settings
 
 
-def _topk_field_gradients(ctx, dout, _dlse):
-    dq, dk, dv, dbias = _gradients(ctx, dout, topk_backward_op, TOPK_BIAS_FIELD, TOPK_BIAS_FIELD)
-    grads = [dq, dk, dv, *[None] * (len(TopkCall._fields) - 3)]
-    grads[TOPK_BIAS_FIELD] = dbias
-    return tuple(grads)
+def _topk_field_gradients(backward_op, inputs: int):
+    """The gradients of a top-k op's ``inputs`` (the call's fields, then any flag): q, k and v, the
+    bias's, and none for the others."""
+
+    def gradients(ctx, dout, _dlse):
+        dq, dk, dv, dbias = _gradients(ctx, dout, backward_op, TOPK_BIAS_FIELD, TOPK_BIAS_FIELD)
+        grads = [dq, dk, dv, *[None] * (inputs - 3)]
+        grads[TOPK_BIAS_FIELD] = dbias
+        return tuple(grads)
+
+    return gradients
 
 
-torch.library.register_autograd("flash_dma::topk_forward", _topk_field_gradients, setup_context=_topk_setup_context)
+torch.library.register_autograd(
+    "flash_dma::topk_forward", _topk_field_gradients(topk_backward_op, len(TopkCall._fields)), setup_context=_topk_setup_context,
+)
+torch.library.register_autograd(
+    "flash_dma::topk_split_forward", _topk_field_gradients(split_backward_op, len(TopkCall._fields) + 1),
+    setup_context=_topk_setup_context,
+)
 
 
 class _EagerTopk(torch.autograd.Function):
@@ -312,6 +338,28 @@ def topk_attention_op(call: TopkCall) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.compiler.is_compiling():
         return topk_forward_op(*call)
     return _EagerTopk.apply(call.q, call.k, call.v, call.bias, call)
+
+
+class _EagerSplit(torch.autograd.Function):
+    # As _EagerTopk, with the split's flag travelling beside the call.
+    @staticmethod
+    def forward(ctx, q, k, v, bias, call, packed_forward):
+        output = split_forward(*call, packed_forward)
+        _setup_context(ctx, (*call, packed_forward), output, TOPK_TENSORS)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        return (*_gradients(ctx, dout, split_backward, 3, TOPK_BIAS_FIELD), None, None)
+
+
+def topk_split_op(call: TopkCall, packed_forward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a top-k ``call`` whose forward walks its packed mask (``packed_forward``)
+    and its backward its indices, or the reverse (``topk_passes.py``); differentiable, through the
+    custom op when compiling."""
+    if torch.compiler.is_compiling():
+        return split_forward_op(*call, packed_forward)
+    return _EagerSplit.apply(call.q, call.k, call.v, call.bias, call, packed_forward)
 
 
 class _EagerAttention(torch.autograd.Function):
