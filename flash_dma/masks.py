@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from flash_dma.backends import unavailable_reason
 from flash_dma.backends.reference import visible_positions
-from flash_dma.backends.triton.configs import triton_interpreting
-from flash_dma.backends.triton.key_intervals import causal_topk_end_rows, interval_state
-from flash_dma.backends.triton.ops import topk_state
+from flash_dma.backends.triton import causal_topk_end_rows, interval_state, topk_state
 from flash_dma.bit_mask import BitMask, pack_words
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE, EMPTY, FULL, PARTIAL, BlockMask, check_block_size, effective_mask_rows
 from flash_dma.inputs import UNBOUNDED, _normalize_window, check_choice, check_int, sizes_allowed
@@ -302,7 +301,7 @@ def _intervals(start: torch.Tensor | None, end: torch.Tensor, query_len: int, bl
     with its summary (on CUDA, and under the interpreter, from the kernels of
     ``backends/triton/key_intervals.py``)."""
     shape = (end.shape[0], end.shape[1], query_len, end.shape[2])
-    if end.is_cuda or triton_interpreting():
+    if unavailable_reason("triton", end.device) is None:
         state = interval_state(start, end, query_len, *block_size)
     else:
         state = interval_states(start, end, query_len, block_size)
@@ -408,7 +407,7 @@ def causal_topk_intervals(
         scores = scores.detach()
         if allowed is not None:
             scores, allowed = torch.broadcast_tensors(scores, allowed)  # views: nothing is copied
-        if scores.is_cuda or triton_interpreting():
+        if unavailable_reason("triton", scores.device) is None:
             end = causal_topk_end_rows(scores, allowed, keep, query_len)
         else:
             end = causal_topk_ends(scores, allowed, keep, query_len)
@@ -695,7 +694,7 @@ def topk_block_mask(
         bias = attention_bias.detach()
         if allowed is not None:
             bias, allowed = _broadcast("attention_mask", bias, allowed)
-        if query_len is None and (bias.is_cuda or triton_interpreting()):
+        if query_len is None and unavailable_reason("triton", bias.device) is None:
             # One launch (backends/triton/block_topk.py) for what the torch code below does in about 25.
             if past_end is not None:
                 past_end = past_end.expand(bias.shape[0], -1, -1, -1)

@@ -44,7 +44,7 @@ def poison_outputs(monkeypatch):
 # flash_dma_topk_func on the Triton backend walks, in each pass, its indices or the packed mask
 # (dispatch.topk_plan; a split only with unique_indices and no per-pair bias, else both passes take
 # the forward's walk); its index backward walks per query or over each query block's union of keys,
-# block by block by the union's size (topk_union.UNION_SHARE). Each walk: (the forward's and the
+# block by block by the union's size (topk.union.UNION_SHARE). Each walk: (the forward's and the
 # backward's, the union share, None for the default).
 TOPK_WALKS = {
     "per-query": ("indices", "indices", -1.0), "union": ("indices", "indices", 1.0), "split": ("indices", "indices", None),
@@ -55,10 +55,11 @@ TOPK_WALKS = {
 @pytest.fixture(params=TOPK_WALKS)
 def topk_walk(request, monkeypatch):
     """Each way a top-k call runs on the Triton backend, in turn."""
-    from flash_dma.backends.triton import dispatch, topk_union
+    from flash_dma.backends.triton import dispatch
+    from flash_dma.backends.triton.topk import union
 
     forward, backward, share = TOPK_WALKS[request.param]
     monkeypatch.setattr(dispatch, "TOPK_FORCED_PLAN", dispatch.TopkPlan(forward, backward))
     if share is not None:
-        monkeypatch.setattr(topk_union, "UNION_SHARE", share)
+        monkeypatch.setattr(union, "UNION_SHARE", share)
     return request.param

@@ -13,7 +13,7 @@ from flash_dma import (
     get_available_backends,
 )
 from flash_dma.backends.triton.configs import triton_interpreting
-from tests.backends.triton.test_topk import TopkCase, make_topk_inputs
+from tests.backends.triton.topk.test_forward_backward import TopkCase, make_topk_inputs
 from tests.helpers import DEVICE, Case, make_inputs
 
 BACKENDS = get_available_backends(DEVICE)

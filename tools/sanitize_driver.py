@@ -47,7 +47,8 @@ from flash_dma import (
     topk_block_mask,
 )
 from flash_dma.backends.triton import backward as triton_backward
-from flash_dma.backends.triton import dispatch, topk_union
+from flash_dma.backends.triton import dispatch
+from flash_dma.backends.triton.topk import union
 from flash_dma.backends.triton.block_summary import block_lists, block_state
 from flash_dma.backends.triton.key_intervals import build_causal_topk_ends, build_interval_state, build_interval_words
 from flash_dma.backends.triton.dispatch import TOPK_INDICES, TOPK_PACKED, TopkPlan
@@ -286,12 +287,12 @@ class Topk:
             tuple(sizes.get(s, 1) for s in self.bias.split(",")) if self.bias else None,
         )
         passes, share = {
-            "indices": (TOPK_INDICES, topk_union.UNION_SHARE), "union": (TOPK_INDICES, 1.0), "per-query": (TOPK_INDICES, -1.0),
-            "packed": (TOPK_PACKED, topk_union.UNION_SHARE),
+            "indices": (TOPK_INDICES, union.UNION_SHARE), "union": (TOPK_INDICES, 1.0), "per-query": (TOPK_INDICES, -1.0),
+            "packed": (TOPK_PACKED, union.UNION_SHARE),
         }[self.walk]
         with (
             mock.patch.object(dispatch, "TOPK_FORCED_PLAN", TopkPlan(passes, passes)),
-            mock.patch.object(topk_union, "UNION_SHARE", share),
+            mock.patch.object(union, "UNION_SHARE", share),
         ):
             out, lse = flash_dma_topk_func(
                 **leaves, indices=target.ints(indices.to(torch.int32)), is_causal=self.causal, window_size=self.window,

@@ -25,7 +25,7 @@ import flash_dma
 from flash_dma import BitMask, BlockMask, KeyIntervals, build_block_mask, causal_topk_intervals, interval_mask, pack_mask
 from flash_dma.backends.reference import reference_attention, reference_topk_attention, valid_indices, visible_positions
 from flash_dma.backends.triton import backward as triton_backward
-from flash_dma.backends.triton import topk_union
+from flash_dma.backends.triton.topk import union
 from flash_dma.block_mask import effective_mask_rows
 from flash_dma.inputs import FP8_DTYPE, FP8_OUT_DTYPE, dequantize, head_descale, output_dtype
 from flash_dma.masks import topk_block_mask
@@ -194,15 +194,15 @@ def _case(trial: Trial) -> Case:
 
 @contextlib.contextmanager
 def _forced_union_share(share: float | None):
-    """The top-k backward's union share (``topk_union.UNION_SHARE``) forced for the trial: every
+    """The top-k backward's union share (``union.UNION_SHARE``) forced for the trial: every
     query block over its union of keys (1), or none (-1); None keeps the default split."""
-    real = topk_union.UNION_SHARE
+    real = union.UNION_SHARE
     if share is not None:
-        topk_union.UNION_SHARE = share
+        union.UNION_SHARE = share
     try:
         yield
     finally:
-        topk_union.UNION_SHARE = real
+        union.UNION_SHARE = real
 
 
 @contextlib.contextmanager

@@ -20,8 +20,12 @@ What a mask tensor becomes (bits, summary, key list) is made once per version of
 
 Each pass of a top-k call (``flash_dma_topk_func``) walks its indices or the same attention over
 the packed per-query mask of its entries (``flash_dma.topk.as_mask_problem``, built by
-``topk_bits.py``), which the dense kernels walk as above: whichever ``dispatch.topk_plan`` finds
-cheaper from the call's shapes. A call whose passes differ runs through ``topk_passes.py``.
+``topk/bits.py``), which the dense kernels walk as above: whichever ``dispatch.topk_plan`` finds
+cheaper from the call's shapes. A call whose passes differ runs through ``topk/passes.py``.
+
+The mask builders of ``flash_dma.masks`` reach their kernels through this module: the block
+states of a block top-k (:func:`topk_state`) and of key intervals (:func:`interval_state`), and a
+causal top-k's intervals (:func:`causal_topk_end_rows`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.dispatch import TOPK_PACKED, hopper_takes_bits, topk_plan
 from flash_dma.backends.triton.forward import attention_forward
-from flash_dma.backends.triton.key_intervals import as_bit_mask
+from flash_dma.backends.triton.key_intervals import as_bit_mask, causal_topk_end_rows, interval_state
 from flash_dma.backends.triton.launch import AHEAD
 from flash_dma.backends.triton.layout import Call, TopkCall, input_form
 from flash_dma.backends.triton.merge import merge_partial  # the ring's, beside partial_forward
@@ -45,8 +49,9 @@ from flash_dma.backends.triton.ops import (
     summary_state,
     topk_attention_op,
     topk_split_op,
+    topk_state,
 )
-from flash_dma.backends.triton.topk_bits import topk_bit_mask
+from flash_dma.backends.triton.topk.bits import topk_bit_mask
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE
 from flash_dma.memo import DerivedTensors

@@ -81,7 +81,7 @@ _BACKWARD = {
         },
     },
 }
-# Top-k index attention (``topk_forward.py``, ``topk_backward.py``): BLOCK_N gathered keys per tile
+# Top-k index attention (``topk/forward.py``, ``topk/backward.py``): BLOCK_N gathered keys per tile
 # by pass and head-dim bucket, (BLOCK_N, warps, stages); BLOCK_M is the group's heads padded to 16.
 # D = 128 by a sweep on the H100 (32K, W = 2048, H = 16 and 64: BLOCK_N 32-128, 2-8 warps, 1-3
 # stages): the forward 25.7 ms against 28.2 for (64, 4, 2), the dQ walk with its dK/dV atomics
@@ -90,7 +90,7 @@ _TOPK = {
     "forward": {64: (64, 4, 3), 128: (32, 2, 2), 256: (32, 4, 2)},
     "dq": {64: (64, 4, 3), 128: (32, 2, 3), 256: (32, 4, 2)},
 }
-# The top-k backward over a query block's union of keys (``topk_union.py``): (BLOCK_N, warps, stages)
+# The top-k backward over a query block's union of keys (``topk/union.py``): (BLOCK_N, warps, stages)
 # by head-dim bucket; BLOCK_M is the block's queries x the group's padded heads (64 rows). D = 128
 # by a sweep on the H100 (32K, W = 2048, H = 16 and 64: BLOCK_N 16-64, 4-8 warps, 1-3 stages); the
 # others untuned.

@@ -39,7 +39,7 @@ HOPPER, TRITON, TOPK, TOPK_ATOMIC, TOPK_UNION = "hopper", "triton", "topk", "top
 PASSES = ("forward", "dq", "dkdv")
 _WALKS = {WALK_DENSE: "dense", WALK_BLOCKS: "blocks"}
 # GQA groups this wide fill a top-k tile's 16 rows with one query's heads: the backward's union of a
-# query block's keys (``topk_union.py``) does not pay there.
+# query block's keys (``topk/union.py``) does not pay there.
 WIDE_GROUP = 16
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", FP8_DTYPE: "fp8"}
 
@@ -92,9 +92,9 @@ _HOPPER_FORMS = dict(
     aligned=(True,),
 )
 ROUTES = (
-    # flash_dma_topk_func: keys listed per query, gathered (``topk_forward.py``, ``topk_backward.py``).
+    # flash_dma_topk_func: keys listed per query, gathered (``topk/forward.py``, ``topk/backward.py``).
     # The backward splits by query block: a block whose queries' union of keys is small walks it
-    # once (``topk_union.py``), the others per query; dK/dV by atomics. Not for groups of 16 heads
+    # once (``topk/union.py``), the others per query; dK/dV by atomics. Not for groups of 16 heads
     # and more, whose blocks of 4 queries or fewer share too few keys, nor with a bias per listed
     # pair, which has no place in the union: dK/dV added by atomics in the dQ walk, or
     # deterministic, key-outer over a sorted inverse map.
@@ -236,7 +236,7 @@ class TopkCosts(NamedTuple):
     packed_forward: float  # dense kernels over the BitMask, per (query head x key) pair of the band's tiles
     packed_backward: float
     packed_backward_deterministic: float
-    bits_entry: float  # building the BitMask (``topk_bits.py``): per list entry
+    bits_entry: float  # building the BitMask (``topk/bits.py``): per list entry
     bits_pair: float  # and per (query x K/V head x key), its words zeroed and read once
     plane_forward: float  # a bias plane: per (query x plane head x key), built and read
     plane_backward: float  # and its gradient

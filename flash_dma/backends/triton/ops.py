@@ -31,9 +31,9 @@ from flash_dma.backends.triton.layout import (
     Sequences,
     TopkCall,
 )
-from flash_dma.backends.triton.topk_backward import topk_backward
-from flash_dma.backends.triton.topk_forward import topk_forward
-from flash_dma.backends.triton.topk_passes import split_backward, split_forward
+from flash_dma.backends.triton.topk.backward import topk_backward
+from flash_dma.backends.triton.topk.forward import topk_forward
+from flash_dma.backends.triton.topk.passes import split_backward, split_forward
 from flash_dma.bit_mask import words_per_row
 from flash_dma.block_mask import state_shape
 from flash_dma.inputs import output_dtype
@@ -280,7 +280,7 @@ topk_backward_op = torch.library.custom_op(
 )
 topk_backward_op.register_fake(_backward_fake)
 
-# A split call (``topk_passes.py``): the top-k call's fields, then whether the forward walks the packed mask.
+# A split call (``topk/passes.py``): the top-k call's fields, then whether the forward walks the packed mask.
 split_forward_op = torch.library.custom_op(
     "flash_dma::topk_split_forward", split_forward, mutates_args=(),
     schema=f"({_TOPK_SCHEMA}, bool packed_forward) -> (Tensor, Tensor)",
@@ -355,7 +355,7 @@ class _EagerSplit(torch.autograd.Function):
 
 def topk_split_op(call: TopkCall, packed_forward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of a top-k ``call`` whose forward walks its packed mask (``packed_forward``)
-    and its backward its indices, or the reverse (``topk_passes.py``); differentiable, through the
+    and its backward its indices, or the reverse (``topk/passes.py``); differentiable, through the
     custom op when compiling."""
     if torch.compiler.is_compiling():
         return split_forward_op(*call, packed_forward)

@@ -34,10 +34,10 @@ from flash_dma.backends.triton.hopper.common import (
     MASK_ROWS,
 )
 from flash_dma.backends.triton.key_list import count_launcher, gather_launcher, key_list_launcher
-from flash_dma.backends.triton import topk_union
-from flash_dma.backends.triton.topk_backward import DKDV_LAUNCHER as topk_dkdv_launcher
-from flash_dma.backends.triton.topk_backward import DQ_LAUNCHER as topk_dq_launcher
-from flash_dma.backends.triton.topk_forward import FORWARD_LAUNCHER as topk_forward_launcher
+from flash_dma.backends.triton.topk import union
+from flash_dma.backends.triton.topk.backward import DKDV_LAUNCHER as topk_dkdv_launcher
+from flash_dma.backends.triton.topk.backward import DQ_LAUNCHER as topk_dq_launcher
+from flash_dma.backends.triton.topk.forward import FORWARD_LAUNCHER as topk_forward_launcher
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
     DBIAS_FULL,
@@ -128,14 +128,14 @@ _HOPPER_DKDV_PAIRS = dict(
 _WORDS = {"Mask": "*i32"}
 # FP8 inputs (e4m3) and their bfloat16 output (the Hopper forward).
 _FP8 = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16", "Bias": "*bf16"}
-# Top-k index attention (topk_forward.py, topk_backward.py): a GQA group of 4 heads padded to 16 rows.
+# Top-k index attention (topk/forward.py, topk/backward.py): a GQA group of 4 heads padded to 16 rows.
 _TOPK_PAIRS = dict(HAS_BIAS=True, BIAS_PER_KEY=False, SOFTCAP=False, DOT_PRECISION="tf32", BLOCK_D=128)
-_TOPK_SPLIT = dict(UNION_QUERIES=16)  # the per-query dQ walk beside the union kernel (topk_union.py)
+_TOPK_SPLIT = dict(UNION_QUERIES=16)  # the per-query dQ walk beside the union kernel (topk/union.py)
 _TOPK_KEYS = dict(_TOPK_PAIRS, BIAS_PER_KEY=True, SOFTCAP=True)
 _TOPK_TILE = dict(BLOCK_M=16, BLOCK_N=64)
 _TOPK_DQ_TILE = dict(_TOPK_TILE, UNION_QUERIES=0)
 _TOPK_DKDV_TILE = dict(BLOCK_E=8, BLOCK_G=4)
-# The top-k backward over a query block's union (topk_union.py): 16 queries x a group of 4 heads, 64 rows.
+# The top-k backward over a query block's union (topk/union.py): 16 queries x a group of 4 heads, 64 rows.
 _UNION_KEYS = dict(_TOPK_KEYS, SOFTCAP=False, QUERIES=16, BLOCK_M=64)
 
 
@@ -274,13 +274,13 @@ VARIANTS = [
     }),
     Variant("topk-dkdv-keys-dbias", topk_dkdv_launcher, 4, 1, {**_TOPK_KEYS, **_TOPK_DKDV_TILE, "DBIAS_KEYS": True, "DBIAS_PER_HEAD": True}),
     Variant("topk-dkdv-pairs", topk_dkdv_launcher, 4, 1, {**_TOPK_PAIRS, **_TOPK_DKDV_TILE, "DBIAS_KEYS": False, "DBIAS_PER_HEAD": False}),
-    Variant("topk-union-backward-keys-dbias", topk_union.BACKWARD_LAUNCHER, 4, 3, {
+    Variant("topk-union-backward-keys-dbias", union.BACKWARD_LAUNCHER, 4, 3, {
         **_UNION_KEYS, "BLOCK_N": 32, "DBIAS_PER_HEAD": True, "DBIAS_KEYS": True,
     }),
-    Variant("topk-union-backward-softcap", topk_union.BACKWARD_LAUNCHER, 4, 3, {
+    Variant("topk-union-backward-softcap", union.BACKWARD_LAUNCHER, 4, 3, {
         **_UNION_KEYS, "HAS_BIAS": False, "SOFTCAP": True, "BLOCK_N": 32, "DBIAS_PER_HEAD": False, "DBIAS_KEYS": False,
     }),
-    Variant("topk-union-lists", topk_union.BUILD_LAUNCHER, 4, 1, dict(QUERIES=16, CHUNK=1024)),
+    Variant("topk-union-lists", union.BUILD_LAUNCHER, 4, 1, dict(QUERIES=16, CHUNK=1024)),
     Variant("kept-count", count_launcher, 4, 1, dict(CHUNK=1024)),
     Variant("key-list", key_list_launcher, 4, 1, dict(CHUNK=1024, CHUNKS=1024)),
     Variant("gather-kept-keys", gather_launcher, 4, 1, dict(BLOCK=128, BLOCK_D=128)),

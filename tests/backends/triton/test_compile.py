@@ -104,7 +104,7 @@ def test_reduce_overhead_mode_replays_like_eager():
 
 def test_topk_fullgraph_forward_and_backward_match_eager(topk_walk):
     from flash_dma import flash_dma_topk_func
-    from tests.backends.triton.test_topk import SPLIT_WALKS, TopkCase, make_topk_inputs
+    from tests.backends.triton.topk.test_forward_backward import SPLIT_WALKS, TopkCase, make_topk_inputs
 
     torch._dynamo.reset()
     # Unique lists for the walks that split the passes (their custom ops), repeats for the others.

@@ -1,7 +1,7 @@
 """Top-k calls whose two passes walk differently (``dispatch.topk_plan``): the forward over the
 packed per-query mask and the backward over the indices, or the reverse.
 
-The pass that walks the mask builds its ``BitMask`` (``topk_bits.py``) and drops it when done: the
+The pass that walks the mask builds its ``BitMask`` (``topk/bits.py``) and drops it when done: the
 other pass needs only the call's inputs and the forward's ``out`` and ``lse``, which both walks
 give alike. So a split converts once, as a call packed in both passes does, and holds the mask
 only while it walks it. A split runs without a bias plane (``flash_dma.topk.plane_heads`` is 0:
@@ -20,9 +20,9 @@ import torch
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.forward import attention_forward
 from flash_dma.backends.triton.layout import Call, TopkCall
-from flash_dma.backends.triton.topk_backward import topk_backward
-from flash_dma.backends.triton.topk_bits import topk_bit_mask
-from flash_dma.backends.triton.topk_forward import topk_forward
+from flash_dma.backends.triton.topk.backward import topk_backward
+from flash_dma.backends.triton.topk.bits import topk_bit_mask
+from flash_dma.backends.triton.topk.forward import topk_forward
 
 
 def _packed_call(call: TopkCall) -> Call:

@@ -1,6 +1,6 @@
 """Top-k index attention backward over the union of a query block's keys, with dK and dV added by atomics.
 
-The per-query backward (``topk_backward.py``) gathers each query's keys for its group of ``G``
+The per-query backward (``topk/backward.py``) gathers each query's keys for its group of ``G``
 heads alone: tiles of ``G`` rows padded to 16, every key gathered (and its dK/dV rows added to) once
 per query that lists it. Here a program owns ``QUERIES`` consecutive queries of one key/value head
 (``QUERIES x G`` rows, 64 at GQA group sizes) and walks the *union* of their listed keys once:
@@ -37,7 +37,7 @@ from flash_dma.backends.triton.backward import softmax_grad
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import TopkCall, band, placeholder
 from flash_dma.backends.triton.tiles import load_tile
-from flash_dma.backends.triton.topk_tiles import (
+from flash_dma.backends.triton.topk.tiles import (
     GRADIENT_STRIDES,
     TOPK_NOT_SPECIALIZED,
     TOPK_SPECIALIZED,

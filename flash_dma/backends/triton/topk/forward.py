@@ -5,7 +5,7 @@ Hkv`` query heads of its group share the listed keys, so they form the tile's ro
 ``BLOCK_M >= 16``, the smallest ``tl.dot``). It walks the ``W`` slots of ``indices[b, i, hkv]``
 ``BLOCK_N`` at a time: an entry counts when it is in ``[0, Sk)`` and inside the causal/window
 band (else it reads key 0, masked, and scores ``-inf``); each counting slot is one pair, so a
-repeated key counts once per slot. ``topk_tile`` and ``topk_rows`` are shared with ``topk_backward.py``.
+repeated key counts once per slot. ``topk_tile`` and ``topk_rows`` are shared with ``topk/backward.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import TopkCall
 from flash_dma.backends.triton.tiles import LN2, load_tile
-from flash_dma.backends.triton.topk_tiles import (
+from flash_dma.backends.triton.topk.tiles import (
     TOPK_NOT_SPECIALIZED,
     TOPK_SPECIALIZED,
     counts_in_band,

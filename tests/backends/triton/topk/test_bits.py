@@ -1,4 +1,4 @@
-"""The BitMask of top-k indices built by the Triton kernels (``topk_bits.py``) against the torch
+"""The BitMask of top-k indices built by the Triton kernels (``topk/bits.py``) against the torch
 build of the same entries (``masks.listed_bit_mask``): words and block states, with -1 entries,
 entries past Sk, repeats, causal and window bands, Sq != Sk, and blocks that come out FULL."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flash_dma.backends.reference import valid_indices
-from flash_dma.backends.triton.topk_bits import topk_bit_mask
+from flash_dma.backends.triton.topk.bits import topk_bit_mask
 from flash_dma.block_mask import FULL
 from flash_dma.masks import listed_bit_mask
 from tests.helpers import DEVICE

@@ -23,7 +23,7 @@ import triton.language as tl
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import band, tensor_layout
-from flash_dma.backends.triton.topk_tiles import counts_in_band
+from flash_dma.backends.triton.topk.tiles import counts_in_band
 from flash_dma.bit_mask import BitMask, words_per_row
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE
 from flash_dma.integers import cdiv

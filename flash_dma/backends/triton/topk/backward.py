@@ -2,13 +2,13 @@
 bias gradient either added by fp32 atomics in the same walk (``dispatch`` kernel ``topk-atomic``),
 or, with ``deterministic=True``, key-outer with every sum in a fixed order (bit-identical runs).
 
-1. ``_topk_dq_kernel``, grid ``(Sq, B x Hkv)``: the forward's walk (``topk_forward.py``) with dO;
+1. ``_topk_dq_kernel``, grid ``(Sq, B x Hkv)``: the forward's walk (``topk/forward.py``) with dO;
    it writes ``delta = rowsum(dO * O)`` of its rows, dQ, and for a per-pair bias dS of its slots.
    With ATOMIC_DKDV it also adds each gathered tile's ``P^T dO`` and ``dS^T Q`` (the group's heads
    are the rows of its tiles) to fp32 dK and dV at the tile's keys, and a per-key bias's dS: the
    keys and values are gathered once for both directions, so the backward reads what the forward
    reads, plus the atomics. With UNION_QUERIES (``dispatch`` kernel ``topk-union``) it skips the
-   queries whose block the union kernel walks (``topk_union.py``, launched first).
+   queries whose block the union kernel walks (``topk/union.py``, launched first).
 2. Deterministic: the inverse map, in torch: per (batch, key/value head) the slots ``i * W + w``
    whose entries count, stably sorted by key, and where each key's run starts (``inverse_map``).
 3. Deterministic: ``_topk_dkdv_kernel``, grid ``(Sk, B x Hkv)``: a program owns one key of one
@@ -34,8 +34,8 @@ from flash_dma.backends.triton.dispatch import TOPK_ATOMIC, TOPK_UNION, route, t
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import TopkCall
 from flash_dma.backends.triton.tiles import LOG2E, load_tile, scores_log2
-from flash_dma.backends.triton.topk_forward import topk_rows, topk_tile
-from flash_dma.backends.triton.topk_tiles import (
+from flash_dma.backends.triton.topk.forward import topk_rows, topk_tile
+from flash_dma.backends.triton.topk.tiles import (
     GRADIENT_STRIDES,
     TOPK_NOT_SPECIALIZED,
     TOPK_SPECIALIZED,
@@ -46,7 +46,7 @@ from flash_dma.backends.triton.topk_tiles import (
     topk_scores,
     union_size,
 )
-from flash_dma.backends.triton.topk_union import UNION_NOT_SPECIALIZED, UnionSplit, union_backward, union_split
+from flash_dma.backends.triton.topk.union import UNION_NOT_SPECIALIZED, UnionSplit, union_backward, union_split
 
 
 @triton.jit(do_not_specialize=(*TOPK_NOT_SPECIALIZED, *UNION_NOT_SPECIALIZED))
@@ -64,7 +64,7 @@ def _topk_dq_kernel(
     i = tl.program_id(0).to(tl.int64)
     b = (tl.program_id(1) // num_kv_heads).to(tl.int64)
     kv_head = tl.program_id(1) % num_kv_heads
-    if UNION_QUERIES > 0:  # the union kernel serves this query's block (``topk_union.py``)
+    if UNION_QUERIES > 0:  # the union kernel serves this query's block (``topk/union.py``)
         if union_size(Lengths, tl.program_id(1).to(tl.int64) * num_blocks + i // UNION_QUERIES) <= union_limit:
             return
     num_heads = group * num_kv_heads

@@ -1,5 +1,5 @@
 """Top-k index attention: the tile helpers and the launch that the per-query kernels
-(``topk_forward.py``, ``topk_backward.py``) and the union kernels (``topk_union.py``) share.
+(``topk/forward.py``, ``topk/backward.py``) and the union kernels (``topk/union.py``) share.
 
 The kernels share their leading parameters (``topk_arguments``): the tensors of the call, then its
 strides, sizes and scales; ``topk_launch`` fills them and appends each kernel's own.
@@ -33,7 +33,7 @@ def counts_in_band(keys, query, seqlen_q, seqlen_k, band_lo, band_hi):
 
 @triton.jit
 def union_size(Lengths, list_row):
-    """Entries of the union of query block ``list_row`` (``topk_union.union_lists``): a block takes
+    """Entries of the union of query block ``list_row`` (``union.union_lists``): a block takes
     the union kernels when it is at most the pass's limit, else the per-query kernels."""
     return tl.load(Lengths + 2 * list_row) + tl.load(Lengths + 2 * list_row + 1)
 

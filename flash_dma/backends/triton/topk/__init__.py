@@ -1,0 +1,1 @@
+"""The top-k index kernels of ``flash_dma_topk_func``, which gather the keys each query lists: ``tiles.py`` (what they share), ``forward.py``, ``backward.py`` (per query), ``union.py`` (the backward over a query block's union of keys); ``bits.py``, the packed per-query mask of the indices; and ``passes.py``, a call whose two passes walk differently."""
