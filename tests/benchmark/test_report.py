@@ -84,6 +84,8 @@ def test_markdown_has_header_targets_and_grouped_tables(tmp_path):
         "## kvcache · decode · forward",
         "## forms · prefill · forward",
         "## forms · prefill · forward + backward",
+        "## topkfit · prefill · forward",
+        "## topkfit · prefill · forward + backward",
     ]
     assert "| host S=128 mask+bias fwd: flash-dma host time per call | <= 40 µs | 20 µs | **PASS** |" in text
 
