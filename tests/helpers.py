@@ -402,3 +402,19 @@ def broadcast_cases(base: Case) -> list[Case]:
         cases.append(base.with_(mask=shape, bias=partner))
         cases.append(base.with_(mask=partner, bias=shape, bias_fp32=i % 2 == 0))
     return cases
+
+
+def run_tool_on_cpu(script: str, *args: str):
+    """``tools/<script>`` run in a new process on the CPU (the Triton interpreter) from the repository
+    root: its completed process, output captured; a non-zero exit fails the test."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        [sys.executable, f"tools/{script}", "--device", "cpu", *args], cwd=repo, capture_output=True, text=True,
+        check=True, env={**os.environ, "PYTHONPATH": str(repo), "TRITON_INTERPRET": "1"},
+    )
+

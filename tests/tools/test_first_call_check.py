@@ -1,18 +1,10 @@
 """tools/first_call_check.py on the CPU: cold and warm children with compiling ahead on and off."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import run_tool_on_cpu
 
 
 def test_first_call_check_runs_cold_and_warm_children_with_and_without_compiling_ahead():
-    run = subprocess.run(
-        [sys.executable, "tools/first_call_check.py", "--device", "cpu", "--length", "128"], cwd=REPO,
-        capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"},
-    )
+    run = run_tool_on_cpu("first_call_check.py", "--length", "128")
     lines = run.stdout.splitlines()
     assert lines[0] == ("first call in a new process: B1 H16 Hkv4 D128 S=128, causal, per-key bias and block top-k 1/8 "
                         "(flash-dma-percall), forward then backward")
