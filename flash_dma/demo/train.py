@@ -102,12 +102,14 @@ def train(
     seed: int,
     device: torch.device,
     show_progress: bool = True,
+    position: int = 0,
 ) -> RunResult:
     """Train ``model`` in place on fresh batches of ``task``, evaluating on one fixed batch.
 
     The data depend only on ``seed``, so two models trained with the same seed see the same
     batches and are evaluated on the same sequences. With ``config.short_steps``, the first
-    steps train on shorter sequences (see :class:`TrainConfig`).
+    steps train on shorter sequences (see :class:`TrainConfig`). ``position``: the line of the
+    progress bar, for models trained at once.
     """
     short_task = replace(task, seqlen=config.short_seqlen) if config.short_steps else task
     train_data = torch.Generator().manual_seed(seed)
@@ -116,7 +118,7 @@ def train(
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     curves = Curves()
     started = time.perf_counter()
-    progress = tqdm(range(config.steps), desc=f"{name:>6}", disable=not show_progress)
+    progress = tqdm(range(config.steps), desc=f"{name:>6}", disable=not show_progress, position=position)
 
     def record(step: int) -> None:
         loss, recall, attended = evaluate(model, eval_batch, task.seqlen)

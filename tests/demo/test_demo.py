@@ -1,6 +1,7 @@
 """The demo: its task, model and schedule, and a smoke run of the command as CI runs it."""
 
 import json
+import threading
 from dataclasses import replace
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from flash_dma import cli
 from flash_dma.demo import cli as demo_cli
-from flash_dma.demo.cli import SMOKE_CONFIG, with_steps
+from flash_dma.demo.cli import SMOKE_CONFIG, train_models, with_steps
 from flash_dma.demo.model import PositiveBiasAttention, RecallTransformer
 from flash_dma.demo.report import Check
 from flash_dma.demo.task import IGNORE_INDEX, RecallTask
@@ -173,3 +174,22 @@ def test_fewer_steps_keep_the_share_of_short_sequences():
     config = replace(SMOKE_CONFIG, train=replace(SMOKE_CONFIG.train, steps=3000, short_steps=1000, short_seqlen=32))
     assert (with_steps(config, 300).train.steps, with_steps(config, 300).train.short_steps) == (300, 100)
     assert with_steps(SMOKE_CONFIG, 10).train == replace(SMOKE_CONFIG.train, steps=10)
+
+
+def test_cpu_models_train_at_once_one_thread_each_and_the_thread_count_comes_back():
+    task = RecallTask(seqlen=40, num_pairs=3)
+    models = [(name, RecallTransformer(task.vocab_size, 32, 1, num_heads=4, window_size=window, rope_base=None))
+              for name, window in (("sparse", 6), ("dense", None))]
+    seen = {}  # model name -> (thread, torch threads) of its training forwards
+    for name, model in models:
+        model.register_forward_pre_hook(
+            lambda m, args, name=name: seen.setdefault(name, set()).add((threading.get_ident(), torch.get_num_threads()))
+            if m.training else None
+        )
+    threads = torch.get_num_threads()
+    config = TrainConfig(steps=3, batch_size=2, eval_every=10, eval_batch_size=2)
+    results = train_models(models, config, task, 0, torch.device("cpu"), show_progress=False)
+    assert [r.name for r in results] == ["sparse", "dense"] and torch.get_num_threads() == threads
+    (sparse,), (dense,) = seen["sparse"], seen["dense"]
+    assert sparse[0] != dense[0] and threading.get_ident() not in (sparse[0], dense[0])
+    assert sparse[1] == dense[1] == 1
