@@ -119,8 +119,8 @@ def test_long_sequence_gradients(case, poison_outputs):
 @pytest.mark.parametrize(
     "case",
     [
-        Case(seqlen_q=90, seqlen_k=70, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,1,1,Sk", causal=True, block_size=BLOCKS),
-        Case(seqlen_q=90, seqlen_k=70, mask="B,H,Sq,Sk", mask_kind="blocks", bias="B,Hkv,Sq,Sk", causal=True, block_size=BLOCKS),
+        Case(seqlen_q=70, seqlen_k=40, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,1,1,Sk", causal=True, block_size=BLOCKS),
+        Case(seqlen_q=70, seqlen_k=40, mask="B,H,Sq,Sk", mask_kind="blocks", bias="B,Hkv,Sq,Sk", causal=True, block_size=BLOCKS),
     ],
     ids=str,
 )
