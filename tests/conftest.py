@@ -11,6 +11,16 @@ if not torch.cuda.is_available():
 
 SLOW_ON_CPU = os.environ.get("FLASH_DMA_SLOW_TESTS", "0") == "1"
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # xdist's workers share the cores: each takes its share of threads, and so do the processes its
+    # tests start (OMP_NUM_THREADS). With more threads than cores, an operation waits for threads
+    # that another worker has descheduled: on 2 busy cores, -n 2 took half the wall time with one
+    # thread a worker as with two (measured).
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    _threads = max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 
 def pytest_report_header(config):
     import triton
@@ -20,7 +30,77 @@ def pytest_report_header(config):
     return f"flash-dma tests on {device}: torch {torch.__version__}, triton {triton.__version__} ({mode})"
 
 
+# The newest releases' run (`make test-latest`, `-m latest`) takes a slice of the suite, the pinned
+# run all of it. The slice guards what a new torch, triton, numpy or transformers can break: every
+# case of LATEST_EVERY_CASE (the docs' blocks, the transformers integrations, the sm90 compile of
+# every kernel); the first case of each test under LATEST_FIRST_CASE (each test checks one
+# behaviour, and its first case runs it): the kernel families under the interpreter, and what
+# calls torch's APIs (the reference, Flex, torch.compile, the layer, gloo), matplotlib and tqdm;
+# and of the tests that sweep a kernel family's input forms, the first case of each form in
+# LATEST_FORMS (a text in the case's id). A new kernel family joins by a line here.
+LATEST_EVERY_CASE = ("tests/test_docs.py", "tests/integrations/", "tests/backends/triton/test_compiles_for_gpu.py")
+LATEST_FIRST_CASE = (
+    "tests/backends/triton/test_forward.py",
+    "tests/backends/triton/test_backward.py",
+    "tests/backends/triton/topk/",
+    "tests/backends/triton/test_varlen.py",
+    "tests/backends/triton/test_kvcache.py",
+    "tests/backends/triton/test_key_list.py",
+    "tests/backends/triton/test_key_intervals.py",
+    "tests/backends/triton/test_block_summary.py",
+    "tests/backends/triton/test_block_topk.py",
+    "tests/backends/triton/test_bit_pack.py",
+    "tests/backends/triton/test_compile.py",
+    "tests/backends/test_reference.py",
+    "tests/backends/test_flex.py",
+    "tests/test_interface.py",
+    "tests/modules/",
+    "tests/distributed/test_merge.py",
+    "tests/distributed/test_attention.py::test_matches_single_process",
+    "tests/demo/",
+    "tests/benchmark/test_plots.py",
+)
+_KERNEL_FORMS = ("mask[B,Hkv,1,Sk]blocks", "rows", "packed", "listed", "win", "cap", "fp16")
+LATEST_FORMS = {
+    "tests/backends/triton/test_forward.py::test_forward_matches_reference": (*_KERNEL_FORMS, "H8-Hkv2-D16-causal"),
+    "tests/backends/triton/test_backward.py::test_gradients_match_reference": _KERNEL_FORMS,
+    "tests/backends/triton/topk/test_forward_backward.py::test_topk_matches_reference": (
+        "per-query-", "union-", "split-", "packed-B", "packed-forward-", "packed-backward-", "fp16",
+    ),
+    "tests/backends/triton/test_varlen.py::test_varlen_matches_reference": ("sequence", "keys", "summary", "topk", "cap"),
+    "tests/backends/triton/test_kvcache.py::test_kvcache_matches_reference": ("rows", "paged", "splits", "listed"),
+    "tests/distributed/test_attention.py::test_matches_single_process": ("triton", "contiguous"),
+}
+
+
+def _mark_latest(config, items) -> None:
+    """Mark the ``latest`` slice; where it is chosen (``-m latest``), a path of the slice that names
+    no file, or a form of LATEST_FORMS that no collected case of its test holds, is an error (a
+    renamed file or case must not leave the slice unseen)."""
+    seen_tests, found = set(), set()
+    for item in items:
+        test = item.nodeid.split("[")[0]
+        case = item.callspec.id if hasattr(item, "callspec") else ""
+        forms = [form for form in LATEST_FORMS.get(test, ()) if form in case and (test, form) not in found]
+        first = test not in seen_tests and test.startswith(LATEST_FIRST_CASE)
+        if item.nodeid.startswith(LATEST_EVERY_CASE) or first or forms:
+            item.add_marker(pytest.mark.latest)
+        seen_tests.add(test)
+        found.update((test, form) for form in forms)
+    if "latest" not in config.option.markexpr:
+        return
+    collected = {test.split("::")[0] for test in seen_tests}
+    missing = [f"{path}: no such file" for path in {p.split("::")[0] for p in (*LATEST_EVERY_CASE, *LATEST_FIRST_CASE, *LATEST_FORMS)}
+               if not (config.rootpath / path).exists()]
+    missing += [f"{test}: no case holds {form!r}" for test, forms in LATEST_FORMS.items() for form in forms
+                if (test, form) not in found and test.split("::")[0] in collected]
+    if missing:
+        raise pytest.UsageError("tests/conftest.py, the latest slice: " + "; ".join(sorted(missing)))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m and -k deselect: the slice is chosen from the whole collection
 def pytest_collection_modifyitems(config, items):
+    _mark_latest(config, items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
