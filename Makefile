@@ -40,9 +40,11 @@ LATEST_BIN := $(LATEST)/bin
 $(LATEST)/bin/python:
 	$(PYTHON) -m venv $(LATEST)
 
+# PIP_CONSTRAINT=/dev/null: a constraints file in pip's own configuration (a machine may cap torch at
+# the releases it keeps on disk) would hold this run below what a plain `pip install` resolves.
 test-latest: $(LATEST)/bin/python
 	@echo "make: installing the newest torch, triton, numpy and transformers into $(LATEST) (about 6 GB the first time; later runs fetch only new releases)"
-	$(LATEST_BIN)/python -m pip install --upgrade --upgrade-strategy eager -e '.[test,demo,hf]'
+	PIP_CONSTRAINT=/dev/null $(LATEST_BIN)/python -m pip install --upgrade --upgrade-strategy eager -e '.[test,demo,hf]'
 	$(LATEST_BIN)/python -m pip list 2>/dev/null | grep -E -i '^(torch|triton|numpy|transformers) '
 	TRITON_INTERPRET=1 $(LATEST_BIN)/python -m pytest $(PYTEST_ARGS) -m latest
 
