@@ -101,6 +101,12 @@ def _traced_or_captured() -> bool:
     return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+def may_memoise() -> bool:
+    """Whether what the current call derives may be kept for later calls: not while it is traced,
+    captured or dry-run (what it derives is then baked into a graph, or never written)."""
+    return not (_traced_or_captured() or dry_running())
+
+
 class DerivedTensors:
     """Tensors derived from a source tensor (a dense mask's bits and summary), kept while the
     source lives and its version counter stays: a mask that every layer shares, in the forward
@@ -123,7 +129,7 @@ class DerivedTensors:
             # Keyed by a tensor's version counter: a mask object (BitMask, KeyIntervals) must be
             # turned into its tensors first, or the entry could never see it change.
             raise TypeError(f"source: expected a torch.Tensor, got {type(source).__name__}")
-        if source.is_inference() or _traced_or_captured() or dry_running():
+        if source.is_inference() or not may_memoise():
             return make()
         entry = self._entries.get(id(source))
         version = source._version

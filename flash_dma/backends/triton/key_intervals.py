@@ -32,7 +32,7 @@ from flash_dma.backends.triton.layout import kernel_view, placeholder, tensor_la
 from flash_dma.bit_mask import WORD_BITS, BitMask, words_per_row
 from flash_dma.integers import cdiv
 from flash_dma.key_intervals import KeyIntervals
-from flash_dma.memo import dry_running
+from flash_dma.memo import may_memoise
 
 _KEYS = 1024  # keys classified per program of the state kernel
 _ROWS, _WORDS, _ROW_SPAN = 16, 8, 256  # rows and words per step of the words kernel; rows per program
@@ -299,10 +299,10 @@ def as_bit_mask(mask):
     words written by one launch, its summary the intervals' own); any other mask as it is."""
     if not isinstance(mask, KeyIntervals):
         return mask
-    bit_mask = None if torch.compiler.is_compiling() else _BITS_OF.get(mask)
+    keep = may_memoise()  # not traced, captured or dry-run (``memo.may_memoise``)
+    bit_mask = _BITS_OF.get(mask) if keep else None
     if bit_mask is None:
         bit_mask = BitMask(interval_words(mask.start, mask.end, mask.shape[2]), mask.shape, mask.summary)
-        # Kept unless traced (a graph would bake it in) or dry-run (its words are never written: ``memo.DRY_RUN``).
-        if not torch.compiler.is_compiling() and not dry_running():
+        if keep:
             _BITS_OF[mask] = bit_mask
     return bit_mask
