@@ -26,7 +26,10 @@ from flash_dma.bit_mask import WORD_BITS, additive_floor, words_per_row
 from flash_dma.block_mask import state_shape
 from flash_dma.integers import cdiv
 
-_ROWS = 64  # query rows read per step of a block (of 32, 64 and 128 rows, 64 measured fastest on an H100)
+# Mask elements loaded per step of a block: 64 rows of a bool mask read four keys an int32 (of 32,
+# 64 and 128 rows, 64 measured fastest on an H100); a mask read a key an element takes as many
+# elements in fewer rows (64 rows of 128 floats spilled 656 bytes).
+_STEP_ELEMENTS = 64 * 32
 
 
 @triton.jit
@@ -142,7 +145,7 @@ def pack_bits(mask: torch.Tensor, block_q: int, block_k: int) -> tuple[torch.Ten
         (tensor_layout(mask), block_q, block_k), tensors,
         lambda: (
             [*tensors, *view.stride(), *words.stride()[:3], *state.stride()[:3], sq, view.shape[3], nh, key_blocks,
-             state_blocks, width, block_q, 0.0 if floor is None else floor, _ROWS, block_k, lanes, floor is not None,
+             state_blocks, width, block_q, 0.0 if floor is None else floor, _STEP_ELEMENTS * lanes // block_k, block_k, lanes, floor is not None,
              contiguous],
             (),
         ),

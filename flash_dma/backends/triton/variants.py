@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flash_dma.backends.triton.backward import dkdv_launcher, dq_launcher
+from flash_dma.backends.triton import bit_pack, key_intervals
+from flash_dma.backends.triton.bit_pack import pack_launcher
 from flash_dma.backends.triton.block_summary import lists_launcher, state_launcher
 from flash_dma.backends.triton.forward import forward_launcher
 from flash_dma.backends.triton.hopper import dkdv as hopper_dkdv
@@ -34,6 +36,7 @@ from flash_dma.backends.triton.hopper.common import (
     MASK_ROWS,
 )
 from flash_dma.backends.triton.key_list import count_launcher, gather_launcher, key_list_launcher
+from flash_dma.backends.triton.topk import bits as topk_bits
 from flash_dma.backends.triton.topk import union
 from flash_dma.backends.triton.topk.backward import DKDV_LAUNCHER as topk_dkdv_launcher
 from flash_dma.backends.triton.topk.backward import DQ_LAUNCHER as topk_dq_launcher
@@ -286,4 +289,18 @@ VARIANTS = [
     Variant("gather-kept-keys", gather_launcher, 4, 1, dict(BLOCK=128, BLOCK_D=128)),
     Variant("block-state", state_launcher, 4, 1, dict(ROWS=16, COLS=128)),
     Variant("block-lists", lists_launcher, 4, 1, dict(CHUNK=1024)),
+    # Dense masks into bits: bool read as int32 (four keys an element), and an additive float mask.
+    Variant("bits-pack-bool", pack_launcher, 4, 1, dict(ROWS=bit_pack._STEP_ELEMENTS * 4 // 128, BLOCK_K=128, LANES=4, ADDITIVE=False,
+            KEYS_CONTIGUOUS=True), pointers={"Mask": "*i32"}),
+    Variant("bits-pack-additive", pack_launcher, 4, 1, dict(ROWS=bit_pack._STEP_ELEMENTS // 128, BLOCK_K=128, LANES=1, ADDITIVE=True,
+            KEYS_CONTIGUOUS=True), pointers={"Mask": "*{dtype}"}),
+    Variant("intervals-state", key_intervals.state_launcher, 4, 1, dict(BLOCK_K=128, BLOCKS=key_intervals._KEYS // 128,
+            HAS_START=True), pointers={"Start": "*i32", "End": "*i32"}),
+    Variant("intervals-words", key_intervals.words_launcher, 4, 1, dict(ROWS=key_intervals._ROWS, WORDS=key_intervals._WORDS,
+            ROW_SPAN=key_intervals._ROW_SPAN, HAS_START=True), pointers={"Start": "*i32", "End": "*i32"}),
+    Variant("intervals-causal-topk-end", key_intervals.end_launcher, 4, 1, dict(TILE=key_intervals._TILE, HAS_ALLOWED=True),
+            pointers={"Scores": "*{dtype}", "Allowed": "*u8", "End": "*i32"}),
+    Variant("topk-bits", topk_bits._BITS_LAUNCHER, 4, 1, dict(BLOCK_W=topk_bits._ENTRIES)),
+    Variant("topk-bits-states", topk_bits._STATES_LAUNCHER, 4, 1, dict(BLOCK_Q=128, BLOCK_K=128,
+            KEY_BLOCKS=topk_bits._KEY_BLOCKS)),
 ]
