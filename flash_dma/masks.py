@@ -323,8 +323,7 @@ def interval_mask(
         start: ``[Bm, Hm, Sk]`` int32, each key's first query row, or None for 0 (every key from the
             first query on; a causal rule then comes from ``flash_dma_func(is_causal=True)``).
         query_len: Sq, the rows of the mask.
-        block_size: ``(block_q, block_k)`` of its summary; ``block_k >= 32`` (the Triton kernels
-            walk it as the equivalent ``BitMask``, whose key blocks hold whole words).
+        block_size: ``(block_q, block_k)`` of its summary (``block_mask.SUPPORTED_BLOCK_SIZES``).
 
     Returns:
         A :class:`KeyIntervals` of shape ``(Bm, Hm, query_len, Sk)`` on ``end``'s device; its
@@ -340,7 +339,7 @@ def interval_mask(
     check_int("query_len", query_len, 1)
     if end.shape[2] < 1:
         raise ValueError(f"end: expected at least one key, got shape {tuple(end.shape)}")
-    check_bit_block_size(block_size)
+    check_block_size(block_size)
     return _intervals(start, end, query_len, block_size)
 
 
@@ -401,7 +400,7 @@ def causal_topk_intervals(
         raise ValueError(f"scores: expected a 3-D tensor [Bm, Hm, Sk] with Sk >= 1, got shape {tuple(scores.shape)}")
     check_int("keep", keep, 0)
     check_int("query_len", query_len, 1)
-    check_bit_block_size(block_size)
+    check_block_size(block_size)
     allowed = _key_mask(key_mask, scores)
     with torch.no_grad():
         scores = scores.detach()

@@ -276,12 +276,12 @@ def kernel_call(
     from flash_dma.bit_mask import BitMask
 
     mask = inputs["attn_mask"] if mask is None else mask
-    bits = isinstance(mask, BitMask)
-    if bits:
-        mask, summary = mask.words, mask.summary
+    kind = "elements"
+    if isinstance(mask, BitMask):
+        mask, summary, kind = mask.words, mask.summary, "bits"
     call = Call(
         inputs["query"], inputs["key"], inputs["value"], None if key_list is not None else mask, inputs["attn_bias"],
-        None, None, key_list, None, None, None, 0, 0, softmax_scale, *window, softcap, deterministic, 0, 0, bits,
+        None, None, key_list, None, None, None, 0, 0, softmax_scale, *window, softcap, deterministic, 0, 0, kind,
     )
     if summary is None:
         return call

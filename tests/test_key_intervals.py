@@ -109,7 +109,7 @@ def test_bad_intervals_are_refused():
     with pytest.raises(ValueError, match="query_len"):
         interval_mask(end, query_len=0)
     with pytest.raises(ValueError, match="block_size"):
-        interval_mask(end, query_len=8, block_size=(16, 16))  # the kernels walk its bits: whole words per key block
+        interval_mask(end, query_len=8, block_size=(16, 24))
     scores = torch.randn(1, 2, 40, device=DEVICE)
     with pytest.raises(TypeError, match="scores: expected a floating-point tensor"):
         causal_topk_intervals(end, 4, query_len=8)

@@ -50,12 +50,11 @@ from flash_dma.backends.triton import backward as triton_backward
 from flash_dma.backends.triton import dispatch
 from flash_dma.backends.triton.topk import union
 from flash_dma.backends.triton.block_summary import block_lists, block_state
-from flash_dma.backends.triton.key_intervals import build_causal_topk_ends, build_interval_state, build_interval_words
+from flash_dma.backends.triton.key_intervals import build_causal_topk_ends, build_interval_state
 from flash_dma.backends.triton.dispatch import TOPK_INDICES, TOPK_PACKED, TopkPlan
 from flash_dma.backends.triton.key_list import build_key_list
-from flash_dma.bit_mask import pack_mask_words
 from flash_dma.inputs import DESCALES, FP8_DTYPE
-from flash_dma.key_intervals import causal_topk_ends, interval_rows, interval_states
+from flash_dma.key_intervals import causal_topk_ends, interval_states
 
 MARK = "[sanitize-driver]"
 # Largest error allowed against the float32 reference, relative to max(1, |reference|): loose,
@@ -445,9 +444,9 @@ def summary_block_state(target: Target, gen: torch.Generator) -> Results:
 
 
 def summary_intervals(target: Target, gen: torch.Generator) -> Results:
-    """The key-interval kernels (block states of runs of rows, with and without start rows, their
-    BitMask words, and a causal top-k's end rows over padded keys with ties) against the plain-torch
-    builders on the CPU, on ragged lengths, 600 rows (several programs of words) and one key."""
+    """The key-interval kernels (block states of runs of rows, with and without start rows, and a
+    causal top-k's end rows over padded keys with ties) against the plain-torch builders on the
+    CPU, on ragged lengths, 600 rows and one key."""
     results = {}
     for i, (batch, heads, query_len, key_len, block_size) in enumerate(
         [(2, 3, 129, 257, (16, 32)), (1, 2, 600, 70, (128, 128)), (2, 1, 17, 1, (32, 64))]
@@ -457,12 +456,9 @@ def summary_intervals(target: Target, gen: torch.Generator) -> Results:
         start, end = target.ints(start), target.ints(end)
         for name, begin in (("", start), ("-from0", None)):
             if target.kernels:
-                state = build_interval_state(begin, end, query_len, *block_size)
-                words = build_interval_words(begin, end, query_len)
+                results[f"state{i}{name}"] = build_interval_state(begin, end, query_len, *block_size)
             else:
-                state = interval_states(begin, end, query_len, block_size)
-                words = pack_mask_words(interval_rows(begin, end, 0, query_len))
-            results.update({f"state{i}{name}": state, f"words{i}{name}": words})
+                results[f"state{i}{name}"] = interval_states(begin, end, query_len, block_size)
     scores = target.floats(torch.randint(0, 5, (2, 2, 300), generator=gen).float(), fp32=True)
     padding = target.ints(torch.rand(2, 1, 300, generator=gen) < 0.8).expand(2, 2, 300)
     for query_len, keep in ((300, 40), (129, 7)):
@@ -607,12 +603,14 @@ CASES = {
                    block_size=(128, 128)),
         _attention("attn-topk-d64-causal", batch=2, seqlen_q=257, seqlen_k=257, heads=4, kv_heads=2, head_dim=64,
                    bias="B,Hkv,1,Sk", causal=True, walk="topk", block_size=(32, 32)),
-        # KeyIntervals (Doge's selection): walked as the BitMask of their words, on Hopper's bits path
-        # at D = 64 and 128; queries after cached keys, padded keys.
+        # KeyIntervals (Doge's selection): each key's rows tested on PARTIAL tiles, by the Hopper
+        # kernels at D = 64, 128 and 256; queries after cached keys, padded keys.
         _attention("attn-intervals-d64-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=64,
                    bias="B,Hkv,1,Sk", causal=True, walk="intervals", block_size=(128, 128)),
         _attention("attn-intervals-d128-padded", batch=2, seqlen_q=129, seqlen_k=300, heads=8, kv_heads=2, head_dim=128,
                    mask="B,1,1,Sk", bias="B,H,1,Sk", causal=True, walk="intervals", block_size=(64, 32)),
+        _attention("attn-intervals-d256-causal", batch=1, seqlen_q=257, seqlen_k=300, heads=2, kv_heads=1, head_dim=256,
+                   bias="B,Hkv,1,Sk", causal=True, walk="intervals", block_size=(128, 128)),
         _attention("attn-sq1-gqa-d128", batch=2, seqlen_q=1, seqlen_k=257, heads=4, kv_heads=1, head_dim=128,
                    mask="B,Hkv,1,Sk", bias="B,H,1,Sk", causal=True, walk="listed"),
         _attention("attn-len1", batch=3, seqlen_q=1, seqlen_k=1, heads=4, kv_heads=4, head_dim=64,

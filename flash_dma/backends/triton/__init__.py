@@ -12,6 +12,8 @@ How the kernels walk a mask's sparsity is chosen here, from shapes alone (no hos
   ``BitMask``'s words, 1/8 of its bytes) with their summary in one read (``bit_pack.py``),
   walked by the summary given or that one;
   a ``BitMask`` passed in is walked by its own summary;
+- ``KeyIntervals``: each key's rows, tested by the kernels on PARTIAL tiles only, walked by their
+  own summary;
 - any other mask alone: the lists of a summary built here;
 - no mask: every tile inside the causal/window band.
 
@@ -35,7 +37,7 @@ import torch
 from flash_dma.backends.triton.backward import attention_backward
 from flash_dma.backends.triton.dispatch import TOPK_PACKED, hopper_takes_bits, topk_plan
 from flash_dma.backends.triton.forward import attention_forward
-from flash_dma.backends.triton.key_intervals import as_bit_mask, causal_topk_end_rows, interval_state
+from flash_dma.backends.triton.key_intervals import causal_topk_end_rows, interval_state, kernel_intervals
 from flash_dma.backends.triton.launch import AHEAD
 from flash_dma.backends.triton.layout import Call, TopkCall, input_form
 from flash_dma.backends.triton.merge import merge_partial  # the ring's, beside partial_forward
@@ -54,6 +56,7 @@ from flash_dma.backends.triton.ops import (
 from flash_dma.backends.triton.topk.bits import topk_bit_mask
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import DEFAULT_BLOCK_SIZE
+from flash_dma.key_intervals import KeyIntervals
 from flash_dma.memo import DerivedTensors
 
 SMALL_PROBLEM = 1 << 24  # B x H x Sq x Sk
@@ -86,30 +89,31 @@ def walk_fields(state: torch.Tensor, block_size, kv_lists=None, q_lists=None) ->
 def _call(problem) -> Call:
     """The :class:`~flash_dma.backends.triton.layout.Call` of a validated
     :class:`~flash_dma.inputs.AttentionProblem`, with the walk of its mask chosen (module doc)."""
-    mask, summary = as_bit_mask(problem.attn_mask), problem.block_mask  # key intervals: as their BitMask
+    mask, summary, kind = problem.attn_mask, problem.block_mask, "elements"
     batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, _ = problem.entries
-    bits = isinstance(mask, BitMask)
-    if bits and (mask.shape[2] == 1 or mask.shape[3] == 1):
-        mask, bits = mask.dense(), False  # per key or per row: as small as one row or column of bools
-    elif bits:
-        mask, summary = mask.words, mask.summary
+    if isinstance(mask, KeyIntervals):  # read by the kernels themselves, walked by their own summary
+        mask, summary, kind = kernel_intervals(mask), mask.summary, "intervals"
+    elif isinstance(mask, BitMask) and (mask.shape[2] == 1 or mask.shape[3] == 1):
+        mask = mask.dense()  # per key or per row: as small as one row or column of bools
+    elif isinstance(mask, BitMask):
+        mask, summary, kind = mask.words, mask.summary, "bits"
     left, right = problem.window
     call = Call(
         problem.query, problem.key, problem.value, mask, problem.attn_bias, None, None, None,
         problem.cu_seqlens_q, problem.cu_seqlens_k, problem.descale, 0, 0, problem.softmax_scale, left, right,
-        problem.softcap, problem.deterministic, problem.max_seqlen_q, problem.max_seqlen_k, bits,
+        problem.softcap, problem.deterministic, problem.max_seqlen_q, problem.max_seqlen_k, kind,
     )
     if summary is not None:
         call = call._replace(**walk_fields(summary.state, summary.block_size, summary.kv_lists, summary.q_lists))
-        if not (bits or summary.needs_mask):
+        if kind == "elements" and not summary.needs_mask:
             return call._replace(mask=None)  # without PARTIAL blocks the mask is never read
     large = batch * num_heads * seqlen_q * seqlen_k > SMALL_PROBLEM
-    if mask is None or bits or not large:
+    if mask is None or kind != "elements" or not large:
         return call
     if input_form(mask) == "pairs" and hopper_takes_bits(call):
         # The Hopper kernels read a per-pair mask as bits (1/8 of its bytes), walked by a summary.
         words, walk = _DERIVED.get(mask, "bits", lambda: _bits_and_walk(mask))
-        return call._replace(mask=words, mask_bits=True, **({} if summary is not None else walk))
+        return call._replace(mask=words, mask_kind="bits", **({} if summary is not None else walk))
     if summary is not None:
         return call
     if _per_key(mask, num_heads, num_kv_heads):

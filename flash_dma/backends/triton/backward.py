@@ -147,7 +147,7 @@ def _dkdv_tiles(
     STAGE: tl.constexpr, WALK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr,
     DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DBIAS_HEAD_SHARED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_KIND: tl.constexpr,
 ):
     """Accumulate dK, dV (and the bias gradient) over the query tiles at walk positions
     ``[lo, hi)`` less ``[gap_lo, gap_hi)``. Tiles are ``[keys, queries]``."""
@@ -168,8 +168,8 @@ def _dkdv_tiles(
         s = visible_scores(
             scores, offs_m[None, :], keys[:, None], key_ok[:, None], band_lo, band_hi,
             key_pointers(bias_rows, keys, stride_bk, BIAS_PER_KEY, True),
-            key_pointers(mask_rows, mask_columns(keys, MASK_BITS), stride_mk, MASK_PER_KEY, True),
-            HAS_BIAS, STAGE, MASK_BITS,
+            key_pointers(mask_rows, mask_columns(keys, MASK_KIND), stride_mk, MASK_PER_KEY, True),
+            HAS_BIAS, STAGE, MASK_KIND,
         )
         dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         p, ds, dqk = softmax_grad(s, lse2, delta, dp, 1, scale, softcap_log2, SOFTCAP, scores)
@@ -223,7 +223,7 @@ def _dkdv_kernel(
     stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk, dbias_head_div,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SEQ: tl.constexpr, MASK_BITS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DBIAS_HEAD_SHARED: tl.constexpr,
+    SEQ: tl.constexpr, MASK_KIND: tl.constexpr, DBIAS: tl.constexpr, DBIAS_ATOMIC: tl.constexpr, DBIAS_HEAD_SHARED: tl.constexpr,
     CHUNKS_IN_ORDER: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     chunk = tl.program_id(0)
@@ -325,7 +325,7 @@ def _dkdv_kernel(
                     tiles, tiles_per_block, stage_lo, stage_hi, gap_lo, gap_hi,
                     seqlen_q, band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
                     stage, query_walk, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY,
-                    DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION, MASK_BITS,
+                    DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, BLOCK_M, BLOCK_D, DOT_PRECISION, MASK_KIND,
                 )
             if DBIAS == 1:
                 if not DBIAS_HEAD_SHARED:
@@ -383,7 +383,7 @@ def _dq_tiles(
     band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
     STAGE: tl.constexpr, WALK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_KIND: tl.constexpr,
 ):
     """Accumulate dQ over the key tiles at walk positions ``[lo, hi)`` less ``[gap_lo, gap_hi)``."""
     count = (hi - lo) - (gap_hi - gap_lo)
@@ -394,7 +394,7 @@ def _dq_tiles(
         k, scores, s = row_tile_scores(  # [BLOCK_N, BLOCK_D], then [BLOCK_M, BLOCK_N]
             q, offs_m, k_source, tile * BLOCK_N, keys, keys, key_ok, stride_ks, head_dim, band_lo, band_hi,
             bias_rows, stride_bk, mask_rows, stride_mk, scale_log2, softcap_log2, scale_over_cap,
-            STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, TMA, BLOCK_D, DOT_PRECISION, MASK_BITS,
+            STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, TMA, BLOCK_D, DOT_PRECISION, MASK_KIND,
         )
         v = load_rows(v_source, tile * BLOCK_N, keys, key_ok, stride_vs, head_dim, STAGE != STAGE_INTERIOR, TMA, BLOCK_D)  # [BLOCK_N, BLOCK_D]
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
@@ -424,7 +424,7 @@ def _dq_kernel(
     stride_dqb, stride_dqs, stride_dqh,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SEQ: tl.constexpr, MASK_BITS: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    SEQ: tl.constexpr, MASK_KIND: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) row tiles first, as in the forward
@@ -475,7 +475,7 @@ def _dq_kernel(
             dq, q, do, lse2, delta, offs_m, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
             tiles, tiles_per_block, key_limit, stage_lo, stage_hi, gap_lo, gap_hi,
             band_lo, band_hi, head_dim, scale, scale_log2, softcap_log2, scale_over_cap,
-            stage, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION, MASK_BITS,
+            stage, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION, MASK_KIND,
         )
     offs_d = tl.arange(0, BLOCK_D)
     dq_ptrs = DQ + b_tokens * stride_dqb + head * stride_dqh + (q_offset + offs_m)[:, None] * stride_dqs + offs_d[None, :]

@@ -51,7 +51,7 @@ class Form(NamedTuple):
     dtype: str  # "fp16" | "bf16" | "fp32" | "fp8" (e4m3, forward only)
     head_dim: int
     wide_group: bool  # WIDE_GROUP query heads or more per key/value head (GQA)
-    mask: str  # "none" | "keys" [., ., 1, Sk|1] | "rows" [., ., Sq, 1] | "pairs" (bool per pair) | "bits" (a BitMask's words)
+    mask: str  # "none" | "keys" [., ., 1, Sk|1] | "rows" [., ., Sq, 1] | "pairs" (bool per pair) | "bits" (a BitMask's words) | "intervals" (key intervals' rows)
     bias: str  # "none" | "keys" [., ., 1, Sk|1] | "rows" [., ., Sq, 1] | "pairs" [., ., Sq, Sk]
     walk: str  # "dense" | "blocks" (a block summary's lists) | "keys" (a key list) | "indices" (top-k indices per query)
     sequences: str  # "fixed" | "packed" (varlen) | "cache" (a contiguous KV cache, entry b in row b) | "cache-indexed" (rows or pages)
@@ -88,7 +88,7 @@ class Route:
 
 
 _HOPPER_FORMS = dict(
-    device=("hopper",), dtype=("fp16", "bf16"), mask=("none", "keys", "rows", "bits"), sequences=("fixed",), split=(False,),
+    device=("hopper",), dtype=("fp16", "bf16"), mask=("none", "keys", "rows", "bits", "intervals"), sequences=("fixed",), split=(False,),
     aligned=(True,),
 )
 ROUTES = (
@@ -105,7 +105,7 @@ ROUTES = (
     Route(HOPPER, ("dq", "dkdv"), **_HOPPER_FORMS, head_dim=HEAD_DIMS),
     # The backward at head dims 192 and 256 (tiles of 256 columns), without a BitMask: dK/dV's words
     # are staged for items of 128 keys, these take 64.
-    Route(HOPPER, ("dq", "dkdv"), **{**_HOPPER_FORMS, "mask": ("none", "keys", "rows")}, head_dim=WIDE_HEAD_DIMS),
+    Route(HOPPER, ("dq", "dkdv"), **{**_HOPPER_FORMS, "mask": ("none", "keys", "rows", "intervals")}, head_dim=WIDE_HEAD_DIMS),
     # Packed sequences (varlen): per-key masks and biases only, walked by summaries or densely (a key
     # list is gathered per batch entry, not per sequence).
     Route(HOPPER, PASSES, **{**_HOPPER_FORMS, "sequences": ("packed",), "mask": ("none", "keys")}, head_dim=HEAD_DIMS,
@@ -168,7 +168,7 @@ def form_of(
         dtype=_DTYPES[q.dtype],
         head_dim=q.shape[3],
         wide_group=_wide_group(q, call.k),
-        mask=input_form(call.mask, call.mask_bits),
+        mask=input_form(call.mask, call.mask_kind),
         bias=input_form(call.bias),
         walk=walk,
         sequences="fixed" if sequences is None else ("packed" if sequences.kind == SEQ_PACKED else ("cache-indexed" if indexed else "cache")),

@@ -78,7 +78,7 @@ def _attn_fwd_tiles(
     band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
     STAGE: tl.constexpr, WALK: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_KIND: tl.constexpr,
 ):
     """Online softmax over the key tiles at walk positions ``[lo, hi)`` less ``[gap_lo, gap_hi)``."""
     count = (hi - lo) - (gap_hi - gap_lo)
@@ -94,7 +94,7 @@ def _attn_fwd_tiles(
         _, _, s = row_tile_scores(  # [BLOCK_M, BLOCK_N]
             q, q_idx, k_source, first_row, keys, kv_rows, key_ok, stride_ks, head_dim, band_lo, band_hi,
             bias_rows, stride_bk, mask_rows, stride_mk, scale_log2, softcap_log2, scale_over_cap,
-            STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, TMA, BLOCK_D, DOT_PRECISION, MASK_BITS,
+            STAGE, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, TMA, BLOCK_D, DOT_PRECISION, MASK_KIND,
         )
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead, so p = 0, not NaN.
@@ -135,7 +135,7 @@ def _attn_fwd_kernel(
     rows, CacheRows, BlockTable, stride_table, page_size, cache_rows_given, cache_last,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, WALK: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SEQ: tl.constexpr, MASK_BITS: tl.constexpr, TMA: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr, PAGED: tl.constexpr,
+    SEQ: tl.constexpr, MASK_KIND: tl.constexpr, TMA: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr, PAGED: tl.constexpr,
     PAGE_TILES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Last row tiles first: under a causal band they hold the most work, so the grid's tail is light.
@@ -236,7 +236,7 @@ def _attn_fwd_kernel(
             acc, l_i, m_i, q, q_idx, k_source, v_source, stride_ks, stride_vs, mask_rows, stride_mk, bias_rows, stride_bk,
             table_row, page_size, cache_last, tiles, tiles_per_block, key_limit, stage_lo, stage_hi, gap_lo, gap_hi,
             band_lo, band_hi, head_dim, scale_log2, softcap_log2, scale_over_cap,
-            stage, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION, MASK_BITS,
+            stage, WALK, HAS_BIAS, SOFTCAP, MASK_PER_KEY, BIAS_PER_KEY, PAGED, KV_TMA, BLOCK_N, BLOCK_D, DOT_PRECISION, MASK_KIND,
         )
 
     # Rows with no visible key: out = 0, lse = -inf.

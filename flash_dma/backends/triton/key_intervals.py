@@ -1,12 +1,10 @@
-"""Key intervals on the GPU (``flash_dma/key_intervals.py``): their block summary, their bits, and
-the intervals of a causal top-k, each in one launch with no ``[Sq, Sk]`` temporary.
+"""Key intervals on the GPU (``flash_dma/key_intervals.py``): their block summary and the intervals
+of a causal top-k, each in one launch with no ``[Sq, Sk]`` temporary, and their layout for the
+attention kernels.
 
 - ``_interval_state_kernel``: one program per (query block, run of key blocks) classifies each
   block from its keys' intervals: FULL if every interval covers the block's rows, EMPTY if none
   meets them, else PARTIAL. O(Sk) per query block.
-- ``_interval_words_kernel``: the words of the equivalent :class:`~flash_dma.bit_mask.BitMask`
-  (``bit_mask.py``'s layout), written straight from the intervals: a program reads the intervals
-  of ``8 x 32`` keys once and writes their words for a span of rows, 32 bytes per row.
 - ``_causal_topk_end_kernel``: per (batch, head) of per-key scores, the end row of each key under
   a causal top-k (``key_intervals.causal_topk_ends`` says what it is). A program takes a tile of
   keys: it counts the keys before them that outrank them (``[TILE, TILE]`` comparisons per tile of
@@ -14,8 +12,9 @@ the intervals of a causal top-k, each in one launch with no ``[Sq, Sk]`` tempora
   that end its run (a running count and ``tl.cumsum`` within the tile that holds the last one).
   O(Sk² / TILE²) tiles per head; nothing is sorted, so ties need no care beyond the rule.
 
-Each has a custom op with a fake for ``torch.compile``, and :func:`as_bit_mask` is the backend's
-hook: it hands the kernels a ``KeyIntervals`` as the ``BitMask`` they walk.
+Each has a custom op with a fake for ``torch.compile``. The attention kernels read the intervals
+themselves, on PARTIAL tiles only (``tiles.visible_scores``, ``hopper/common.visible_scores``), laid
+out by :func:`kernel_intervals`.
 """
 
 from __future__ import annotations
@@ -29,15 +28,12 @@ import triton.language as tl
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import kernel_view, placeholder, tensor_layout
-from flash_dma.bit_mask import WORD_BITS, BitMask, words_per_row
 from flash_dma.integers import cdiv
 from flash_dma.key_intervals import KeyIntervals
 from flash_dma.memo import may_memoise
 
 _KEYS = 1024  # keys classified per program of the state kernel
-_ROWS, _WORDS, _ROW_SPAN = 16, 8, 256  # rows and words per step of the words kernel; rows per program
 _TILE = 64  # keys per side of the causal top-k kernel's comparisons
-_BITS = tl.constexpr(WORD_BITS)
 
 
 @triton.jit(do_not_specialize=[
@@ -71,39 +67,6 @@ def _interval_state_kernel(
     state = nonempty + nonempty * full  # EMPTY 0, PARTIAL 1, FULL 2
     ptrs = State + b.to(tl.int64) * stride_tb + h.to(tl.int64) * stride_th + qb * stride_tq + blocks * stride_tk
     tl.store(ptrs, state.to(tl.int8), mask=blocks < key_blocks)
-
-
-@triton.jit(do_not_specialize=[
-    "stride_sb", "stride_sh", "stride_sk", "stride_eb", "stride_eh", "stride_ek", "stride_wb", "stride_wh", "stride_wq",
-    "seqlen_q", "seqlen_k", "num_heads", "width", "word_chunks",
-])
-def _interval_words_kernel(
-    Start, End, Words,
-    stride_sb, stride_sh, stride_sk, stride_eb, stride_eh, stride_ek, stride_wb, stride_wh, stride_wq,
-    seqlen_q, seqlen_k, num_heads, width, word_chunks,
-    ROWS: tl.constexpr, WORDS: tl.constexpr, ROW_SPAN: tl.constexpr, HAS_START: tl.constexpr,
-):
-    first_row = (tl.program_id(0) // word_chunks) * ROW_SPAN
-    words = (tl.program_id(0) % word_chunks) * WORDS + tl.arange(0, WORDS)  # [WORDS]
-    b = tl.program_id(1) // num_heads
-    h = tl.program_id(1) % num_heads
-    bit = tl.arange(0, _BITS)
-    keys = words[:, None] * _BITS + bit[None, :]  # [WORDS, 32]
-    real = keys < seqlen_k
-    # Keys past the end hold empty intervals: their bits are 0.
-    end = tl.load(End + b.to(tl.int64) * stride_eb + h.to(tl.int64) * stride_eh + keys * stride_ek, mask=real, other=0)
-    start = tl.zeros_like(end)
-    if HAS_START:
-        start = tl.load(Start + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + keys * stride_sk, mask=real, other=0)
-    words_out = Words + b.to(tl.int64) * stride_wb + h.to(tl.int64) * stride_wh + words[None, :]
-    for r in range(first_row, tl.minimum(first_row + ROW_SPAN, seqlen_q), ROWS):
-        rows = r + tl.arange(0, ROWS)  # [ROWS]
-        at = rows[:, None, None]
-        inside = (start[None, :, :] <= at) & (at < end[None, :, :])  # [ROWS, WORDS, 32]
-        # Distinct bits: their sum is their union (bit 31 included, as int32 wraps).
-        packed = tl.sum(inside.to(tl.int32) << bit[None, None, :], 2)  # [ROWS, WORDS]
-        stored = (rows < seqlen_q)[:, None] & (words < width)[None, :]
-        tl.store(words_out + rows.to(tl.int64)[:, None] * stride_wq, packed, mask=stored)
 
 
 @triton.jit
@@ -168,7 +131,6 @@ def _causal_topk_end_kernel(
 
 
 state_launcher = Launcher(_interval_state_kernel, tensors=("Start", "End", "State"), specialized=())
-words_launcher = Launcher(_interval_words_kernel, tensors=("Start", "End", "Words"), specialized=())
 end_launcher = Launcher(_causal_topk_end_kernel, tensors=("Scores", "Allowed", "End"), specialized=())
 
 
@@ -199,26 +161,6 @@ def build_interval_state(start: torch.Tensor | None, end: torch.Tensor, query_le
         configs.single_program_config, lambda meta: (query_blocks * chunks, batch * heads),
     )
     return state
-
-
-def build_interval_words(start: torch.Tensor | None, end: torch.Tensor, query_len: int) -> torch.Tensor:
-    """The words ``[Bm, Hm, Sq, W]`` int32 of the intervals ``start``/``end`` ``[Bm, Hm, Sk]`` int32
-    over ``query_len`` rows, in ``bit_mask.py``'s layout (bits past Sk 0)."""
-    batch, heads, key_len = end.shape
-    width = words_per_row(key_len)
-    words = torch.empty(batch, heads, query_len, width, dtype=torch.int32, device=end.device)
-    word_chunks = cdiv(width, _WORDS)
-    start_view, start_strides = _start_arguments(start, end)
-    tensors = [start_view, end, words]
-    words_launcher.launch(
-        (tensor_layout(start), tensor_layout(end), query_len), tensors,
-        lambda: ([
-            *tensors, *start_strides, *end.stride(), *words.stride()[:3], query_len, key_len, heads, width, word_chunks,
-            _ROWS, _WORDS, _ROW_SPAN, start is not None,
-        ], ()),
-        configs.single_program_config, lambda meta: (cdiv(query_len, _ROW_SPAN) * word_chunks, batch * heads),
-    )
-    return words
 
 
 def build_causal_topk_ends(scores: torch.Tensor, allowed: torch.Tensor | None, keep: int, query_len: int) -> torch.Tensor:
@@ -254,16 +196,6 @@ def _interval_state_fake(start, end, query_len, block_q, block_k):
     return end.new_empty(batch, heads, query_blocks, key_blocks, dtype=torch.int8)
 
 
-@torch.library.custom_op("flash_dma::interval_words", mutates_args=())
-def interval_words_op(start: torch.Tensor | None, end: torch.Tensor, query_len: int) -> torch.Tensor:
-    return build_interval_words(start, end, query_len)
-
-
-@interval_words_op.register_fake
-def _interval_words_fake(start, end, query_len):
-    return end.new_empty(end.shape[0], end.shape[1], query_len, words_per_row(end.shape[2]), dtype=torch.int32)
-
-
 @torch.library.custom_op("flash_dma::causal_topk_ends", mutates_args=())
 def causal_topk_ends_op(scores: torch.Tensor, allowed: torch.Tensor | None, keep: int, query_len: int) -> torch.Tensor:
     return build_causal_topk_ends(scores, allowed, keep, query_len)
@@ -279,30 +211,25 @@ def interval_state(start: torch.Tensor | None, end: torch.Tensor, query_len: int
     return (interval_state_op if torch.compiler.is_compiling() else build_interval_state)(start, end, query_len, block_q, block_k)
 
 
-def interval_words(start: torch.Tensor | None, end: torch.Tensor, query_len: int) -> torch.Tensor:
-    """``build_interval_words``, through the custom op when compiling."""
-    return (interval_words_op if torch.compiler.is_compiling() else build_interval_words)(start, end, query_len)
-
-
 def causal_topk_end_rows(scores: torch.Tensor, allowed: torch.Tensor | None, keep: int, query_len: int) -> torch.Tensor:
     """``build_causal_topk_ends``, through the custom op when compiling."""
     return (causal_topk_ends_op if torch.compiler.is_compiling() else build_causal_topk_ends)(scores, allowed, keep, query_len)
 
 
-# The BitMask of each KeyIntervals the kernels walked, while the intervals live: a mask shared by
-# several layers is written once.
-_BITS_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The kernels' rows of each KeyIntervals walked, while the intervals live: a mask shared by several
+# layers is laid out once.
+_KERNEL_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def as_bit_mask(mask):
-    """The Triton backend's hook: a :class:`KeyIntervals` as the :class:`BitMask` the kernels walk (its
-    words written by one launch, its summary the intervals' own); any other mask as it is."""
-    if not isinstance(mask, KeyIntervals):
-        return mask
+def kernel_intervals(mask: KeyIntervals) -> torch.Tensor:
+    """The rows of ``mask`` as the attention kernels read them: int32 ``[Bm, Hm, 1, 2 Sk]``, each
+    key's first query row then one past its last (``layout.Call``, mask kind ``"intervals"``)."""
     keep = may_memoise()  # not traced, captured or dry-run (``memo.may_memoise``)
-    bit_mask = _BITS_OF.get(mask) if keep else None
-    if bit_mask is None:
-        bit_mask = BitMask(interval_words(mask.start, mask.end, mask.shape[2]), mask.shape, mask.summary)
+    rows = _KERNEL_ROWS.get(mask) if keep else None
+    if rows is None:
+        start = torch.zeros_like(mask.end) if mask.start is None else mask.start
+        batch, heads, key_len = mask.end.shape
+        rows = torch.stack((start, mask.end), dim=-1).view(batch, heads, 1, 2 * key_len)
         if keep:
-            _BITS_OF[mask] = bit_mask
-    return bit_mask
+            _KERNEL_ROWS[mask] = rows
+    return rows

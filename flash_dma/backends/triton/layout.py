@@ -9,7 +9,7 @@ The three Triton attention kernels (forward, dK/dV, dQ) begin with the same para
 
 - runtime: ``Q, K, V, Mask, Bias, Walk, SeqQ, SeqK`` and their strides, the sizes, the head divisors of the
   broadcast inputs, the summary's block sizes, the band and the scales;
-- constexpr: ``HAS_MASK, HAS_BIAS, WALK, MASK_PER_KEY, BIAS_PER_KEY, SOFTCAP, DOT_PRECISION, SEQ, MASK_BITS``.
+- constexpr: ``HAS_MASK, HAS_BIAS, WALK, MASK_PER_KEY, BIAS_PER_KEY, SOFTCAP, DOT_PRECISION, SEQ, MASK_KIND``.
 
 Each kernel adds its own parameters after each group (outputs, gradients, split and GQA flags),
 then ``BLOCK_D`` and the tile sizes. :func:`common_arguments` returns both groups, so that the
@@ -28,6 +28,10 @@ from flash_dma.backends.triton import configs, tiles
 
 WALK_DENSE, WALK_BLOCKS, WALK_KEYS = (w.value for w in (tiles.WALK_DENSE, tiles.WALK_BLOCKS, tiles.WALK_KEYS))
 SEQ_FIXED, SEQ_PACKED, SEQ_CACHE = (s.value for s in (tiles.SEQ_FIXED, tiles.SEQ_PACKED, tiles.SEQ_CACHE))
+# How a call's mask stores its values (``Call.mask_kind``), as the Triton kernels' MASK_KIND says it.
+MASK_KINDS = {
+    "elements": tiles.MASK_ELEMENTS.value, "bits": tiles.MASK_WORDS.value, "intervals": tiles.MASK_INTERVALS.value,
+}
 # Shared int parameters that Triton may specialise: strides and sizes in the address and bounds
 # arithmetic of row and mask/bias loads (a stride of 1 makes a per-key bias a contiguous load,
 # multiples of 16 let whole rows load as 16-byte vectors). The others never change the kernel.
@@ -116,14 +120,15 @@ def walk_kind(walk: torch.Tensor | None, key_list: torch.Tensor | None) -> int:
     return WALK_DENSE if walk is None else WALK_BLOCKS
 
 
-def input_form(t: torch.Tensor | None, bits: bool = False) -> str:
+def input_form(t: torch.Tensor | None, kind: str = "elements") -> str:
     """How a ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` mask or bias varies: ``"none"``, ``"keys"`` (``[., ., 1,
-    Sk|1]``), ``"rows"`` (``[., ., Sq, 1]``), ``"pairs"`` (``[., ., Sq, Sk]``), or ``"bits"`` for a
-    BitMask's words (``bits``). The routing table (``dispatch.Form``) and the kernels' flags read it."""
+    Sk|1]``), ``"rows"`` (``[., ., Sq, 1]``), ``"pairs"`` (``[., ., Sq, Sk]``), or for a mask stored
+    otherwise (``Call.mask_kind``) its kind: ``"bits"`` or ``"intervals"``. The routing table
+    (``dispatch.Form``) and the kernels' flags read it."""
     if t is None:
         return "none"
-    if bits:
-        return "bits"
+    if kind != "elements":
+        return kind
     if t.shape[2] == 1:
         return "keys"
     return "rows" if t.shape[3] == 1 else "pairs"
@@ -137,9 +142,11 @@ class Call(NamedTuple):
     """One attention call: inputs, the walks of its mask, and settings. The tensors come first
     (:data:`CALL_TENSORS` of them), so that ``ops.py`` can save them for the backward.
 
-    ``mask``: ``[1|B, 1|Hkv|H, 1|Sq, 1|Sk]`` bool or 0/1 integer; with ``mask_bits``, the int32
-    words of a ``BitMask`` (``bit_mask.py``) ``[Bm, Hm, Sq, W]``, per query and key; with a key
-    list, None. ``kv_lists``/``q_lists``: a block summary's lists (``block_mask.py``);
+    ``mask``: as ``mask_kind`` says (:data:`MASK_KINDS`): ``"elements"``, ``[1|B, 1|Hkv|H, 1|Sq,
+    1|Sk]`` bool or 0/1 integer; ``"bits"``, the int32 words of a ``BitMask`` (``bit_mask.py``)
+    ``[Bm, Hm, Sq, W]``, per query and key; ``"intervals"``, key intervals' rows int32 ``[Bm, Hm,
+    1, 2 Sk]``, each key's first row then one past its last, contiguous (``kernel_intervals``);
+    with a key list, None. ``kv_lists``/``q_lists``: a block summary's lists (``block_mask.py``);
     ``key_list``: a per-key mask's kept keys (``key_list.py``); ``cu_seqlens_q``/``cu_seqlens_k``
     and the two longest lengths: packed sequences (varlen), else None and 0; ``descale``: FP8
     inputs' descale factors ``[B, Hkv, 3]`` float32 (q, k, v), else None.
@@ -165,7 +172,7 @@ class Call(NamedTuple):
     deterministic: bool
     max_seqlen_q: int
     max_seqlen_k: int
-    mask_bits: bool
+    mask_kind: str
 
 
 CALL_TENSORS = Call._fields.index("list_block_q")
@@ -320,6 +327,6 @@ def common_arguments(
         mask is not None and key_list is None, bias is not None, walk, per_key(mask), per_key(bias), softcap > 0,
         "ieee" if q.dtype == torch.float32 else "tf32",
         SEQ_FIXED if sequences is None else sequences.kind,
-        call.mask_bits,
+        MASK_KINDS[call.mask_kind],
     ]
     return runtime, constexprs

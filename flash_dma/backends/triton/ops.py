@@ -128,7 +128,7 @@ def topk_state(
     )
 
 
-_SCHEMA_TYPES = {torch.Tensor: "Tensor", torch.Tensor | None: "Tensor?", int: "SymInt", float: "float", bool: "bool"}
+_SCHEMA_TYPES = {torch.Tensor: "Tensor", torch.Tensor | None: "Tensor?", int: "SymInt", float: "float", bool: "bool", str: "str"}
 
 
 def _schema(record) -> str:
@@ -235,7 +235,7 @@ def _kvcache_forward(
     """``(out, lse)`` over cached keys (``flash_dma_with_kvcache``); ``num_splits`` 0 chooses."""
     call = Call(
         q, k, v, mask, bias, None, None, key_list, None, None, None, 0, 0, softmax_scale, window_left, window_right, softcap,
-        False, 0, 0, False,
+        False, 0, 0, "elements",
     )
     return attention_forward(
         call, num_splits=num_splits or None, sequences=Sequences(SEQ_CACHE, None, seqlens_k, q.shape[0], q.shape[1], capacity),

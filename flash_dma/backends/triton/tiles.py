@@ -44,6 +44,13 @@ SEQ_FIXED = tl.constexpr(0)
 SEQ_PACKED = tl.constexpr(1)
 SEQ_CACHE = tl.constexpr(2)
 
+# How a mask's values are stored (the constexpr MASK_KIND; ``layout.MASK_KINDS`` names them):
+MASK_ELEMENTS = tl.constexpr(0)  # a bool or 0/1 integer per element
+MASK_WORDS = tl.constexpr(1)  # a BitMask's 32-bit words (``bit_mask.py``)
+# Key intervals (``key_intervals.py``): per key, its first query row then one past its last, side by
+# side (int32 ``[., ., 1, 2 Sk]``, keys contiguous); a key is kept for the rows between them.
+MASK_INTERVALS = tl.constexpr(2)
+
 STAGE_PARTIAL = tl.constexpr(0)
 STAGE_INTERIOR = tl.constexpr(1)
 STAGE_EDGE = tl.constexpr(2)
@@ -339,24 +346,27 @@ def key_pointers(rows, offs_k, stride_k, PER_KEY: tl.constexpr, KEYS_FIRST: tl.c
 
 
 @triton.jit
-def mask_columns(keys, MASK_BITS: tl.constexpr):
-    """Where ``keys`` lie along a mask's last axis: themselves, or with MASK_BITS the 32-bit words
-    of a BitMask that hold them (``bit_mask.py``)."""
-    if MASK_BITS:
-        return keys // 32
-    return keys
+def mask_columns(keys, MASK_KIND: tl.constexpr):
+    """Where ``keys`` lie along a mask's last axis: themselves; the 32-bit words of a BitMask that
+    hold them; or their intervals' first rows (``MASK_INTERVALS``)."""
+    columns = keys  # one return: Triton wants one type across constexpr branches
+    if MASK_KIND == MASK_WORDS:
+        columns = keys // 32
+    if MASK_KIND == MASK_INTERVALS:
+        columns = keys * 2
+    return columns
 
 
 @triton.jit
 def visible_scores(
     s, q_idx, k_idx, key_ok, band_lo, band_hi, bias_ptrs, mask_ptrs,
-    HAS_BIAS: tl.constexpr, STAGE: tl.constexpr, MASK_BITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STAGE: tl.constexpr, MASK_KIND: tl.constexpr,
 ):
     """Add the bias to log2-domain scores and set the invisible ones to -inf, as ``STAGE`` requires.
 
     ``q_idx``, ``k_idx`` and ``key_ok`` broadcast to the tile's shape (either orientation);
     ``bias_ptrs`` and ``mask_ptrs`` broadcast too (a per-key bias is a single row or column).
-    With MASK_BITS, ``mask_ptrs`` point at the words that hold the keys' bits (``mask_columns``).
+    ``mask_ptrs`` point where ``mask_columns`` says, as ``MASK_KIND`` stores the mask.
     """
     if HAS_BIAS:
         s += tl.load(bias_ptrs, mask=key_ok, other=0.0).to(tl.float32) * LOG2E
@@ -365,8 +375,10 @@ def visible_scores(
         visible = key_ok & (offset >= band_lo) & (offset <= band_hi)
         if STAGE == STAGE_PARTIAL:
             kept = tl.load(mask_ptrs, mask=key_ok, other=0)
-            if MASK_BITS:
+            if MASK_KIND == MASK_WORDS:
                 kept = (kept >> (k_idx % 32)) & 1
+            if MASK_KIND == MASK_INTERVALS:  # kept holds the first rows; the ends follow them
+                kept = (kept <= q_idx) & (q_idx < tl.load(mask_ptrs + 1, mask=key_ok, other=0))
             visible = visible & (kept != 0)
         s = tl.where(visible, s, float("-inf"))
     return s
@@ -413,7 +425,7 @@ def row_tile_scores(
     bias_rows, stride_bk, mask_rows, stride_mk, scale_log2, softcap_log2, scale_over_cap,
     STAGE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
     MASK_PER_KEY: tl.constexpr, BIAS_PER_KEY: tl.constexpr, TMA: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MASK_BITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASK_KIND: tl.constexpr,
 ):
     """The per-tile prologue of the kernels that own query rows (forward, dQ).
 
@@ -426,7 +438,7 @@ def row_tile_scores(
     s = visible_scores(
         scores, q_idx[:, None], keys[None, :], key_ok[None, :], band_lo, band_hi,
         key_pointers(bias_rows, kv_rows, stride_bk, BIAS_PER_KEY, False),
-        key_pointers(mask_rows, mask_columns(keys, MASK_BITS), stride_mk, MASK_PER_KEY, False),
-        HAS_BIAS, STAGE, MASK_BITS,
+        key_pointers(mask_rows, mask_columns(keys, MASK_KIND), stride_mk, MASK_PER_KEY, False),
+        HAS_BIAS, STAGE, MASK_KIND,
     )
     return k, scores, s

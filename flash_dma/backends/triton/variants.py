@@ -31,6 +31,7 @@ from flash_dma.backends.triton.hopper.common import (
     CACHE_PAGES,
     CACHE_ROWS,
     MASK_BITS,
+    MASK_INTERVALS,
     MASK_KEYS,
     MASK_NONE,
     MASK_ROWS,
@@ -48,6 +49,7 @@ from flash_dma.backends.triton.layout import (
     DBIAS_PER_KEY,
     SEQ_CACHE,
     SEQ_FIXED,
+    MASK_KINDS,
     SEQ_PACKED,
     WALK_BLOCKS,
     WALK_DENSE,
@@ -105,12 +107,13 @@ class Variant:
 
 _PER_KEY = dict(
     HAS_MASK=True, HAS_BIAS=True, WALK=WALK_BLOCKS, MASK_PER_KEY=True, BIAS_PER_KEY=True, SOFTCAP=False, DOT_PRECISION="tf32",
-    SEQ=SEQ_FIXED, MASK_BITS=False,
+    SEQ=SEQ_FIXED, MASK_KIND=MASK_KINDS["elements"],
 )
 _KEYS = dict(_PER_KEY, HAS_MASK=False, WALK=WALK_KEYS, MASK_PER_KEY=False)
 _DENSE = dict(_PER_KEY, HAS_MASK=False, WALK=WALK_DENSE, MASK_PER_KEY=False, BIAS_PER_KEY=False, SOFTCAP=True)
 _FULL_MASK = dict(_PER_KEY, MASK_PER_KEY=False, BIAS_PER_KEY=False)
-_BITS = dict(_FULL_MASK, MASK_BITS=True)
+_BITS = dict(_FULL_MASK, MASK_KIND=MASK_KINDS["bits"])
+_INTERVALS = dict(_PER_KEY, MASK_KIND=MASK_KINDS["intervals"], BIAS_PER_KEY=False)
 # Hopper with aligned inputs: TMA loads (the kernels keep row-by-row loads where rows are gathered).
 _FORWARD = dict(TMA=True, PACK_GQA=False, SPLIT=False, PAGED=False, PAGE_TILES=False, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128)
 _DKDV = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=128, DBIAS_HEAD_SHARED=True, DBIAS_ATOMIC=False, CHUNKS_IN_ORDER=False)
@@ -128,7 +131,7 @@ _HOPPER_DKDV_PAIRS = dict(
 )
 
 
-_WORDS = {"Mask": "*i32"}
+_INT32_MASK = {"Mask": "*i32"}  # a BitMask's words, key intervals' rows
 # FP8 inputs (e4m3) and their bfloat16 output (the Hopper forward).
 _FP8 = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16", "Bias": "*bf16"}
 # Top-k index attention (topk/forward.py, topk/backward.py): a GQA group of 4 heads padded to 16 rows.
@@ -147,7 +150,7 @@ def _gluon_variants(prefix: str, launcher, tile, *named_flags: tuple[str, dict])
     return [
         Variant(
             f"{prefix}-{name}", launcher, tile.num_warps, tile.num_stages, {**flags, **tile.kwargs}, tile.maxnreg,
-            {**(_WORDS if flags["MASK"] == MASK_BITS.value else {}),
+            {**(_INT32_MASK if flags["MASK"] in (MASK_BITS.value, MASK_INTERVALS.value) else {}),
              **({"DBias": "*{dtype}"} if flags.get("DBIAS") == DBIAS_FULL and not flags["DBIAS_ATOMIC"] else {}),
              **(_FP8 if flags.get("FP8") else {})},
         )
@@ -174,7 +177,8 @@ VARIANTS = [
          "PACK_GQA": True, "SPLIT": True, "BLOCK_M": 16, "BLOCK_N": 64},
     ),
     Variant("forward-d256", forward_launcher, 8, 2, {**_KEYS, **_FORWARD, "BLOCK_N": 32, "BLOCK_D": 256}),
-    Variant("forward-bits", forward_launcher, 8, 2, {**_BITS, **_FORWARD}, pointers=_WORDS),
+    Variant("forward-bits", forward_launcher, 8, 2, {**_BITS, **_FORWARD}, pointers=_INT32_MASK),
+    Variant("forward-intervals", forward_launcher, 8, 2, {**_INTERVALS, **_FORWARD}, pointers=_INT32_MASK),
     *_gluon_variants(
         "forward-hopper", hopper_forward.hopper_launcher, hopper_forward.TILE,
         *((name, {"FP8": False, "SEQ": SEQ_FIXED, "CACHE": CACHE_CONTIGUOUS.value, **flags, "Q_SLOTS": 2}) for name, flags in (
@@ -185,6 +189,7 @@ VARIANTS = [
             ("pairs-d64", _HOPPER_PAIRS),
             ("pairs-d64-staged", dict(_HOPPER_PAIRS, STAGED_BIAS=True, KV_STAGES=2)),
             ("pairs-d128", dict(_HOPPER_PAIRS, HEAD_DIM=128, COLUMNS=128, KV_STAGES=2)),
+            ("intervals", dict(_HOPPER, MASK=MASK_INTERVALS.value)),
             ("rows", _HOPPER_ROWS),
             ("per-key-blocks-softcap", dict(_HOPPER, SOFTCAP=True)),
             ("per-key-blocks-d96", dict(_HOPPER, COLUMNS=96)),
@@ -209,7 +214,8 @@ VARIANTS = [
     Variant("dkdv-full-bias-atomic", dkdv_launcher, 4, 3, {**_FULL_MASK, **_DKDV, "DBIAS": DBIAS_FULL, "DBIAS_ATOMIC": True}),
     Variant("dkdv-dense-softcap", dkdv_launcher, 4, 3, {**_DENSE, **_DKDV, "DBIAS": DBIAS_NONE}),
     Variant("dkdv-dense-mask", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "WALK": WALK_DENSE, "DBIAS": DBIAS_PER_KEY, "BLOCK_M": 32, "BLOCK_N": 64}),
-    Variant("dkdv-bits-full-bias", dkdv_launcher, 4, 3, {**_BITS, **_DKDV, "DBIAS": DBIAS_FULL}, pointers=_WORDS),
+    Variant("dkdv-bits-full-bias", dkdv_launcher, 4, 3, {**_BITS, **_DKDV, "DBIAS": DBIAS_FULL}, pointers=_INT32_MASK),
+    Variant("dkdv-intervals-full-bias", dkdv_launcher, 4, 3, {**_INTERVALS, **_DKDV, "DBIAS": DBIAS_FULL}, pointers=_INT32_MASK),
     *_gluon_variants(
         "dkdv-hopper", hopper_dkdv.hopper_dkdv_launcher, hopper_dkdv.TILE,
         ("per-key-blocks", _HOPPER_DKDV),
@@ -218,6 +224,7 @@ VARIANTS = [
         ("pairs-d64", _HOPPER_DKDV_PAIRS),
         ("pairs-d64-staged", dict(_HOPPER_DKDV_PAIRS, STAGED_BIAS=True)),
         ("pairs-d128-atomic", dict(_HOPPER_DKDV_PAIRS, HEAD_DIM=128, COLUMNS=128, Q_STAGES=2, DBIAS_ATOMIC=True)),
+        ("intervals", dict(_HOPPER_DKDV, MASK=MASK_INTERVALS.value)),
         ("rows", dict(_HOPPER_DKDV, MASK=MASK_ROWS.value, BIAS=BIAS_ROWS.value, WALK=WALK_DENSE, DBIAS=DBIAS_NONE)),
         ("per-key-blocks-softcap", dict(_HOPPER_DKDV, SOFTCAP=True)),
         ("per-key-blocks-slices", dict(_HOPPER_DKDV, SLICES=True)),
@@ -231,6 +238,7 @@ VARIANTS = [
         *((name, dict(_HOPPER_DKDV, HEAD_DIM=256, KV_BUFFERS=1, ROLES=True, **flags)) for name, flags in (
             ("per-key-blocks-d256", dict(COLUMNS=256)),
             ("per-key-blocks-d192-slices", dict(COLUMNS=192, SLICES=True)),
+            ("intervals-d256", dict(COLUMNS=256, MASK=MASK_INTERVALS.value)),
             ("pairs-d256-softcap", dict(COLUMNS=256, MASK=MASK_NONE.value, BIAS=BIAS_PAIRS.value, WALK=WALK_DENSE, DBIAS=DBIAS_FULL,
                                         SOFTCAP=True)),
         )),
@@ -244,6 +252,7 @@ VARIANTS = [
             ("dense-d32", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=32, COLUMNS=32, KV_STAGES=3)),
             ("pairs-d64", _HOPPER_PAIRS),
             ("pairs-d64-staged", dict(_HOPPER_PAIRS, STAGED_BIAS=True)),
+            ("intervals", dict(_HOPPER, MASK=MASK_INTERVALS.value)),
             ("rows", _HOPPER_ROWS),
             ("per-key-blocks-softcap", dict(_HOPPER, SOFTCAP=True)),
             ("per-key-blocks-d96", dict(_HOPPER, COLUMNS=96)),
@@ -260,6 +269,7 @@ VARIANTS = [
     Variant("dq-per-key-blocks", dq_launcher, 8, 2, {**_PER_KEY, **_DQ}),
     Variant("dq-varlen", dq_launcher, 8, 2, {**_KEYS, **_DQ, "SEQ": SEQ_PACKED}),
     Variant("dq-full-mask", dq_launcher, 8, 2, {**_FULL_MASK, **_DQ}),
+    Variant("dq-intervals", dq_launcher, 8, 2, {**_INTERVALS, **_DQ}, pointers=_INT32_MASK),
     Variant("dq-dense-mask", dq_launcher, 4, 3, {**_FULL_MASK, **_DQ, "WALK": WALK_DENSE, "BLOCK_M": 64, "BLOCK_N": 64}),
     Variant("topk-forward-pairs", topk_forward_launcher, 4, 2, {**_TOPK_PAIRS, **_TOPK_TILE}),
     Variant("topk-forward-keys-softcap", topk_forward_launcher, 4, 2, {**_TOPK_KEYS, **_TOPK_TILE}),
@@ -296,8 +306,6 @@ VARIANTS = [
             KEYS_CONTIGUOUS=True), pointers={"Mask": "*{dtype}"}),
     Variant("intervals-state", key_intervals.state_launcher, 4, 1, dict(BLOCK_K=128, BLOCKS=key_intervals._KEYS // 128,
             HAS_START=True), pointers={"Start": "*i32", "End": "*i32"}),
-    Variant("intervals-words", key_intervals.words_launcher, 4, 1, dict(ROWS=key_intervals._ROWS, WORDS=key_intervals._WORDS,
-            ROW_SPAN=key_intervals._ROW_SPAN, HAS_START=True), pointers={"Start": "*i32", "End": "*i32"}),
     Variant("intervals-causal-topk-end", key_intervals.end_launcher, 4, 1, dict(TILE=key_intervals._TILE, HAS_ALLOWED=True),
             pointers={"Scores": "*{dtype}", "Allowed": "*u8", "End": "*i32"}),
     Variant("topk-bits", topk_bits._BITS_LAUNCHER, 4, 1, dict(BLOCK_W=topk_bits._ENTRIES)),

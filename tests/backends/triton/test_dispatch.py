@@ -7,10 +7,12 @@ import torch
 
 from flash_dma.backends.triton.dispatch import HOPPER, TOPK, TOPK_ATOMIC, TOPK_UNION, TRITON, Form, route, routing_table
 from flash_dma.backends.triton.hopper.common import (
+    BIAS_KEYS,
     BIAS_NONE,
     BIAS_PAIRS,
     BIAS_ROWS,
     MASK_BITS,
+    MASK_INTERVALS,
     MASK_KEYS,
     MASK_NONE,
     hopper_arguments,
@@ -77,19 +79,20 @@ def test_routes(changes, forward, dq, dkdv):
 
 
 @pytest.mark.parametrize(
-    "shape, bits, form",
+    "shape, kind, form",
     [
-        (None, False, "none"),
-        ((1, 2, 1, 64), False, "keys"),
-        ((1, 2, 1, 1), False, "keys"),
-        ((1, 2, 32, 1), False, "rows"),
-        ((1, 2, 32, 64), False, "pairs"),
-        ((1, 2, 32, 4), True, "bits"),
+        (None, "elements", "none"),
+        ((1, 2, 1, 64), "elements", "keys"),
+        ((1, 2, 1, 1), "elements", "keys"),
+        ((1, 2, 32, 1), "elements", "rows"),
+        ((1, 2, 32, 64), "elements", "pairs"),
+        ((1, 2, 32, 4), "bits", "bits"),
+        ((1, 2, 1, 128), "intervals", "intervals"),
     ],
     ids=str,
 )
-def test_input_forms(shape, bits, form):
-    assert input_form(None if shape is None else torch.zeros(shape), bits) == form
+def test_input_forms(shape, kind, form):
+    assert input_form(None if shape is None else torch.zeros(shape), kind) == form
 
 
 def test_hopper_kernels_are_told_the_forms_the_table_routed():
@@ -97,12 +100,14 @@ def test_hopper_kernels_are_told_the_forms_the_table_routed():
     q = torch.zeros(1, 32, 2, 64, dtype=torch.bfloat16)
     k = v = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
     words = torch.zeros(1, 2, 32, 4, dtype=torch.int32)
-    for mask, bits, bias, codes in (
-        (words, True, torch.zeros(1, 2, 32, 64, dtype=torch.bfloat16), (MASK_BITS.value, BIAS_PAIRS.value)),
-        (torch.ones(1, 2, 1, 64, dtype=torch.bool), False, torch.zeros(1, 2, 32, 1), (MASK_KEYS.value, BIAS_ROWS.value)),
-        (None, False, None, (MASK_NONE.value, BIAS_NONE.value)),
+    rows = torch.zeros(1, 2, 1, 128, dtype=torch.int32)
+    for mask, kind, bias, codes in (
+        (words, "bits", torch.zeros(1, 2, 32, 64, dtype=torch.bfloat16), (MASK_BITS.value, BIAS_PAIRS.value)),
+        (rows, "intervals", torch.zeros(1, 2, 1, 64), (MASK_INTERVALS.value, BIAS_KEYS.value)),
+        (torch.ones(1, 2, 1, 64, dtype=torch.bool), "elements", torch.zeros(1, 2, 32, 1), (MASK_KEYS.value, BIAS_ROWS.value)),
+        (None, "elements", None, (MASK_NONE.value, BIAS_NONE.value)),
     ):
-        call = Call(q, k, v, mask, bias, None, None, None, None, None, None, 0, 0, 0.125, -1, 0, 0.0, False, 0, 0, bits)
+        call = Call(q, k, v, mask, bias, None, None, None, None, None, None, 0, 0, 0.125, -1, 0, 0.0, False, 0, 0, kind)
         _, flags = hopper_arguments(call, k, v, None, WALK_DENSE)
         assert tuple(flags[:2]) == codes
 

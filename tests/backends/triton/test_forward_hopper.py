@@ -171,8 +171,8 @@ def test_forward_dispatch(monkeypatch):
     keys = build_key_list(torch.rand(1, 4, 1, 4096, device=inputs["query"].device) < 0.1, 4096)
     attention_forward(call._replace(key_list=keys))
     pairs = torch.rand(1, 4, 4096, 4096, device=inputs["query"].device) < 0.1
-    attention_forward(call._replace(mask=pack_mask(pairs).words, mask_bits=True, **_walk(pack_mask(pairs).summary)))
-    assert len(calls) == 3 and calls[1].key_list is keys and calls[2].mask_bits
+    attention_forward(call._replace(mask=pack_mask(pairs).words, mask_kind="bits", **_walk(pack_mask(pairs).summary)))
+    assert len(calls) == 3 and calls[1].key_list is keys and calls[2].mask_kind == "bits"
     attention_forward(call._replace(softcap=5.0))
     assert len(calls) == 4 and calls[3].softcap == 5.0
     attention_forward(call._replace(mask=pairs))

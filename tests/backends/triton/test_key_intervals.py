@@ -9,12 +9,7 @@ import torch
 
 from flash_dma import flash_dma_func, interval_mask
 from flash_dma.backends.reference import visible_positions
-from flash_dma.backends.triton.key_intervals import (
-    build_causal_topk_ends,
-    build_interval_state,
-    build_interval_words,
-)
-from flash_dma.bit_mask import pack_mask_words
+from flash_dma.backends.triton.key_intervals import build_causal_topk_ends, build_interval_state
 from flash_dma.block_mask import summarize_mask
 from flash_dma.key_intervals import causal_topk_ends, interval_rows, interval_states
 from flash_dma.masks import _keep_largest, causal_topk_intervals
@@ -58,21 +53,11 @@ def test_block_states_are_those_of_the_dense_mask(lengths, block_size, poison_ou
         assert torch.equal(interval_states(begin, end, query_len, block_size), expected)
 
 
-@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda s: f"Sq{s[0]}-Sk{s[1]}")
-def test_words_are_those_of_the_dense_mask(lengths, poison_outputs):
-    query_len, key_len = lengths
-    start, end = random_intervals(1, 2, query_len, key_len, f"words{lengths}")
-    for begin in (start, None):
-        expected = pack_mask_words(interval_rows(begin, end, 0, query_len))
-        assert torch.equal(build_interval_words(begin, end, query_len), expected)
-
-
-def test_broadcast_strides_and_rows_past_one_program(poison_outputs):
-    """Intervals shared by the batch (stride 0), and more rows than one words program writes."""
+def test_broadcast_strides(poison_outputs):
+    """Intervals shared by the batch (stride 0)."""
     start, end = random_intervals(1, 1, 300, 70, "broadcast")
     start, end = start.expand(2, 1, 70), end.expand(2, 1, 70)
     dense = interval_rows(start, end, 0, 300)
-    assert torch.equal(build_interval_words(start, end, 300), pack_mask_words(dense))
     assert torch.equal(build_interval_state(start, end, 300, 64, 32), summarize_mask(dense, 64, 32))
 
 
@@ -153,7 +138,7 @@ def test_attention_over_intervals_matches_the_reference(case, dtype, poison_outp
     """Forward and backward on the Triton backend, intervals of a causal top-k per key/value head
     (case.causal) or of runs of any kind per query head, against the float64 reference over the
     same mask as bool."""
-    _check_attention(case, dtype, keep=11, block_size=(16, 32))
+    _check_attention(case, dtype, keep=11, block_size=(16, 16))
 
 
 # Long enough for several tiles of every kind, at the head dims the Hopper kernels take.
@@ -161,6 +146,7 @@ GPU_CASES = [
     Case(seqlen_q=1000, seqlen_k=1000, heads=8, kv_heads=2, head_dim=128, bias="B,Hkv,1,Sk", causal=True),
     Case(batch=1, seqlen_q=700, seqlen_k=2048, heads=4, kv_heads=2, head_dim=64, bias="B,H,1,Sk", causal=True),
     Case(batch=1, seqlen_q=1023, seqlen_k=1000, heads=4, kv_heads=1, head_dim=64, bias="1,H,Sq,Sk"),
+    Case(batch=1, seqlen_q=1000, seqlen_k=1000, heads=2, kv_heads=1, head_dim=256, bias="B,Hkv,1,Sk", causal=True),
 ]
 
 
@@ -169,7 +155,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_long_intervals_on_the_gpu(case, dtype, poison_outputs):
-    """bf16 and fp16 on the GPU (the Hopper kernels' bits path on sm90), a Doge-like keep of 128."""
+    """bf16 and fp16 on the GPU (on sm90 the Hopper kernels' own test of the intervals), a Doge-like keep of 128."""
     _check_attention(case, dtype, keep=128, block_size=(128, 128))
 
 

@@ -241,10 +241,10 @@ def test_a_dry_run_reaches_every_launch_of_the_call_and_runs_none(case, backend_
     assert [name for name, _ in forward_launches] == calls[: calls.index("_delta_kernel")]
 
 
-@pytest.mark.parametrize("made", ["key-list", "interval-words"])
+@pytest.mark.parametrize("made", ["key-list", "intervals"])
 def test_what_a_dry_run_derives_is_never_reused(made, poison_outputs, monkeypatch):
     """A dry run's tensors are never written (here: NaN or the largest int), so what it makes of a
-    mask (a per-key mask's key list, a KeyIntervals' words) must not be kept for the mask's next
+    mask (a per-key mask's key list, a KeyIntervals' rows as the kernels read them) must not be kept for the mask's next
     call (``memo.DRY_RUN``)."""
     import flash_dma.backends.triton as triton_backend
     from flash_dma import interval_mask
@@ -254,19 +254,19 @@ def test_what_a_dry_run_derives_is_never_reused(made, poison_outputs, monkeypatc
     monkeypatch.setattr(triton_backend, "SMALL_PROBLEM", 0)
     case = Case(batch=1, seqlen_q=70, seqlen_k=70, heads=4, kv_heads=2, head_dim=16, mask="1,Hkv,1,Sk", bias="1,Hkv,1,Sk", causal=True)
     inputs = make_inputs(case, KERNEL_DTYPES[0])
-    if made == "interval-words":  # each key seen by the rows [key // 2, 70)
+    if made == "intervals":  # each key seen by the rows [key // 2, 70)
         ends = torch.full((1, 2, 70), 70, dtype=torch.int32, device=DEVICE)
         starts = torch.arange(70, dtype=torch.int32, device=DEVICE).div(2, rounding_mode="floor").expand(1, 2, 70).contiguous()
         intervals = interval_mask(ends, starts, query_len=70, block_size=(32, 32))
         inputs["attn_mask"] = intervals
     problem = normalize_inputs(*inputs.values(), is_causal=True, descales=(None, None, None))
-    memos = (len(triton_backend._DERIVED), len(key_intervals._BITS_OF))
+    memos = (len(triton_backend._DERIVED), len(key_intervals._KERNEL_ROWS))
     with launch.dry_run() as launches:
         triton_backend.dry_attention(problem, False)
-    kernel = "_key_list_kernel" if made == "key-list" else "_interval_words_kernel"
-    assert kernel in [name for name, _ in launches] and (len(triton_backend._DERIVED), len(key_intervals._BITS_OF)) == memos
+    assert "_key_list_kernel" in [name for name, _ in launches] or made == "intervals"
+    assert (len(triton_backend._DERIVED), len(key_intervals._KERNEL_ROWS)) == memos
     out = flash_dma_func(**inputs, is_causal=True, backend="triton")
-    dense = {**inputs, "attn_mask": intervals.dense()} if made == "interval-words" else inputs
+    dense = {**inputs, "attn_mask": intervals.dense()} if made == "intervals" else inputs
     oracle, _, _ = reference_outputs(case, dense, None, torch.float64)
     baseline, _, _ = reference_outputs(case, dense, None, KERNEL_DTYPES[0])
     assert_close("out", out, oracle, baseline)

@@ -9,7 +9,9 @@ warpgroups of 64 rows (or keys) each do the math. What they share lives here:
 - the forms of the mask and the bias (``MASK_*``, ``BIAS_*``) and how each is read: per key,
   staged by the loader with each K tile (``_load_key_tile``); per query row, once per work item
   (``row_epilogue`` in the forward, ``_row_statistics`` in the backward's LSEs); per pair, by the
-  math warpgroups on the tiles that need it (``pair_offsets``, ``kept_by_bits``);
+  math warpgroups on the tiles that need it (``pair_offsets``, ``kept_by_bits``); key intervals, by
+  the math warpgroups on PARTIAL tiles (the forward and dQ from row words the loader stages:
+  ``_store_row_words``, ``kept_by_row_words``; dK/dV from its keys' rows, read once per item);
 - the loader of the kernels that own query rows (forward and dQ: ``load_partition``), its
   barriers and staging slots, and what their math warpgroups read back (``staged_keys``,
   ``wait_for_scores``, ``visible_scores``), take (``take_rows``) and store (``store_rows``).
@@ -88,8 +90,9 @@ PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rows of small sha
 WORD_BITS = gl.constexpr(32)  # bits per word of a BitMask (``bit_mask.py``)
 
 # How a mask or bias varies, which decides who reads it (module doc). A mask per pair is a
-# BitMask's words; a bool mask per pair takes the Triton kernels (``dispatch.py``).
-MASK_NONE, MASK_KEYS, MASK_ROWS, MASK_BITS = (gl.constexpr(i) for i in range(4))
+# BitMask's words or key intervals (each key's rows); a bool mask per pair takes the Triton kernels
+# (``dispatch.py``).
+MASK_NONE, MASK_KEYS, MASK_ROWS, MASK_BITS, MASK_INTERVALS = (gl.constexpr(i) for i in range(5))
 # Where a KV cache's entries find their keys (the forward's ``CACHE``): entry b in cache row b (or no
 # cache), in row ``CacheRows[b]`` (``cache_batch_idx``), or in the pages ``BlockTable[b]`` lists.
 CACHE_CONTIGUOUS, CACHE_ROWS, CACHE_PAGES = (gl.constexpr(i) for i in range(3))
@@ -121,7 +124,10 @@ def jit_with_runtime_scalars(fn):
 
 # The kernels' codes of ``layout.input_form``'s forms. A bool mask per pair has none: it takes the
 # Triton kernels, or is packed into bits first (``dispatch.hopper_takes_bits``).
-MASK_CODES = {"none": MASK_NONE.value, "keys": MASK_KEYS.value, "rows": MASK_ROWS.value, "bits": MASK_BITS.value}
+MASK_CODES = {
+    "none": MASK_NONE.value, "keys": MASK_KEYS.value, "rows": MASK_ROWS.value, "bits": MASK_BITS.value,
+    "intervals": MASK_INTERVALS.value,
+}
 BIAS_CODES = {"none": BIAS_NONE.value, "keys": BIAS_KEYS.value, "rows": BIAS_ROWS.value, "pairs": BIAS_PAIRS.value}
 
 
@@ -178,7 +184,7 @@ def hopper_arguments(
         call.softcap * tiles.LOG2E.value, call.softmax_scale / call.softcap if call.softcap > 0 else 0.0,
     ]
     constexprs = [
-        MASK_CODES[input_form(mask, call.mask_bits)], BIAS_CODES[input_form(bias)], walk_flag, head_dim_tile(head_dim), head_dim,
+        MASK_CODES[input_form(mask, call.mask_kind)], BIAS_CODES[input_form(bias)], walk_flag, head_dim_tile(head_dim), head_dim,
         stages_pair_bias(call, walk_flag), call.softcap > 0,
     ]
     return runtime, constexprs
@@ -382,13 +388,18 @@ def tile_descriptor(
 @gluon.jit
 def pair_buffers(
     words_desc, bias_desc, MASK: gl.constexpr, STAGED_BIAS: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_M: gl.constexpr = 0,
 ):
     """``(words, bias)``: shared-memory rings of ``STAGES`` tiles of a BitMask's words
-    (``words_staged``) and of a staged per-pair bias (one word each where there is none)."""
+    (``words_staged``), or with ``BLOCK_M`` of key intervals' row words (``_item_row_words``: the
+    forward's and dQ's), and of a staged per-pair bias (one word each where there is none)."""
     words = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
     bias = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
     if words_staged(MASK, BLOCK_N):
         words = gl.allocate_shared_memory(words_desc.dtype, [STAGES] + words_desc.block_type.shape, words_desc.layout)
+    if MASK == MASK_INTERVALS and BLOCK_M > 0:
+        rows_of_words: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        words = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M // WORD_BITS, BLOCK_N], rows_of_words)
     if STAGED_BIAS:
         bias = gl.allocate_shared_memory(bias_desc.dtype, [STAGES] + bias_desc.block_type.shape, bias_desc.layout)
     return words, bias
@@ -448,6 +459,13 @@ def pair_bias(p, batch, head, rows, keys, KEYS_FIRST: gl.constexpr):
     base = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, batch, head)
     offsets = pair_offsets(rows, keys, p.stride_bq, KEYS_FIRST)
     return gl.load(base + offsets, mask=pair_inside(p, rows, keys, KEYS_FIRST), other=0.0).to(gl.float32) * tiles.LOG2E
+
+
+@gluon.constexpr_function
+def tests_pairs(MASK):
+    """Whether the mask is tested per pair, on the tiles the walk marks PARTIAL (the loader hands
+    the mark to the math warpgroups): a BitMask's bits or key intervals."""
+    return MASK == MASK_BITS or MASK == MASK_INTERVALS
 
 
 @gluon.constexpr_function
@@ -624,6 +642,48 @@ def _cache_row(p, batch, span):
 
 
 @gluon.jit
+def _ones_below(n):
+    """int32 words with their ``n`` lowest bits set, ``0 <= n <= 32``."""
+    return gl.where(n >= WORD_BITS, -1, (1 << gl.minimum(n, WORD_BITS - 1)) - 1)
+
+
+@gluon.constexpr_function
+def _row_words_layout(BLOCK_N):
+    """The loader's layout of one row of row words ``[1, BLOCK_N]`` (``_store_row_words``)."""
+    return gl.BlockedLayout([1, BLOCK_N // 32], [1, 32], [1, 1], [1, 0])
+
+
+@gluon.jit
+def _store_row_words(p, bufs, stage, start, end, first_row):
+    """Key intervals' rows as bits, for the math warpgroups (``kept_by_row_words``): for each key
+    of the tile, ``BLOCK_M / 32`` words whose bit ``r`` of word ``w`` says whether the key is kept
+    for the work item's row ``first_row + 32 w + r``, into ring position ``stage``. ``start`` and
+    ``end`` ``[BLOCK_N]`` (in ``_row_words_layout``'s keys) are the keys' rows. A thread of the math
+    warpgroups then tests its elements as against a BitMask's words (one word a key holds both of
+    its rows), where the rows themselves would take two registers a key and two comparisons an
+    element."""
+    for w in gl.static_range(p.BLOCK_M // WORD_BITS):
+        lo = gl.minimum(gl.maximum(start - (first_row + w * WORD_BITS), 0), WORD_BITS)
+        hi = gl.minimum(gl.maximum(end - (first_row + w * WORD_BITS), 0), WORD_BITS)
+        bufs.words.index(stage).slice(w, 1).store((_ones_below(hi) & ~_ones_below(lo))[None, :])
+
+
+@gluon.jit
+def kept_by_row_words(s, words):
+    """``s`` ``[ROWS, keys]`` with -inf where the row words ``words`` ``[ROWS / 32, keys]`` (shared
+    memory, ``_store_row_words``) leave the pair out. The tile is viewed with its rows split into
+    (word, bit), as ``kept_by_bits`` splits keys."""
+    ROWS: gl.constexpr = s.shape[0]
+    KEYS: gl.constexpr = s.shape[1]
+    split = s.reshape([ROWS // WORD_BITS, WORD_BITS, KEYS])
+    words_layout: gl.constexpr = gl.SliceLayout(1, split.type.layout)  # [row words, keys]
+    bit = 1 << gl.arange(0, WORD_BITS, gl.SliceLayout(0, gl.SliceLayout(2, split.type.layout)))
+    held = words.load(words_layout)
+    kept = gl.where((held[:, None, :] & bit[None, :, None]) != 0, split, float("-inf"))
+    return gl.convert_layout(kept.reshape(s.shape), s.type.layout)
+
+
+@gluon.jit
 def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv_batch):
     """The j-th key tile of work item ``it`` into ring position ``loaded``: the span of its keys'
     positions (with a key list also the positions), whether its pair bits are read, its key scores
@@ -654,6 +714,11 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
         if p.MASK == MASK_KEYS:
             key_ok = key_ok & (gl.load(mask_row + keys * p.stride_mk, mask=key_ok & partial, other=1) != 0)
         scores = gl.where(key_ok, scores, float("-inf"))
+    if p.MASK == MASK_INTERVALS:  # the keys' rows, for a PARTIAL tile; read before the wait, as the scores
+        keys = first_key + gl.arange(0, p.BLOCK_N, gl.SliceLayout(0, _row_words_layout(p.BLOCK_N)))
+        read = (keys < span.seqlen_k) & partial
+        at = mask_row + (2 * keys).to(gl.int64) * p.stride_mk
+        start, end = gl.load(at, mask=read, other=0), gl.load(at + p.stride_mk, mask=read, other=0)
     stage = loaded % p.KV_STAGES
     phase = (loaded // p.KV_STAGES) & 1 ^ 1
     # K (with the tile's number and key scores) and V have rings of their own: K is free once
@@ -665,7 +730,10 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
     if KEYS:
         put(bufs.spans.index(p.KV_STAGES + stage), gl.max(keys, 0))
         bufs.positions.index(stage).store(keys)
-    if p.MASK == MASK_BITS:
+    first_row = it.row_block * p.BLOCK_M
+    if p.MASK == MASK_INTERVALS:
+        _store_row_words(p, bufs, stage, start, end, first_row)
+    if tests_pairs(p.MASK):
         put(bufs.partial.index(stage), partial.to(gl.int32))
     if SCORED:
         bufs.key_scores.index(stage).store(scores)
@@ -675,7 +743,6 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
     k_bytes: gl.constexpr = kv_bytes + words_bytes + bias_bytes
     mbarrier.expect(bufs.k_ready.index(stage), k_bytes)
     tma_load(p.k_desc, [kv_batch, key_row, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage))
-    first_row = it.row_block * p.BLOCK_M
     if words_staged(p.MASK, p.BLOCK_N):
         row = staged_pair_row(p.Mask, p.stride_mb, p.stride_mh, p.stride_mq, p.mask_head_div, it.batch, it.head, first_row)
         tma_load(p.words_desc, [row, tile * (p.BLOCK_N // WORD_BITS)], bufs.k_ready.index(stage), bufs.words.index(stage))
@@ -883,8 +950,8 @@ def visible_scores(
 ):
     """Log2-domain scores of (``batch``, ``head``)'s product tile ``qk`` ``[ROWS, BLOCK_N]``, rows
     ``HALF`` of the work item's two halves (of an entry whose :class:`Span` is ``span``): the tile's staged key scores added, a per-pair bias
-    added (staged by the loader, or loaded here) and a BitMask's bits applied (only on the tiles
-    the loader marked), and -inf where the band or the end of the keys cuts it (only edge tiles
+    added (staged by the loader, or loaded here) and a BitMask's bits or key intervals applied
+    (only on the tiles the loader marked), and -inf where the band or the end of the keys cuts it (only edge tiles
     are checked: those whose span of key positions the band or the end cuts). ``staged`` is
     ``staged_keys(p, bufs, stage, keys_layout)``."""
     KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
@@ -906,6 +973,10 @@ def visible_scores(
             if words_staged(p.MASK, p.BLOCK_N):
                 words = bufs.words.index(stage).slice(HALF * ROWS, ROWS)
             s = kept_by_bits(p, s, words, batch, head, first_row, first_key, False)
+    if p.MASK == MASK_INTERVALS:
+        if get(bufs.partial.index(stage)) != 0:
+            WORDS: gl.constexpr = ROWS // WORD_BITS
+            s = kept_by_row_words(s, bufs.words.index(stage).slice(HALF * WORDS, WORDS))
     edge = (first_key - first_row - ROWS + 1 < span.band_lo) | (last_key - first_row > span.band_hi) | (last_key >= span.seqlen_k)
     if edge:
         if KEYS:

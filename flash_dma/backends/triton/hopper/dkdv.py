@@ -50,6 +50,7 @@ from flash_dma.backends.triton.hopper.common import (
     COMMON_TENSORS,
     LOADER_REGISTERS,
     MASK_BITS,
+    MASK_INTERVALS,
     MASK_KEYS,
     MATH_REGISTERS,
     MAX_REGISTERS,
@@ -84,6 +85,7 @@ from flash_dma.backends.triton.hopper.common import (
     tile_count,
     tile_descriptor,
     tma_load,
+    tests_pairs,
     tma_store,
     walked_keys,
     wide_tiles,
@@ -344,7 +346,7 @@ def _load_query_tile(p, bufs, loaded, batch, head, g, key_tile, tile, partial, s
     mbarrier.wait(bufs.q_empty.index(stage), (loaded // p.Q_STAGES) & 1 ^ 1)
     put(bufs.tiles.index(stage), tile)
     put(bufs.heads.index(stage), g)
-    if p.MASK == MASK_BITS:
+    if tests_pairs(p.MASK):
         put(bufs.partial.index(stage), partial.to(gl.int32))
     bufs.lse.index(stage).store(lse)
     bufs.delta.index(stage).store(delta)
@@ -421,6 +423,16 @@ def _key_scores(p, batch, head, keys, key_ok):
         mask_row = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, batch, head)
         key_ok = key_ok & (gl.load(mask_row + keys * p.stride_mk, mask=key_ok, other=0) != 0)
     return gl.where(key_ok, scores, float("-inf"))
+
+
+@gluon.jit
+def _key_intervals(p, batch, head, keys):
+    """``(start, end)``: the query rows ``[start, end)`` that (``batch``, ``head``)'s key intervals
+    keep ``keys`` for (``tiles.MASK_INTERVALS``' layout; none past Sk). Two keys a thread: kept in
+    registers for the whole item."""
+    at = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, batch, head) + (2 * keys).to(gl.int64) * p.stride_mk
+    inside = keys < p.seqlen_k
+    return gl.load(at, mask=inside, other=0), gl.load(at + p.stride_mk, mask=inside, other=0)
 
 
 @gluon.jit
@@ -513,6 +525,8 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
             k = bufs.k.index(kv).reshape([p.BLOCK_N, D]).slice(FIRST, KEYS)  # [KEYS, D]
             v = bufs.v.index(kv).reshape([p.BLOCK_N, D]).slice(FIRST, KEYS)
             key_scores = _key_scores(p, batch, head, keys, _slots_below(first_key, kept, KEYS, keys_of_s))
+            if p.MASK == MASK_INTERVALS:  # the warpgroup's keys' rows, read once per head
+                start, end = _key_intervals(p, batch, head, keys)
             for _ in range(count):
                 stage = consumed % p.Q_STAGES
                 mbarrier.wait(bufs.q_ready.index(stage), (consumed // p.Q_STAGES) & 1)
@@ -524,6 +538,8 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
                         dbias = gl.zeros([KEYS], gl.float32, keys_of_s)
                     head = tile_head
                     key_scores = _key_scores(p, batch, head, keys, _slots_below(first_key, kept, KEYS, keys_of_s))
+                    if p.MASK == MASK_INTERVALS:
+                        start, end = _key_intervals(p, batch, head, keys)
                 q = bufs.q.index(stage).reshape([p.BLOCK_M, D])
                 do = bufs.do.index(stage).reshape([p.BLOCK_M, D])
                 zeros = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
@@ -542,6 +558,10 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
                 if p.MASK == MASK_BITS:
                     if get(bufs.partial.index(stage)) != 0:
                         s = kept_by_bits(p, s, bufs.words.index(stage), batch, head, first_row, first_key, True, HALF)
+                if p.MASK == MASK_INTERVALS:
+                    if get(bufs.partial.index(stage)) != 0:
+                        runs = (start[:, None] <= rows[None, :]) & (rows[None, :] < end[:, None])  # [KEYS, BLOCK_M]
+                        s = gl.where(runs, s, float("-inf"))
                 # Only tiles that the band cuts need checks (keys past the end score -inf, rows past
                 # the end have LSE +inf).
                 if (k_first - first_row - p.BLOCK_M + 1 < span.band_lo) | (k_last - first_row > span.band_hi):

@@ -167,7 +167,7 @@ def _dq_hopper_kernel(
     words_desc, bias_desc = pair_descriptors(
         Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, STAGED_BIAS, BLOCK_M, BLOCK_N,
     )
-    words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, KV_STAGES, BLOCK_N)
+    words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, KV_STAGES, BLOCK_N, BLOCK_M)
     barrier: gl.constexpr = mbarrier.MBarrierLayout()
     bufs = _Buffers(
         gl.allocate_shared_memory(q_desc.dtype, [Q_SLOTS] + q_desc.block_type.shape, q_desc.layout),

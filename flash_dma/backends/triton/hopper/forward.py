@@ -86,9 +86,9 @@ STAGED_BIAS_KV_STAGES = 2  # D <= 64 with a per-pair bias staged beside K and V:
 @record
 class _Buffers:
     """Shared memory: two Q tiles (this item's and the next's) with their tile counts, a ring of
-    K/V tiles with their BitMask words and per-pair bias (``common.pair_buffers``), the spans and
-    (key lists) positions of their keys, whether their pair bits are read and their key scores,
-    the barriers."""
+    K/V tiles with their BitMask words (or key intervals' row words) and per-pair bias
+    (``common.pair_buffers``), the spans and (key lists) positions of their keys, whether their
+    pairs are tested and their key scores, the barriers."""
 
     q: gl.shared_memory_descriptor
     k: gl.shared_memory_descriptor
@@ -343,7 +343,7 @@ def _attn_fwd_hopper_kernel(
     words_desc, bias_desc = pair_descriptors(
         Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, STAGED_BIAS, BLOCK_M, BLOCK_N,
     )
-    words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, KV_STAGES, BLOCK_N)
+    words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, KV_STAGES, BLOCK_N, BLOCK_M)
     barrier: gl.constexpr = mbarrier.MBarrierLayout()
     bufs = _Buffers(
         gl.allocate_shared_memory(q_desc.dtype, [Q_SLOTS] + q_desc.block_type.shape, q_desc.layout),
