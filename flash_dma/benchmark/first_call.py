@@ -76,14 +76,18 @@ def _case_from_dict(fields: dict) -> Case:
 
 
 def first_call_seconds(prepared: Prepared, mode: str, synchronize: Callable[[], None]) -> tuple[float, float]:
-    """Wall times of the first forward (``"fwd"``) or forward and backward (``"fwdbwd"``), and of its forward alone."""
+    """Wall times of the first forward (``"fwd"``) or forward and backward (``"fwdbwd"``), and of its forward alone.
+
+    The backward is a scalar loss's (``out.sum()``), as a training step's: a gradient tensor passed
+    to ``backward`` makes torch import ``torch.fx.experimental.symbolic_shapes`` (and sympy) on its
+    first call, about 3 s on the H100 machine, whatever the attention."""
     start = time.perf_counter()
     out = prepared.forward()
     synchronize()
     forward_s = time.perf_counter() - start
     if mode != "fwdbwd":
         return forward_s, forward_s
-    out.backward(torch.ones_like(out))
+    out.sum().backward()
     synchronize()
     return time.perf_counter() - start, forward_s
 
