@@ -6,6 +6,7 @@ variant: whether wgmma is used, shared memory, registers and spills (from ptxas)
     python tools/compile_report.py            # sm90, a representative set of variants
     python tools/compile_report.py --arch 80
     python tools/compile_report.py --only hopper --ptx-dir /tmp/before   # keep each variant's PTX
+    python tools/compile_report.py --shard 2/4   # every 4th variant from the 2nd: 4 processes share the list
 
 ``--same-as DIR`` says, per variant, whether its PTX holds the same instructions as the one in
 DIR (registers renumbered, parameters renamed, the order and debug lines ignored): a refactor
@@ -81,8 +82,18 @@ def instructions(ptx: str) -> Counter:
     )
 
 
+def _shard(text: str) -> tuple[int, int]:
+    """``I/N`` -> ``(I, N)``, ``1 <= I <= N``."""
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+        raise argparse.ArgumentTypeError(f"expected I/N with 1 <= I <= N, got {text!r}")
+    return int(index), int(count)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shard", type=_shard, default=(1, 1), metavar="I/N",
+                        help="every N-th variant from the I-th, so that N processes share the list (default: all)")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--only", action="append", help="variants whose name holds this (repeatable); default: all")
     parser.add_argument("--ptx-dir", type=Path, help="write each variant's PTX to DIR/<name>.ptx")
@@ -90,7 +101,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.ptx_dir:
         args.ptx_dir.mkdir(parents=True, exist_ok=True)
-    for variant in VARIANTS:
+    index, count = args.shard
+    for variant in VARIANTS[index - 1 :: count]:
         if args.only and not any(part in variant.name for part in args.only):
             continue
         compiled, seconds = compile_variant(variant, args.arch, "bf16")
