@@ -299,14 +299,12 @@ VARIANTS = [
     Variant("gather-kept-keys", gather_launcher, 4, 1, dict(BLOCK=128, BLOCK_D=128)),
     Variant("block-state", state_launcher, 4, 1, dict(ROWS=16, COLS=128)),
     Variant("block-lists", lists_launcher, 4, 1, dict(CHUNK=1024)),
-    # Dense masks into bits, one pair per walk (bit_pack.WALKS): bool read as int32 (four keys an element), and an additive float mask.
+    # Dense masks into bits: bool read as int32 (four keys an element), and an additive float mask.
     *[
-        Variant(f"bits-pack-{name}-{kind}", pack_launcher, walk.num_warps, walk.num_stages, dict(
-            ROWS=bit_pack.step_rows(walk, walk.blocks * 128 // lanes, 128), BLOCK_K=128, BLOCKS=walk.blocks, LANES=lanes,
-            ADDITIVE=kind == "additive", KEYS_CONTIGUOUS=True, TMA=walk.tma, EVICT_FIRST=walk.evict_first,
-            STAGES=walk.num_stages,
+        Variant(f"bits-pack-{kind}", pack_launcher, 4, bit_pack._STAGES, dict(
+            ROWS=bit_pack.step_rows(128 // lanes, 128), BLOCK_K=128, LANES=lanes, ADDITIVE=kind == "additive",
+            KEYS_CONTIGUOUS=True, STAGES=bit_pack._STAGES,
         ), pointers={"Mask": mask})
-        for name, walk in bit_pack.WALKS.items()
         for kind, lanes, mask in (("bool", 4, "*i32"), ("additive", 1, "*{dtype}"))
     ],
     Variant("intervals-state", key_intervals.state_launcher, 4, 1, dict(BLOCK_K=128, BLOCKS=key_intervals._KEYS // 128,

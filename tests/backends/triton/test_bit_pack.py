@@ -3,12 +3,11 @@
 import pytest
 import torch
 
-from flash_dma.backends.triton.bit_pack import WALKS, _bytes_as_words, copy_engine_reads, pack_bits, pack_bits_walking
+from flash_dma.backends.triton.bit_pack import pack_bits
 from flash_dma.bit_mask import block_states, pack_mask_words
 from tests.helpers import DEVICE, seeded_generator
 
-# The last shape's rows are 16-byte multiples in every dtype: the TMA walk copies them (rows of the
-# next block and head included, which the kernel must ignore).
+# The last shape's rows are 16-byte multiples in every dtype, so the kernel's loads are vectors.
 SHAPES = [(2, 3, 70, 100), (1, 2, 130, 47), (1, 1, 1, 45), (2, 1, 33, 1), (2, 3, 70, 96)]
 BLOCKS = [(32, 32), (64, 256), (128, 128)]
 
@@ -16,8 +15,7 @@ BLOCKS = [(32, 32), (64, 256), (128, 128)]
 def _mask(shape, kind: str, label: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kept bool, the mask as given)``: random pairs, full and empty stretches, in ``kind``'s dtype.
 
-    The first head's rows from 64 on are empty: a block whose rows stop before the next head's
-    (which a TMA box copies) is EMPTY."""
+    The first head's rows from 64 on are empty: its ragged last query blocks are EMPTY."""
     gen = seeded_generator(label)
     kept = torch.rand(shape, generator=gen) < 0.6
     if shape[2] > 40 and shape[3] > 40:
@@ -41,46 +39,35 @@ PACKINGS = [(shape, kind, (64, 64)) for shape in SHAPES for kind in ("bool", "in
 ]
 
 
-@pytest.mark.parametrize("walk", WALKS)
 @pytest.mark.parametrize(
     "shape,kind,block_size", PACKINGS, ids=lambda p: "x".join(map(str, p)) if isinstance(p, tuple) else str(p)
 )
-def test_words_and_states_match_the_torch_packing(shape, kind, block_size, walk):
+def test_words_and_states_match_the_torch_packing(shape, kind, block_size):
     kept, mask = _mask(shape, kind, f"{shape}{kind}")
-    words, state = pack_bits_walking(mask.to(DEVICE), *block_size, WALKS[walk])
+    words, state = pack_bits(mask.to(DEVICE), *block_size)
     expected = pack_mask_words(kept)
     assert torch.equal(words.cpu(), expected)
     assert torch.equal(state.cpu(), block_states(expected, shape, block_size))
 
 
-@pytest.mark.parametrize("walk", WALKS)
-def test_strided_and_broadcast_masks_pack_as_their_values(walk):
+def test_strided_and_broadcast_masks_pack_as_their_values():
     kept, _ = _mask((1, 2, 90, 77), "bool", "strided")
     keys_outer = kept.transpose(2, 3).contiguous().transpose(2, 3).to(DEVICE)  # stride 1 on queries
     broadcast = kept[:, :1].expand(2, 3, 90, 77).to(DEVICE)  # stride 0 on batch and heads
-    assert torch.equal(pack_bits_walking(keys_outer, 32, 32, WALKS[walk])[0].cpu(), pack_mask_words(kept))
-    words, state = pack_bits_walking(broadcast, 64, 64, WALKS[walk])
+    assert torch.equal(pack_bits(keys_outer, 32, 32)[0].cpu(), pack_mask_words(kept))
+    words, state = pack_bits(broadcast, 64, 64)
     assert torch.equal(words.cpu(), pack_mask_words(kept[:, :1].expand(2, 3, 90, 77)))
     assert torch.equal(state.cpu(), block_states(words.cpu(), (2, 3, 90, 77), (64, 64)))
 
 
-def test_pack_bits_takes_the_shipped_walk():
-    kept, mask = _mask((1, 2, 130, 47), "bool", "shipped")
-    words, state = pack_bits(mask.to(DEVICE), 64, 64)
-    assert torch.equal(words.cpu(), pack_mask_words(kept))
-    assert torch.equal(state.cpu(), block_states(words.cpu(), (1, 2, 130, 47), (64, 64)))
 
-
-def test_tma_copies_rows_that_form_one_aligned_matrix():
-    walk = next(w for w in WALKS.values() if w.tma)
-    mask = _mask(SHAPES[-1], "bool", "tma")[1].to(DEVICE)
-    rows = mask.to(torch.float16)
-    assert copy_engine_reads(walk, _bytes_as_words(mask), 16, 64)
-    assert copy_engine_reads(walk, rows, 64, 32)
-    assert not copy_engine_reads(walk._replace(tma=False), rows, 64, 32)
-    unaligned = torch.zeros(2, 3, 70, 100, dtype=torch.float16, device=DEVICE)
-    assert not copy_engine_reads(walk, unaligned, 64, 32)  # rows 200 bytes apart
-    assert not copy_engine_reads(walk, rows[:, :, 1:], 64, 32)  # a row missing between heads
-    assert not copy_engine_reads(walk, rows[:, :1].expand(2, 3, 70, 96), 64, 32)  # heads broadcast
-    assert not copy_engine_reads(walk, rows.transpose(2, 3), 64, 32)  # keys not consecutive
-    assert not copy_engine_reads(walk, rows, 512, 32)  # wider than a TMA box
+def test_masks_of_one_layout_at_other_offsets_pack_as_their_values():
+    # Same shape, strides and misalignment to 16 bytes: only the offset says whether four bytes read as an int32.
+    kept, _ = _mask((1, 2, 40, 64), "bool", "offsets")
+    storage = torch.zeros(kept.numel() + 8, dtype=torch.bool, device=DEVICE)
+    for offset in (4, 1):
+        mask = storage[offset:offset + kept.numel()].view(kept.shape)
+        mask.copy_(kept)
+        words, state = pack_bits(mask, 64, 64)
+        assert torch.equal(words.cpu(), pack_mask_words(kept))
+        assert torch.equal(state.cpu(), block_states(words.cpu(), kept.shape, (64, 64)))
