@@ -391,7 +391,7 @@ def pair_buffers(
     BLOCK_M: gl.constexpr = 0,
 ):
     """``(words, bias)``: shared-memory rings of ``STAGES`` tiles of a BitMask's words
-    (``words_staged``), or with ``BLOCK_M`` of key intervals' row words (``_item_row_words``: the
+    (``words_staged``), or with ``BLOCK_M`` of key intervals' row words (``_store_row_words``: the
     forward's and dQ's), and of a staged per-pair bias (one word each where there is none)."""
     words = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
     bias = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
@@ -642,6 +642,15 @@ def _cache_row(p, batch, span):
 
 
 @gluon.jit
+def interval_rows(p, mask_row, keys, read):
+    """``(start, end)``: the query rows ``[start, end)`` for which key intervals at ``mask_row`` (the
+    rows of a batch entry and head) keep ``keys`` (``tiles.MASK_INTERVALS``' layout), 0 where not
+    ``read``; in ``keys``' layout."""
+    at = mask_row + (2 * keys).to(gl.int64) * p.stride_mk
+    return gl.load(at, mask=read, other=0), gl.load(at + p.stride_mk, mask=read, other=0)
+
+
+@gluon.jit
 def _ones_below(n):
     """int32 words with their ``n`` lowest bits set, ``0 <= n <= 32``."""
     return gl.where(n >= WORD_BITS, -1, (1 << gl.minimum(n, WORD_BITS - 1)) - 1)
@@ -716,9 +725,7 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
         scores = gl.where(key_ok, scores, float("-inf"))
     if p.MASK == MASK_INTERVALS:  # the keys' rows, for a PARTIAL tile; read before the wait, as the scores
         keys = first_key + gl.arange(0, p.BLOCK_N, gl.SliceLayout(0, _row_words_layout(p.BLOCK_N)))
-        read = (keys < span.seqlen_k) & partial
-        at = mask_row + (2 * keys).to(gl.int64) * p.stride_mk
-        start, end = gl.load(at, mask=read, other=0), gl.load(at + p.stride_mk, mask=read, other=0)
+        start, end = interval_rows(p, mask_row, keys, (keys < span.seqlen_k) & partial)
     stage = loaded % p.KV_STAGES
     phase = (loaded // p.KV_STAGES) & 1 ^ 1
     # K (with the tile's number and key scores) and V have rings of their own: K is free once

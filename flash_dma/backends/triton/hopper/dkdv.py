@@ -66,6 +66,7 @@ from flash_dma.backends.triton.hopper.common import (
     entry_span,
     entry_tables,
     input_base,
+    interval_rows,
     jit_with_runtime_scalars,
     kept_by_bits,
     key_walk,
@@ -426,13 +427,11 @@ def _key_scores(p, batch, head, keys, key_ok):
 
 
 @gluon.jit
-def _key_intervals(p, batch, head, keys):
-    """``(start, end)``: the query rows ``[start, end)`` that (``batch``, ``head``)'s key intervals
-    keep ``keys`` for (``tiles.MASK_INTERVALS``' layout; none past Sk). Two keys a thread: kept in
-    registers for the whole item."""
-    at = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, batch, head) + (2 * keys).to(gl.int64) * p.stride_mk
-    inside = keys < p.seqlen_k
-    return gl.load(at, mask=inside, other=0), gl.load(at + p.stride_mk, mask=inside, other=0)
+def _item_intervals(p, batch, head, keys):
+    """Key intervals' rows of the item's ``keys`` for query head ``head`` (``common.interval_rows``):
+    two keys a thread, kept in registers for the whole item."""
+    mask_row = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, batch, head)
+    return interval_rows(p, mask_row, keys, keys < p.seqlen_k)
 
 
 @gluon.jit
@@ -526,7 +525,7 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
             v = bufs.v.index(kv).reshape([p.BLOCK_N, D]).slice(FIRST, KEYS)
             key_scores = _key_scores(p, batch, head, keys, _slots_below(first_key, kept, KEYS, keys_of_s))
             if p.MASK == MASK_INTERVALS:  # the warpgroup's keys' rows, read once per head
-                start, end = _key_intervals(p, batch, head, keys)
+                start, end = _item_intervals(p, batch, head, keys)
             for _ in range(count):
                 stage = consumed % p.Q_STAGES
                 mbarrier.wait(bufs.q_ready.index(stage), (consumed // p.Q_STAGES) & 1)
@@ -539,7 +538,7 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
                     head = tile_head
                     key_scores = _key_scores(p, batch, head, keys, _slots_below(first_key, kept, KEYS, keys_of_s))
                     if p.MASK == MASK_INTERVALS:
-                        start, end = _key_intervals(p, batch, head, keys)
+                        start, end = _item_intervals(p, batch, head, keys)
                 q = bufs.q.index(stage).reshape([p.BLOCK_M, D])
                 do = bufs.do.index(stage).reshape([p.BLOCK_M, D])
                 zeros = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
