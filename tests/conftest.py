@@ -32,14 +32,15 @@ def pytest_report_header(config):
 
 # The newest releases' run (`make test-latest`, `-m latest`) takes a slice of the suite, the pinned
 # run all of it. The slice guards what a new torch, triton, numpy or transformers can break: every
-# case of LATEST_EVERY_CASE (the docs' blocks, the transformers integrations, the sm90 compile of
-# every kernel); the first case of each test under LATEST_FIRST_CASE (each test checks one
-# behaviour, and its first case runs it): the kernel families under the interpreter, and what
+# case of LATEST_EVERY_CASE (the docs' blocks, the transformers integrations); the first case of
+# each test under LATEST_FIRST_CASE (each test checks one behaviour, and its first case runs it):
+# the sm90 compile of each kernel's first variant, the kernel families under the interpreter, and what
 # calls torch's APIs (the reference, Flex, torch.compile, the layer, gloo), matplotlib and tqdm;
 # and of the tests that sweep a kernel family's input forms, the first case of each form in
 # LATEST_FORMS (a text in the case's id). A new kernel family joins by a line here.
-LATEST_EVERY_CASE = ("tests/test_docs.py", "tests/integrations/", "tests/backends/triton/test_compiles_for_gpu.py")
+LATEST_EVERY_CASE = ("tests/test_docs.py", "tests/integrations/")
 LATEST_FIRST_CASE = (
+    "tests/backends/triton/test_compiles_for_gpu.py",
     "tests/backends/triton/test_forward.py",
     "tests/backends/triton/test_backward.py",
     "tests/backends/triton/topk/",

@@ -7,6 +7,7 @@ variant: whether wgmma is used, shared memory, registers and spills (from ptxas)
     python tools/compile_report.py --arch 80
     python tools/compile_report.py --only hopper --ptx-dir /tmp/before   # keep each variant's PTX
     python tools/compile_report.py --shard 2/4   # every 4th variant from the 2nd: 4 processes share the list
+    python tools/compile_report.py --kernels first    # the first variant of each kernel (one case a family)
 
 ``--same-as DIR`` says, per variant, whether its PTX holds the same instructions as the one in
 DIR (registers renumbered, parameters renamed, the order and debug lines ignored): a refactor
@@ -82,6 +83,17 @@ def instructions(ptx: str) -> Counter:
     )
 
 
+def chosen_variants(kernels: str) -> list[Variant]:
+    """:data:`VARIANTS` in order: all, the first variant of each kernel, or all but those."""
+    if kernels == "all":
+        return list(VARIANTS)
+    firsts = {}
+    for variant in VARIANTS:
+        firsts.setdefault(variant.kernel.__name__, variant)
+    first = list(firsts.values())
+    return first if kernels == "first" else [v for v in VARIANTS if all(v is not f for f in first)]
+
+
 def _shard(text: str) -> tuple[int, int]:
     """``I/N`` -> ``(I, N)``, ``1 <= I <= N``."""
     index, _, count = text.partition("/")
@@ -92,6 +104,8 @@ def _shard(text: str) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", choices=("all", "first", "others"), default="all",
+                        help="each kernel's first variant only, or all but those (default: every variant)")
     parser.add_argument("--shard", type=_shard, default=(1, 1), metavar="I/N",
                         help="every N-th variant from the I-th, so that N processes share the list (default: all)")
     parser.add_argument("--arch", type=int, default=90)
@@ -102,7 +116,7 @@ def main() -> None:
     if args.ptx_dir:
         args.ptx_dir.mkdir(parents=True, exist_ok=True)
     index, count = args.shard
-    for variant in VARIANTS[index - 1 :: count]:
+    for variant in chosen_variants(args.kernels)[index - 1 :: count]:
         if args.only and not any(part in variant.name for part in args.only):
             continue
         compiled, seconds = compile_variant(variant, args.arch, "bf16")
