@@ -64,7 +64,7 @@ _POINTER_TYPES = {
     "Indices": "*i32", "Order": "*i64", "Starts": "*i64", "Descale": "*fp32", "DKAcc": "*fp32", "DVAcc": "*fp32",
     "DBiasKeys": "*fp32", "Lengths": "*i32", "Keys": "*i32", "Words": "*i32", "Scratch": "*i32",
 }
-_FLOAT_SCALARS = ("scale", "scale_log2", "softcap_log2", "scale_over_cap")
+_FLOAT_SCALARS = ("scale", "scale_log2", "softcap_log2", "scale_over_cap", "lowest")
 
 
 @dataclass(frozen=True)
