@@ -24,8 +24,9 @@ call's *dry run* in :data:`AHEAD` for the length of the call: its host code (for
 run once more under :func:`dry_run`, where a launch launches nothing and starts compiling its
 kernel on a pool of threads (:meth:`Launcher.compile_ahead`). The call's first launch that needs a
 kernel compiled runs it (:func:`run_ahead`); then every kernel of the call compiles side by side,
-and each launch waits for its own. Threads suffice: Triton releases the GIL in its LLVM passes and
-runs ptxas and the host compiler as subprocesses. Never under CUDA graph capture (the dry run
+and each launch waits for its own. Threads suffice for all but Triton's front end (Python, holding
+the GIL: docs/design-notes.md, "The first call: the kernels it compiles"): Triton releases the GIL
+in its LLVM passes and runs ptxas and the host compiler as subprocesses. Never under CUDA graph capture (the dry run
 allocates), ``torch.compile`` tracing (the entry point sets nothing), autotuning or the interpreter
 (``configs.compile_ahead_enabled``), nor with ``FLASH_DMA_COMPILE_AHEAD=0``.
 """
@@ -43,13 +44,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
+import triton.runtime.cache
 import triton.testing
 from triton.runtime import _allocation
 
 from flash_dma.backends.triton.configs import autotune_enabled, compile_ahead_enabled, triton_interpreting
+from flash_dma.backends.triton.kernel_keys import cache_key
 from flash_dma.memo import DRY_RUN, Memo, forget_memos
 
 _I32 = 2**31
@@ -58,7 +62,7 @@ _I32 = 2**31
 def tuning_cache_path(kernel) -> Path:
     """The file that holds tuning choices for ``kernel`` on the current GPU and Triton version."""
     root = Path(os.environ.get("FLASH_DMA_CACHE_DIR", Path.home() / ".cache" / "flash_dma"))
-    identity = f"{torch.cuda.get_device_name()}|{triton.__version__}|{kernel.cache_key}"
+    identity = f"{torch.cuda.get_device_name()}|{triton.__version__}|{cache_key(kernel)}"
     return root / f"tuning-{kernel.__name__}-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.json"
 
 
@@ -281,13 +285,14 @@ class Launcher:
             pointers = list(args)
             for slot in self.tensor_slots:
                 pointers[slot] = _Pointer(args[slot])
-            future = self.pending[signature] = _pool().submit(self._compile_on_pool, pointers, key, candidates())
+            future = self.pending[signature] = _pool().threads.submit(self._compile_on_pool, pointers, key, candidates())
         return future
 
     def _compile_on_pool(self, args: list, key: tuple, configs: list):
         """``(compiled, config)`` as :meth:`_compile` gives them, for a thread of the pool; the
         kernel's C launcher is built too (by the host compiler, into Triton's cache), so that its
         first launch only loads it. No CUDA call: a graph may be captured meanwhile."""
+        _pool().installation_hashed.result()
         with torch.cuda.device(args[self.tensor_slots[0]].device):
             compiled, config = self._compile(None, args, key, lambda: configs)
         triton.runtime.driver.active.launcher_cls(compiled.src, compiled.metadata)
@@ -312,6 +317,7 @@ class Launcher:
     # -- the slow path: once per launch signature ----------------------------------------------
 
     def _compile(self, grid, args: list, key: tuple, candidates: Callable[[], list]):
+        cache_key(self.kernel)  # the same key in every process (kernel_keys.py)
         config = self.choices.get(key)
         if config is None:
             config = self.choices[key] = self._choose(grid, args, key, candidates())
@@ -416,13 +422,32 @@ class _Pointer:
         return self._address
 
 
+class _Compilers(NamedTuple):
+    """The threads that compile ahead, and Triton's hash of its own installation, computed once on them."""
+
+    threads: ThreadPoolExecutor
+    installation_hashed: Future
+
+
+def _hash_installation() -> None:
+    # Every Triton cache key starts with a hash of Triton's own files, libtriton's hundreds of MB
+    # included (about 0.5 s), memoised per process but unguarded: compilations starting together
+    # would each hash it, side by side. Where a Triton release keeps it elsewhere, they still do.
+    key = getattr(triton.runtime.cache, "triton_key", None)
+    if key is not None:
+        key()
+
+
 @functools.cache
-def _pool() -> ThreadPoolExecutor:
-    """The threads that compile ahead: one per CPU this process may run on."""
+def _pool() -> _Compilers:
+    """One thread per CPU this process may run on; the installation's hash starts first, beside the
+    driver's first build (a host compile on an empty cache)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = ThreadPoolExecutor(max_workers=cpus, thread_name_prefix="flash-dma-compile")
+    hashed = threads.submit(_hash_installation)
     # Triton makes its driver on first use, unguarded: here, before any thread of the pool can.
     triton.runtime.driver.active.get_current_target()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return ThreadPoolExecutor(max_workers=cpus, thread_name_prefix="flash-dma-compile")
+    return _Compilers(threads, hashed)
 
 
 # A forked child has none of its parent's threads: it starts a pool of its own.

@@ -292,7 +292,8 @@ def compiling_pool(monkeypatch):
         return compiled, configs[0]
 
     monkeypatch.setattr(launch, "triton_interpreting", lambda: False)
-    monkeypatch.setattr(launch, "_pool", lambda: pool)
+    hashed = pool.submit(lambda: None)
+    monkeypatch.setattr(launch, "_pool", lambda: launch._Compilers(pool, hashed))
     monkeypatch.setattr(launch.Launcher, "_compile_on_pool", compile_on_pool)
     monkeypatch.setattr(launch.Launcher, "_compile", lambda *_: pytest.fail("the call compiled a kernel itself"))
     launch.forget_choices()
