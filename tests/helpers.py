@@ -33,6 +33,18 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16) if ON_GPU else (torch.float32, t
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+def case_dtypes(cases) -> list:
+    """The ``case, dtype`` parameters of a kernel sweep, with ids ``<case>-<dtype>``. On the GPU each
+    case runs in each of KERNEL_DTYPES. On the CPU, where the interpreter takes seconds a case, each
+    case runs in one of them, picked by a hash of its id, so that both dtypes meet every form of the
+    sweep while `make test` keeps to its time (README, "Tests")."""
+    if ON_GPU:
+        pairs = [(case, dtype) for dtype in KERNEL_DTYPES for case in cases]
+    else:
+        pairs = [(case, KERNEL_DTYPES[hashlib.sha256(str(case).encode()).digest()[0] % len(KERNEL_DTYPES)]) for case in cases]
+    return [pytest.param(case, dtype, id=f"{case}-{DTYPE_IDS[dtype]}") for case, dtype in pairs]
+
+
 @dataclass(frozen=True)
 class Case:
     """One attention problem. Mask and bias shapes are written like ``"B,Hkv,1,Sk"``."""

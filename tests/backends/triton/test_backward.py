@@ -5,12 +5,12 @@ import torch
 
 from flash_dma import build_block_mask
 from tests.helpers import (
-    DTYPE_IDS,
     KERNEL_DTYPES,
     Case,
     assert_close,
     assert_gradients_close,
     broadcast_cases,
+    case_dtypes,
     kernel_call,
     listed_variants,
     make_inputs,
@@ -50,8 +50,7 @@ def _gradients(case, inputs, **kwargs):
     return out, dout
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("case", BACKWARD_CASES, ids=str)
+@pytest.mark.parametrize("case, dtype", case_dtypes(BACKWARD_CASES))
 def test_gradients_match_reference(case, dtype, poison_outputs):
     inputs = make_inputs(case, dtype, requires_grad=True)
     _, dout = _gradients(case, inputs)

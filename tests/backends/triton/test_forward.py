@@ -12,6 +12,7 @@ from tests.helpers import (
     Case,
     assert_close,
     broadcast_cases,
+    case_dtypes,
     kernel_call,
     listed_variants,
     make_fp8_inputs,
@@ -56,8 +57,7 @@ FORWARD_CASES += packed_variants(FORWARD_CASES[:18]) + packed_variants(FORWARD_C
 FORWARD_CASES += listed_variants(FORWARD_CASES)
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("case", FORWARD_CASES, ids=str)
+@pytest.mark.parametrize("case, dtype", case_dtypes(FORWARD_CASES))
 def test_forward_matches_reference(case, dtype, poison_outputs):
     inputs = make_inputs(case, dtype)
     out, lse = triton_call(case, inputs, return_lse=True)

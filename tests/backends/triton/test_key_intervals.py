@@ -22,6 +22,7 @@ from tests.helpers import (
     Case,
     assert_close,
     assert_gradients_close,
+    case_dtypes,
     make_inputs,
     reference_outputs,
     seeded_generator,
@@ -132,8 +133,7 @@ ATTENTION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("case", ATTENTION_CASES, ids=str)
+@pytest.mark.parametrize("case, dtype", case_dtypes(ATTENTION_CASES))
 def test_attention_over_intervals_matches_the_reference(case, dtype, poison_outputs):
     """Forward and backward on the Triton backend, intervals of a causal top-k per key/value head
     (case.causal) or of runs of any kind per query head, against the float64 reference over the

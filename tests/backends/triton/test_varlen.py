@@ -13,7 +13,7 @@ from flash_dma import build_block_mask, flash_dma_varlen_func, topk_block_mask
 from flash_dma.backends.reference import packed_attention
 from flash_dma.packed import normalize_varlen_inputs, sequence_rows
 from tests.helpers import (
-    DEVICE, DTYPE_IDS, KERNEL_DTYPES, assert_close, assert_gradients_close, guarded, seeded_generator,
+    DEVICE, KERNEL_DTYPES, assert_close, assert_gradients_close, case_dtypes, guarded, seeded_generator,
 )
 
 
@@ -127,8 +127,7 @@ CASES += [replace(case, walk=walk) for case in CASES if case.mask for walk in ("
 CASES += [VarlenCase(bias="packed", causal=True, walk="topk"), VarlenCase(mask="packed", bias="packed", causal=True, walk="topk")]
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case, dtype", case_dtypes(CASES))
 def test_varlen_matches_reference(case, dtype, poison_outputs):
     inputs = make_varlen_inputs(case, dtype)
     out, lse = triton_varlen(case, inputs, return_lse=True)

@@ -15,7 +15,10 @@ from flash_dma import flash_dma_func, flash_dma_topk_func, topk_mask
 from flash_dma.backends.triton import dispatch, launch
 from flash_dma.backends.triton.dispatch import TOPK_INDICES, TOPK_PACKED, TopkPlan, topk_plan
 from tests.conftest import TOPK_WALKS
-from tests.helpers import DEVICE, DTYPE_IDS, KERNEL_DTYPES, Case, assert_close, call_kwargs, guarded, topk_reference_outputs
+from tests.helpers import (
+    DEVICE, DTYPE_IDS, KERNEL_DTYPES, Case, assert_close, call_kwargs, case_dtypes, guarded,
+    topk_reference_outputs,
+)
 
 
 @dataclass(frozen=True)
@@ -125,8 +128,7 @@ def skip_unless_open(case: TopkCase, walk: str) -> None:
         pytest.skip("a split needs unique indices and no per-pair bias: both passes take the forward's walk")
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("case", TOPK_CASES, ids=str)
+@pytest.mark.parametrize("case, dtype", case_dtypes(TOPK_CASES))
 def test_topk_matches_reference(case, dtype, topk_walk, poison_outputs):
     """dK and dV added by atomics in the dQ walk (the index kernels), a packed per-query mask, or
     one in each pass."""
@@ -134,8 +136,7 @@ def test_topk_matches_reference(case, dtype, topk_walk, poison_outputs):
     check_against_reference(case, dtype)
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("case", TOPK_CASES, ids=str)
+@pytest.mark.parametrize("case, dtype", case_dtypes(TOPK_CASES))
 def test_deterministic_topk_matches_reference(case, dtype, poison_outputs, monkeypatch):
     """deterministic=True on the index kernels: dK and dV key-outer, over the sorted inverse map."""
     monkeypatch.setattr(dispatch, "TOPK_FORCED_PLAN", TopkPlan(TOPK_INDICES, TOPK_INDICES))
