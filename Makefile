@@ -1,22 +1,27 @@
 # Two entry points, each self-installing:
 #   make demo   the main job (.venv)
 #   make test   the test suite (CPU: kernels run under the Triton interpreter) at both ends of the
-#               tested version range, as CI runs it:
+#               tested version range, as CI runs it: test-pinned and test-latest, the newest
+#               releases installing while the pinned run runs:
 #     make test-pinned   every test, with the pins of constraints/cpu.txt, in .venv
 #     make test-latest   the `latest` slice (tests/conftest.py: the docs, the transformers
-#                        integrations, the sm90 compile of every kernel, one case of every test and
+#                        integrations, the sm90 compile of each kernel's first variant, one case of every test and
 #                        of each kernel form) with the newest torch, triton, numpy and transformers
 #                        that pip resolves today, in .venv-latest (no constraints; re-resolved each run)
-# Installs print what pip fetches and how large it is. The test summary counts skipped tests (on
-# the CPU, the GPU-only ones); PYTEST_ADDOPTS=-rfEs lists their reasons.
+# `make test` installs the newest releases in the background, beside the pinned install and run (each
+# pip install keeps about one core busy), pip's output going to .venv-latest/install.log, whose end
+# is printed when the pinned run ends; the other installs print what pip fetches and how large it is.
+# The test summary counts skipped tests (on the CPU, the GPU-only ones); PYTEST_ADDOPTS=-rfEs lists
+# their reasons.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The README's command: two workers, the multi-process tests kept on one (loadgroup).
 PYTEST_ARGS := -q -n 2 --dist loadgroup
+PINNED_RUN := TRITON_INTERPRET=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-.PHONY: demo test test-pinned test-latest clean
+.PHONY: demo test test-pinned test-latest latest-install latest-slice clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +32,8 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 demo: $(STAMP)
 	$(BIN)/flash-dma demo
 
-test: test-pinned test-latest
-
 test-pinned: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(PINNED_RUN)
 
 # PyPI's Linux torch is the CUDA build (it runs on the CPU too, but brings some GB of nvidia-*
 # wheels): the CPU build of a new torch is only on PyTorch's own index (see README).
@@ -42,9 +45,26 @@ $(LATEST)/bin/python:
 
 # PIP_CONSTRAINT=/dev/null: a constraints file in pip's own configuration (a machine may cap torch at
 # the releases it keeps on disk) would hold this run below what a plain `pip install` resolves.
-test-latest: $(LATEST)/bin/python
-	@echo "make: installing the newest torch, triton, numpy and transformers into $(LATEST) (about 6 GB the first time; later runs fetch only new releases)"
-	PIP_CONSTRAINT=/dev/null $(LATEST_BIN)/python -m pip install --upgrade --upgrade-strategy eager -e '.[test,demo,hf]'
+LATEST_INSTALL := PIP_CONSTRAINT=/dev/null $(LATEST_BIN)/python -m pip install --upgrade --upgrade-strategy eager -e '.[test,demo,hf]'
+LATEST_SIZE := about 6 GB the first time; later runs fetch only new releases
+
+test: $(LATEST)/bin/python
+	@echo "make: installing the newest torch, triton, numpy and transformers into $(LATEST) in the background ($(LATEST_SIZE)); pip's output: $(LATEST)/install.log"
+	@($(LATEST_INSTALL) > $(LATEST)/install.log 2>&1; echo $$? > $(LATEST)/install.status) & \
+	$(MAKE) --no-print-directory $(STAMP) && $(PINNED_RUN); pinned=$$?; \
+	echo "make: the pinned run is done; waiting for the install into $(LATEST)"; wait; \
+	tail -n 2 $(LATEST)/install.log; \
+	if [ "$$(cat $(LATEST)/install.status)" != 0 ]; then echo "make: the install into $(LATEST) failed: $(LATEST)/install.log"; exit 1; fi; \
+	if [ $$pinned != 0 ]; then exit $$pinned; fi
+	@$(MAKE) --no-print-directory latest-slice
+
+test-latest: latest-install latest-slice
+
+latest-install: $(LATEST)/bin/python
+	@echo "make: installing the newest torch, triton, numpy and transformers into $(LATEST) ($(LATEST_SIZE))"
+	$(LATEST_INSTALL)
+
+latest-slice:
 	$(LATEST_BIN)/python -m pip list 2>/dev/null | grep -E -i '^(torch|triton|numpy|transformers) '
 	TRITON_INTERPRET=1 $(LATEST_BIN)/python -m pytest $(PYTEST_ARGS) -m latest
 

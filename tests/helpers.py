@@ -37,7 +37,7 @@ def case_dtypes(cases) -> list:
     """The ``case, dtype`` parameters of a kernel sweep, with ids ``<case>-<dtype>``. On the GPU each
     case runs in each of KERNEL_DTYPES. On the CPU, where the interpreter takes seconds a case, each
     case runs in one of them, picked by a hash of its id, so that both dtypes meet every form of the
-    sweep while `make test` keeps to its time (README, "Tests")."""
+    sweep while `make test` keeps to its time (README, "The two commands")."""
     if ON_GPU:
         pairs = [(case, dtype) for dtype in KERNEL_DTYPES for case in cases]
     else:

@@ -8,6 +8,7 @@ variant: whether wgmma is used, shared memory, registers and spills (from ptxas)
     python tools/compile_report.py --only hopper --ptx-dir /tmp/before   # keep each variant's PTX
     python tools/compile_report.py --shard 2/4   # every 4th variant from the 2nd: 4 processes share the list
     python tools/compile_report.py --kernels first    # the first variant of each kernel (one case a family)
+    python tools/compile_report.py --no-registers     # compile only: no second ptxas run for the counts
 
 ``--same-as DIR`` says, per variant, whether its PTX holds the same instructions as the one in
 DIR (registers renumbered, parameters renamed, the order and debug lines ignored): a refactor
@@ -63,10 +64,12 @@ def compile_variant(variant: Variant, arch: int, dtype: str):
     return compiled, time.time() - start
 
 
-def report(compiled, seconds: float, arch: int) -> str:
-    """A compiled variant's line: compile time, whether it uses the tensor cores, shared memory, ptxas's counts."""
+def report(compiled, seconds: float, arch: int, registers: bool = True) -> str:
+    """A compiled variant's line: compile time, whether it uses the tensor cores, shared memory, and
+    ptxas's counts of registers and spills (a second ptxas run, unless ``registers`` is False)."""
     mma = "wgmma" if "wgmma" in compiled.asm["ptx"] else "mma" if "mma.sync" in compiled.asm["ptx"] else "no-mma"
-    return f"{seconds:5.1f}s {mma:6} smem={compiled.metadata.shared:6d} {_ptxas_report(compiled, arch)}"
+    counts = _ptxas_report(compiled, arch) if registers else "regs=- spill_stores=-"
+    return f"{seconds:5.1f}s {mma:6} smem={compiled.metadata.shared:6d} {counts}"
 
 
 _SKIPPED = ("//", ".loc", ".file", "$L__", ".b8", ".b16", ".b32", ".b64", ".param", "{", "}")
@@ -112,6 +115,8 @@ def main() -> None:
     parser.add_argument("--only", action="append", help="variants whose name holds this (repeatable); default: all")
     parser.add_argument("--ptx-dir", type=Path, help="write each variant's PTX to DIR/<name>.ptx")
     parser.add_argument("--same-as", type=Path, help="compare each variant's instructions with DIR/<name>.ptx")
+    parser.add_argument("--no-registers", action="store_true",
+                        help="leave out the registers and spills (each a second ptxas run, about a quarter of the time)")
     args = parser.parse_args()
     if args.ptx_dir:
         args.ptx_dir.mkdir(parents=True, exist_ok=True)
@@ -120,7 +125,7 @@ def main() -> None:
         if args.only and not any(part in variant.name for part in args.only):
             continue
         compiled, seconds = compile_variant(variant, args.arch, "bf16")
-        line = f"{variant.name:24s} {report(compiled, seconds, args.arch)}"
+        line = f"{variant.name:24s} {report(compiled, seconds, args.arch, not args.no_registers)}"
         ptx = compiled.asm["ptx"]
         if args.ptx_dir:
             (args.ptx_dir / f"{variant.name}.ptx").write_text(ptx)

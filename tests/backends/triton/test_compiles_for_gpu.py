@@ -26,8 +26,10 @@ PARTS = [("first", "1/1"), *(("others", f"{i}/3") for i in range(1, 4))]
 def test_every_kernel_variant_compiles_for_sm90(kernels, shard):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    # Compiling is the check: the registers' count would be a second ptxas run, a quarter more time.
+    command = ["--arch", "90", "--kernels", kernels, "--shard", shard, "--no-registers"]
     result = subprocess.run(
-        [sys.executable, "-m", "tools.compile_report", "--arch", "90", "--kernels", kernels, "--shard", shard],
+        [sys.executable, "-m", "tools.compile_report", *command],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
