@@ -33,6 +33,18 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16) if ON_GPU else (torch.float32, t
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+def compiling_environment() -> dict[str, str]:
+    """This process's environment for a child that compiles kernels, as on a GPU machine: without
+    TRITON_INTERPRET (there ``@triton.jit`` makes compilable functions, with cache keys), the
+    repository first on its PYTHONPATH."""
+    import os
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    return env
+
+
 def case_dtypes(cases) -> list:
     """The ``case, dtype`` parameters of a kernel sweep, with ids ``<case>-<dtype>``. On the GPU each
     case runs in each of KERNEL_DTYPES. On the CPU, where the interpreter takes seconds a case, each

@@ -1,11 +1,12 @@
 """tools/compile_report.py: PTX kept per variant, and compared instruction by instruction."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import compiling_environment
 
 pytest.importorskip("triton.backends.nvidia")
 REPO = Path(__file__).resolve().parents[2]
@@ -21,8 +22,7 @@ def test_instructions_ignore_register_numbers_parameter_names_and_debug_lines():
 
 
 def test_a_variant_compared_with_its_own_ptx_is_the_same(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO)
+    env = compiling_environment()
 
     def report(*options: str) -> str:
         command = [sys.executable, "-m", "tools.compile_report", "--only", "forward-key-list", *options]

@@ -5,12 +5,13 @@ so CI also compiles each kernel family to machine code with Triton's bundled ptx
 a process without TRITON_INTERPRET, where ``@triton.jit`` makes compilable functions.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import compiling_environment
 
 pytest.importorskip("triton.backends.nvidia")
 ROOT = Path(__file__).resolve().parents[3]
@@ -24,13 +25,11 @@ PARTS = [("first", "1/1"), *(("others", f"{i}/3") for i in range(1, 4))]
 
 @pytest.mark.parametrize("kernels, shard", PARTS, ids=lambda p: p.replace("/", "of"))
 def test_every_kernel_variant_compiles_for_sm90(kernels, shard):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     # Compiling is the check: the registers' count would be a second ptxas run, a quarter more time.
     command = ["--arch", "90", "--kernels", kernels, "--shard", shard, "--no-registers"]
     result = subprocess.run(
         [sys.executable, "-m", "tools.compile_report", *command],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=compiling_environment(), capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     compiled = [line.split()[0] for line in result.stdout.splitlines() if "smem=" in line]

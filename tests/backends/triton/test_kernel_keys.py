@@ -2,12 +2,13 @@
 (``backends/triton/kernel_keys.py``): a kernel one process compiled, another finds in the cache."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import compiling_environment
 
 ROOT = Path(__file__).resolve().parents[3]
 # Kernels sharing callees and global constexprs (the Hopper ones share hopper/common.py and tiles.py).
@@ -31,11 +32,9 @@ print(json.dumps(keys))
 
 
 def _keys_hashed_in(order: list[str]) -> dict[str, str]:
-    # Compilable jit functions (with cache keys) need a process without the interpreter.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     ordered = json.dumps({name: KERNELS[name] for name in order})
-    result = subprocess.run([sys.executable, "-c", CHILD, ordered], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", CHILD, ordered], cwd=ROOT, env=compiling_environment(), capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])
 
