@@ -26,9 +26,11 @@ kernel on a pool of threads (:meth:`Launcher.compile_ahead`). The call's first l
 kernel compiled runs it (:func:`run_ahead`); then every kernel of the call compiles side by side,
 and each launch waits for its own. Threads suffice for all but Triton's front end (Python, holding
 the GIL: docs/design-notes.md, "The first call: the kernels it compiles"): Triton releases the GIL
-in its LLVM passes and runs ptxas and the host compiler as subprocesses. Never under CUDA graph capture (the dry run
-allocates), ``torch.compile`` tracing (the entry point sets nothing), autotuning or the interpreter
-(``configs.compile_ahead_enabled``), nor with ``FLASH_DMA_COMPILE_AHEAD=0``.
+in its LLVM passes and runs ptxas and the host compiler as subprocesses. The front ends therefore
+take turns (:class:`_FrontEnds`), in the order the launches reached them. Never under CUDA
+graph capture (the dry run allocates), ``torch.compile`` tracing (the entry point sets nothing),
+autotuning or the interpreter (``configs.compile_ahead_enabled``), nor with
+``FLASH_DMA_COMPILE_AHEAD=0``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import inspect
 import json
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -285,16 +288,19 @@ class Launcher:
             pointers = list(args)
             for slot in self.tensor_slots:
                 pointers[slot] = _Pointer(args[slot])
-            future = self.pending[signature] = _pool().threads.submit(self._compile_on_pool, pointers, key, candidates())
+            future = _FRONT_ENDS.submit(_pool().threads, self._compile_on_pool, pointers, key, candidates())
+            self.pending[signature] = future
         return future
 
-    def _compile_on_pool(self, args: list, key: tuple, configs: list):
-        """``(compiled, config)`` as :meth:`_compile` gives them, for a thread of the pool; the
-        kernel's C launcher is built too (by the host compiler, into Triton's cache), so that its
-        first launch only loads it. No CUDA call: a graph may be captured meanwhile."""
-        _pool().installation_hashed.result()
-        with torch.cuda.device(args[self.tensor_slots[0]].device):
-            compiled, config = self._compile(None, args, key, lambda: configs)
+    def _compile_on_pool(self, args: list, key: tuple, configs: list, ticket: int):
+        """``(compiled, config)`` as :meth:`_compile` gives them, for a thread of the pool, its front
+        end in the turn of ``ticket`` (:class:`_FrontEnds`); the kernel's C launcher is built too
+        (by the host compiler, into Triton's cache), so that its first launch only loads it. No CUDA
+        call: a graph may be captured meanwhile."""
+        with _FRONT_ENDS.holding(ticket):
+            _pool().installation_hashed.result()
+            with torch.cuda.device(args[self.tensor_slots[0]].device):
+                compiled, config = self._compile(None, args, key, lambda: configs)
         triton.runtime.driver.active.launcher_cls(compiled.src, compiled.metadata)
         return compiled, config
 
@@ -329,6 +335,7 @@ class Launcher:
         return compiled, config
 
     def _build(self, args: list, config: triton.Config):
+        front_ends_in_turn(self.kernel, triton.runtime.driver.active.get_current_device())
         return self.kernel.warmup(*args, grid=(1,), **config.all_kwargs())
 
     def _fits(self, compiled, args: list) -> bool:
@@ -448,6 +455,101 @@ def _pool() -> _Compilers:
     # Triton makes its driver on first use, unguarded: here, before any thread of the pool can.
     triton.runtime.driver.active.get_current_target()
     return _Compilers(threads, hashed)
+
+
+class _FrontEnds:
+    """Triton's front ends (a kernel's Python made into IR), one at a time, the pool's in the order
+    the call's launches handed their compilations over.
+
+    A front end holds the GIL. Side by side, those of a call's kernels would interleave and all end
+    together, so that the forward's kernel would reach its LLVM passes and ptxas, which release the
+    GIL, only as late as the backward's last; in turn, each ends as early as its place allows. A
+    compilation of the pool holds a ticket, taken as it is handed to the pool, and its front end
+    waits for the tickets before it to pass theirs (or to finish without one: a cached kernel has
+    none); a compilation off the pool takes the next free turn.
+    """
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._issued = 0
+        self._queued: list[int] = []  # tickets yet to pass their front end, ascending
+        self._running = False
+        self._held = threading.local()  # the ticket of the compilation this thread runs
+
+    def submit(self, threads: ThreadPoolExecutor, compile_on_pool: Callable, *args) -> Future:
+        """``threads.submit(compile_on_pool, *args, ticket)``, the ticket taken in the same step: the
+        pool starts its compilations in the order of their tickets, so that no turn waits for a
+        compilation that no thread will start."""
+        with self._changed:
+            ticket = self._issued
+            self._issued += 1
+            self._queued.append(ticket)
+            return threads.submit(compile_on_pool, *args, ticket)
+
+    @contextmanager
+    def holding(self, ticket: int) -> Iterator[None]:
+        """Run a compilation of the pool as ``ticket``'s; on leaving, its turn is given up, passed or not."""
+        self._held.ticket = ticket
+        try:
+            yield
+        finally:
+            self._held.ticket = None
+            self._passed(ticket)
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Run a front end in this thread's turn."""
+        ticket = getattr(self._held, "ticket", None)
+        with self._changed:
+            self._changed.wait_for(lambda: not self._running and (ticket not in self._queued or self._queued[0] == ticket))
+            self._running = True
+        try:
+            yield
+        finally:
+            self._held.ticket = None  # a second front end (another configuration) waits for no turn
+            with self._changed:
+                self._running = False
+            self._passed(ticket)
+
+    def _passed(self, ticket: int | None) -> None:
+        with self._changed:
+            if ticket in self._queued:
+                self._queued.remove(ticket)
+            self._changed.notify_all()
+
+
+_FRONT_ENDS = _FrontEnds()
+
+
+class _FrontEndInTurn:
+    """Mixed into a kernel's source class (Triton's ``ASTSource``, or Gluon's): its front end
+    (``make_ir``) runs in its turn (:class:`_FrontEnds`). Neither the source's hash nor its cache
+    key changes."""
+
+    def make_ir(self, *args, **kwargs):
+        with _FRONT_ENDS.turn():
+            return super().make_ir(*args, **kwargs)
+
+
+@functools.cache
+def _in_turn(source: type) -> type:
+    return type(f"{source.__name__}InTurn", (_FrontEndInTurn, source), {})
+
+
+_SOURCES = threading.Lock()
+
+
+def front_ends_in_turn(kernel, device: int) -> None:
+    """Make ``kernel``'s compilations on ``device`` take their front ends in turn
+    (:class:`_FrontEndInTurn`). A jit kernel makes its binder on a device's first use, which names
+    its source class (``ASTSource``) anew: made first, here. The interpreter's kernel has neither."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        return
+    with _SOURCES:
+        caches[device]
+        if not issubclass(kernel.ASTSource, _FrontEndInTurn):
+            kernel.ASTSource = _in_turn(kernel.ASTSource)
 
 
 # A forked child has none of its parent's threads: it starts a pool of its own.

@@ -287,7 +287,7 @@ def compiling_pool(monkeypatch):
     compiled = SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=0))
     on_pool = []
 
-    def compile_on_pool(self, args, key, configs):
+    def compile_on_pool(self, args, key, configs, ticket):
         on_pool.append((self.kernel.__name__, args))
         return compiled, configs[0]
 
@@ -336,6 +336,69 @@ def test_a_kernel_that_failed_on_the_pool_is_compiled_by_its_call(compiling_pool
     with launch.dry_run():
         launcher.launch("layout", tensors, build, candidates, grid)
     assert launcher.prepare(grid, *build(), candidates).compiled is own and launcher.pending == {}
+
+
+def test_front_ends_take_turns_and_keep_the_cache_key():
+    """A kernel's source class runs its front end (``make_ir``) in its turn; the source's hash, and
+    so Triton's cache key, is unchanged. Made after the kernel's binder (which names the source
+    class anew) and once per kernel; the interpreter's kernel has neither and is left alone."""
+    from collections import defaultdict
+
+    from triton.compiler import ASTSource as plain
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    kernel = JITFunction(_doubled_kernel.fn)
+    # Triton's binder as made without a GPU: it names the source class, as the real one does.
+    kernel.device_caches = defaultdict(lambda: setattr(kernel, "ASTSource", plain))
+    launch.front_ends_in_turn(kernel, 0)
+    launch.front_ends_in_turn(kernel, 0)
+    assert kernel.ASTSource.__mro__[1:] == (launch._FrontEndInTurn, plain, *plain.__mro__[1:])
+    signature = {"X": "*fp32", "Y": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    made = [source(kernel, signature, {(3,): 32}, {}) for source in (plain, kernel.ASTSource)]
+    assert made[0].hash() == made[1].hash()
+    interpreted = InterpretedFunction(_doubled_kernel.fn)
+    launch.front_ends_in_turn(interpreted, 0)
+    assert not hasattr(interpreted, "ASTSource")
+
+
+def test_front_ends_run_one_at_a_time_in_the_order_of_their_tickets(monkeypatch):
+    """The pool's compilations run their front ends one at a time, in the order they were handed to
+    the pool, whichever thread reaches its front end first; one that finishes without a front end
+    (a cached kernel) holds no later one up, and a compilation off the pool takes a free turn."""
+    import threading
+    import time
+
+    front_ends = launch._FrontEnds()
+    monkeypatch.setattr(launch, "_FRONT_ENDS", front_ends)
+    spans, lock = [], threading.Lock()
+
+    class Slow:
+        def make_ir(self, name):
+            start = time.perf_counter()
+            time.sleep(0.03)
+            with lock:
+                spans.append((start, time.perf_counter(), name))
+
+    source = launch._in_turn(Slow)()
+    # Each compilation reaches its front end later the earlier its ticket: the reverse of its turn.
+    delays = {"cached": 0.20, "first": 0.15, "second": 0.10, "third": 0.0}
+
+    def compile_on_pool(name, ticket):
+        with front_ends.holding(ticket):
+            time.sleep(delays[name])
+            if name != "cached":
+                source.make_ir(name)
+
+    with ThreadPoolExecutor(4) as threads:
+        futures = [front_ends.submit(threads, compile_on_pool, name) for name in delays]
+        source.make_ir("off the pool")
+        for future in futures:
+            future.result()
+    spans.sort()
+    assert all(end <= next_start for (_, end, _), (next_start, _, _) in zip(spans, spans[1:])), spans
+    on_pool = [name for _, _, name in spans if name != "off the pool"]
+    assert on_pool == ["first", "second", "third"] and front_ends._queued == []
 
 
 @pytest.mark.parametrize("not_specialized", [None, ["n"], [2]], ids=["none", "named", "numbered"])
