@@ -10,6 +10,9 @@ variant: whether wgmma is used, shared memory, registers and spills (from ptxas)
     python tools/compile_report.py --kernels first    # the first variant of each kernel (one case a family)
     python tools/compile_report.py --no-registers     # compile only: no second ptxas run for the counts
 
+Each variant is also checked for a hand-over of shared memory that the PTX memory model leaves
+unordered (:func:`unordered_handovers`); the command exits 1 if one has any.
+
 ``--same-as DIR`` says, per variant, whether its PTX holds the same instructions as the one in
 DIR (registers renumbered, parameters renamed, the order and debug lines ignored): a refactor
 that should change nothing for the forms a GPU verified can be checked so without a GPU.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -86,6 +90,26 @@ def instructions(ptx: str) -> Counter:
     )
 
 
+def unordered_handovers(ptx: str) -> int:
+    """How many ``mbarrier.arrive.expect_tx`` of ``ptx`` follow stores to shared memory with no barrier
+    of the threads between (``bar.warp.sync``, ``bar.sync``, ``barrier.sync``), in the order of the
+    text. Triton lowers ``mbarrier.expect`` to one lane's arrive, which releases only that lane's
+    stores: the others' reach the waiting threads unordered (docs/reliability.md, "Racecheck and
+    the mbarrier hand-over"). A store in a branch that the text places before an arrive it never
+    reaches counts too: the check errs on the side of a barrier."""
+    stored, count = False, 0
+    for line in ptx.splitlines():
+        instruction = re.sub(r"^@!?%p\d+\s+", "", line.strip())
+        if instruction.startswith("st.shared"):
+            stored = True
+        elif instruction.startswith(("bar.warp.sync", "bar.sync", "barrier.sync")):
+            stored = False
+        elif instruction.startswith("mbarrier.arrive.expect_tx"):
+            count += stored
+            stored = False
+    return count
+
+
 def chosen_variants(kernels: str) -> list[Variant]:
     """:data:`VARIANTS` in order: all, the first variant of each kernel, or all but those."""
     if kernels == "all":
@@ -121,12 +145,16 @@ def main() -> None:
     if args.ptx_dir:
         args.ptx_dir.mkdir(parents=True, exist_ok=True)
     index, count = args.shard
+    unordered = []
     for variant in chosen_variants(args.kernels)[index - 1 :: count]:
         if args.only and not any(part in variant.name for part in args.only):
             continue
         compiled, seconds = compile_variant(variant, args.arch, "bf16")
         line = f"{variant.name:24s} {report(compiled, seconds, args.arch, not args.no_registers)}"
         ptx = compiled.asm["ptx"]
+        if handovers := unordered_handovers(ptx):
+            line += f" UNORDERED hand-overs={handovers}"
+            unordered.append(variant.name)
         if args.ptx_dir:
             (args.ptx_dir / f"{variant.name}.ptx").write_text(ptx)
         if args.same_as:
@@ -137,6 +165,8 @@ def main() -> None:
                 old, new = instructions(before.read_text()), instructions(ptx)
                 line += " same" if old == new else f" differs: -{sum((old - new).values())} +{sum((new - old).values())} instructions"
         print(line, flush=True)
+    if unordered:
+        sys.exit(f"unordered hand-overs of shared memory (stores before an arrive.expect_tx, no barrier between): {unordered}")
 
 
 if __name__ == "__main__":

@@ -338,10 +338,10 @@ def main() -> int:
         list(pool.map(sanitized, runs))
     compiled = (len(warmed - before), len(cache_files(cache_dir) - warmed))
 
-    example = " ".join(sanitizer_command(sanitizer, "memcheck", ["NAME"], args, help_text)[1:-1])
+    example = " ".join(sanitizer_command(sanitizer, "TOOL", ["NAME"], args, help_text)[1:-1])
     setup = (
         f"`{sanitizer}` ({version[-1] if version else 'version unknown'}), torch {torch.__version__}, "
-        f"triton {triton.__version__}. Runs: `{example} --case=...`"
+        f"triton {triton.__version__}. Runs: `{example} --case=...`, TOOL each run's tool"
     )
     summary = markdown(runs, warm, compiled, setup)
     args.out.write_text(summary)

@@ -55,11 +55,12 @@ from flash_dma.backends.triton.dispatch import TOPK_INDICES, TOPK_PACKED, TopkPl
 from flash_dma.backends.triton.key_list import build_key_list
 from flash_dma.inputs import DESCALES, FP8_DTYPE
 from flash_dma.key_intervals import causal_topk_ends, interval_states
+from tools import handoff_probe
 
 MARK = "[sanitize-driver]"
 # Largest error allowed against the float32 reference, relative to max(1, |reference|): loose,
 # since the point is to catch garbage (a race, an out-of-bounds read), not to grade precision.
-TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 2e-2, torch.float32: 2e-3, FP8_DTYPE: 1e-1}
+TOLERANCE = {torch.int32: 0.0, torch.bfloat16: 5e-2, torch.float16: 2e-2, torch.float32: 2e-3, FP8_DTYPE: 1e-1}
 Results = dict[str, torch.Tensor]
 
 
@@ -526,6 +527,20 @@ def canary_out_of_bounds(target: Target, gen: torch.Generator) -> Results:
     return {"y": y}
 
 
+def _handoff(synced: bool) -> Callable[[Target, torch.Generator], Results]:
+    def run(target: Target, gen: torch.Generator) -> Results:
+        rounds = 200
+        if not target.kernels:
+            return {"out": handoff_probe.expected(rounds)}
+        if target.device.type != "cuda" or torch.cuda.get_device_capability(target.device)[0] != 9:
+            raise RuntimeError(f"the hand-over probe is a Hopper (sm90) kernel; the device is {target.device}")
+        return {"out": handoff_probe.handoff(rounds, synced)}
+
+    lanes = "after its lanes meet at a barrier" if synced else "with no barrier of its lanes before (the control)"
+    run.__doc__ = f"The hand-over probe (tools/handoff_probe.py): a loader warp's stores handed over by one lane's arrive, {lanes}."
+    return run
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One named run of a group of kernels.
@@ -707,6 +722,9 @@ CASES = {
         Case("summary-intervals", summary_intervals),
         Case("summary-key-list", summary_key_list),
         Case("canary-oob", canary_out_of_bounds, torch.float32, reference=False, default=False),
+        # What racecheck reports on the Hopper kernels' hand-over of shared memory, alone (Hopper only).
+        Case("handoff-synced", _handoff(True), torch.int32, default=False),
+        Case("handoff-unsynced", _handoff(False), torch.int32, default=False),
     ]
 }
 

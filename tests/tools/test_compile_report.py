@@ -32,3 +32,15 @@ def test_a_variant_compared_with_its_own_ptx_is_the_same(tmp_path):
     assert [path.name for path in tmp_path.iterdir()] == ["forward-key-list.ptx"]
     (line,) = report("--same-as", str(tmp_path)).splitlines()
     assert line.startswith("forward-key-list ") and line.endswith(" same")
+
+
+def test_stores_handed_over_by_one_lane_without_a_barrier_of_the_lanes_are_found():
+    from tools.compile_report import unordered_handovers
+
+    stores = "st.shared.v4.b32 [%r1], {%r2, %r3, %r4, %r5};\n"
+    arrive = "@%p4 mbarrier.arrive.expect_tx.shared.b64 _, [%r6], 32768;\n"
+    assert unordered_handovers(stores + arrive) == 1
+    assert unordered_handovers("@%p3 " + stores + arrive + stores + arrive) == 2
+    for barrier in ("bar.warp.sync -1;\n", "bar.sync 0, 128;\n", "barrier.sync 1;\n"):
+        assert unordered_handovers(stores + barrier + arrive) == 0
+    assert unordered_handovers(arrive + "ld.shared.b32 %r1, [%r2];\n" + arrive) == 0  # nothing stored

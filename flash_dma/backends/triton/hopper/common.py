@@ -372,6 +372,18 @@ def get(slot):
 
 
 @gluon.jit
+def expect_after_stores(barrier, nbytes: gl.constexpr):
+    """Arrive on ``barrier``, expecting ``nbytes`` of copies, once the warp's lanes have met: the
+    loader hands the stores it made to shared memory (a slot's numbers and rows) over with the
+    copies. Triton lowers ``mbarrier.expect`` to one lane's ``arrive.expect_tx``, with no barrier
+    of the lanes before it (its plain ``arrive`` has one), and that arrive releases only its own
+    lane's stores; a barrier of the lanes orders theirs before it (PTX's ``bar.warp.sync``:
+    docs/reliability.md, "Racecheck and the mbarrier hand-over")."""
+    cta_barrier()
+    mbarrier.expect(barrier, nbytes)
+
+
+@gluon.jit
 def tile_descriptor(
     T, batch, length, heads, COLUMNS: gl.constexpr, stride_b, stride_s, stride_h,
     ROWS: gl.constexpr, LAYOUT_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -748,7 +760,7 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
     words_bytes: gl.constexpr = p.words_desc.block_type.nbytes if words_staged(p.MASK, p.BLOCK_N) else 0
     bias_bytes: gl.constexpr = p.bias_desc.block_type.nbytes if p.STAGED_BIAS else 0
     k_bytes: gl.constexpr = kv_bytes + words_bytes + bias_bytes
-    mbarrier.expect(bufs.k_ready.index(stage), k_bytes)
+    expect_after_stores(bufs.k_ready.index(stage), k_bytes)
     tma_load(p.k_desc, [kv_batch, key_row, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage))
     if words_staged(p.MASK, p.BLOCK_N):
         row = staged_pair_row(p.Mask, p.stride_mb, p.stride_mh, p.stride_mq, p.mask_head_div, it.batch, it.head, first_row)
@@ -794,7 +806,7 @@ def load_partition(p, bufs):
         if p.GRADIENT:
             bufs.lse.index(q_slot).store(lse)
             bufs.delta.index(q_slot).store(delta)
-        mbarrier.expect(bufs.q_ready.index(q_slot), q_bytes)
+        expect_after_stores(bufs.q_ready.index(q_slot), q_bytes)
         row_tile = [span.tokens, span.q_start + it.row_block * p.BLOCK_M, it.head, 0]
         tma_load(p.q_desc, row_tile, bufs.q_ready.index(q_slot), bufs.q.index(q_slot))
         if p.GRADIENT:

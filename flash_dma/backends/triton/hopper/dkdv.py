@@ -59,6 +59,7 @@ from flash_dma.backends.triton.hopper.common import (
     WORD_BITS,
     Item,
     cta_barrier,
+    expect_after_stores,
     get,
     head_dim_tile,
     hopper_arguments,
@@ -351,7 +352,7 @@ def _load_query_tile(p, bufs, loaded, batch, head, g, key_tile, tile, partial, s
         put(bufs.partial.index(stage), partial.to(gl.int32))
     bufs.lse.index(stage).store(lse)
     bufs.delta.index(stage).store(delta)
-    mbarrier.expect(bufs.q_ready.index(stage), q_bytes)
+    expect_after_stores(bufs.q_ready.index(stage), q_bytes)
     row_tile = [span.tokens, span.q_start + tile * p.BLOCK_M, head, 0]
     tma_load(p.q_desc, row_tile, bufs.q_ready.index(stage), bufs.q.index(stage))
     tma_load(p.do_desc, row_tile, bufs.q_ready.index(stage), bufs.do.index(stage))

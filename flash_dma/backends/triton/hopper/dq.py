@@ -221,7 +221,7 @@ def hopper_dq(
     ``dout`` and of ``dq`` (``backward.attention_backward``'s): the launch is prepared once per
     signature."""
     q = call.q
-    num_heads, head_dim = q.shape[2], q.shape[3]
+    head_dim = q.shape[3]
     wide = wide_tiles(head_dim)
     row_blocks, items, seq_tables, seq = work_items(call, TILE.kwargs["BLOCK_M"], sequences)
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists)

@@ -47,7 +47,6 @@ from flash_dma.backends.triton.hopper.common import (
     PLAIN,
     TILES,
     Problem,
-    get,
     head_dim_tile,
     hopper_arguments,
     hopper_tensors,
@@ -88,7 +87,8 @@ class _Buffers:
     """Shared memory: two Q tiles (this item's and the next's) with their tile counts, a ring of
     K/V tiles with their BitMask words (or key intervals' row words) and per-pair bias
     (``common.pair_buffers``), the spans and (key lists) positions of their keys, whether their
-    pairs are tested and their key scores, the barriers."""
+    pairs are tested and their key scores, the barriers (``zeroed``: a cache's V tile whose rows
+    past the entry's keys the lower warpgroup has zeroed, ``_issue_value_product``)."""
 
     q: gl.shared_memory_descriptor
     k: gl.shared_memory_descriptor
@@ -106,6 +106,7 @@ class _Buffers:
     v_ready: gl.shared_memory_descriptor
     k_empty: gl.shared_memory_descriptor
     v_empty: gl.shared_memory_descriptor
+    zeroed: gl.shared_memory_descriptor
 
 
 @gluon.jit
@@ -190,8 +191,7 @@ def _descaled(p, x, descale):
 def _zero_rows_past(values, count):
     """Zero the rows of a V tile ``[BLOCK_N, D]`` in shared memory from ``count`` on, ``ROWS`` at
     a time: a cache's slots past an entry's length may hold anything, NaN included, and a zero
-    probability times NaN is NaN. Both warpgroups write the same zeros, so neither's product can
-    read a slot the other has yet to clear."""
+    probability times NaN is NaN. The rows are then fenced for the products' reads."""
     BLOCK_N: gl.constexpr = values.shape[0]
     D: gl.constexpr = values.shape[1]
     ROWS: gl.constexpr = 16
@@ -205,12 +205,16 @@ def _zero_rows_past(values, count):
 
 
 @gluon.jit
-def _issue_value_product(p, bufs, stage, probs, acc, first_key, span):
+def _issue_value_product(p, bufs, stage, probs, acc, first_key, span, zeroings, HALF: gl.constexpr):
     """Issue ``O += P V`` for the V tile at ring position ``stage`` (``probs`` in the operand's
     layout; ``first_key`` its first key, in an entry whose :class:`Span` is ``span``),
-    asynchronously. A KV cache's tile that runs past the entry's keys first has those rows zeroed
-    (``_zero_rows_past``; elsewhere such rows are the next sequence's, or the copy engine's zeros
-    past the tensor). FP8's V tile is a view of its transposed copy, keys contiguous. FP8
+    asynchronously: ``(product, zeroings)``. A KV cache's tile that runs past the entry's keys
+    first has those rows zeroed (``_zero_rows_past``; elsewhere such rows are the next sequence's,
+    or the copy engine's zeros past the tensor), by the lower warpgroup, which then arrives on
+    ``zeroed`` at ``stage``; the upper one waits there before its product reads the tile. Bit
+    ``stage`` of ``zeroings`` (each warpgroup's count of those tiles per ring position, modulo 2)
+    is the phase it waits for. The lower warpgroup zeroes the position again only once the loader
+    has refilled it, after the upper one's product: a phase is never passed unseen. FP8's V tile is a view of its transposed copy, keys contiguous. FP8
     products accumulate in place, at the tensor cores' reduced precision, as FlashAttention-3's do:
     a fresh accumulator per tile, added in fp32, measured 13 % slower at D = 128 (design notes,
     "FP8 forward")."""
@@ -220,8 +224,13 @@ def _issue_value_product(p, bufs, stage, probs, acc, first_key, span):
         v = bufs.v.index(stage).reshape([p.BLOCK_N, p.HEAD_DIM])  # [BLOCK_N, D]
         if p.SEQ == tiles.SEQ_CACHE and p.WALK != tiles.WALK_KEYS:  # a key list's gathered tiles hold zeros there
             if first_key + p.BLOCK_N > span.seqlen_k:
-                _zero_rows_past(v, span.seqlen_k - first_key)
-    return warpgroup_mma(probs, v, acc, is_async=True)
+                if HALF == 0:
+                    _zero_rows_past(v, span.seqlen_k - first_key)
+                    mbarrier.arrive(bufs.zeroed.index(stage), count=1)
+                else:
+                    mbarrier.wait(bufs.zeroed.index(stage), (zeroings >> stage) & 1)
+                zeroings ^= 1 << stage
+    return warpgroup_mma(probs, v, acc, is_async=True), zeroings
 
 
 @gluon.jit
@@ -251,6 +260,7 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
     READ_KEYS_EARLY: gl.constexpr = D == 64
 
     consumed = 0  # K/V tiles so far: the ring position, as in the loader
+    zeroings = 0  # phases of ``zeroed``, a bit per ring position (``_issue_value_product``)
     items_done = 0
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
         batch, head, first_row, rows, q_slot, count, span = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
@@ -275,7 +285,9 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
                 k = bufs.k.index(following).reshape([p.BLOCK_N, D])
                 qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
                 mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
-                pv = _issue_value_product(p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc, staged[0], span)
+                pv, zeroings = _issue_value_product(
+                    p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc, staged[0], span, zeroings, HALF,
+                )
                 # The product of the next tile; P V may still run.
                 qk, staged = wait_for_scores(p, bufs, qk, 1, following, keys_of_s, READ_KEYS_EARLY)
                 s = visible_scores(  # [ROWS, BLOCK_N]
@@ -289,7 +301,9 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
                 consumed += 1
                 stage = following
             mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
-            pv = _issue_value_product(p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc, staged[0], span)
+            pv, zeroings = _issue_value_product(
+                p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc, staged[0], span, zeroings, HALF,
+            )
             acc = warpgroup_mma_wait(0, deps=[pv])
             mbarrier.arrive(bufs.v_empty.index(stage), count=1)
             consumed += 1
@@ -362,8 +376,11 @@ def _attn_fwd_hopper_kernel(
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
+        gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
     )
     init_barriers(bufs, KV_STAGES)
+    for i in gl.static_range(KV_STAGES):
+        mbarrier.init(bufs.zeroed.index(i), count=1)
     p = Problem(
         q_desc, k_desc, v_desc, q_desc, o_desc, words_desc, bias_desc, Out, Lse, Lse, Mask, Bias, Walk, Descale, SeqQ, SeqK,  # no dO, no delta
         CacheRows, BlockTable, stride_table, page_size, cache_last,
