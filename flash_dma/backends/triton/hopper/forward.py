@@ -214,10 +214,11 @@ def _issue_value_product(p, bufs, stage, probs, acc, first_key, span, zeroings, 
     ``zeroed`` at ``stage``; the upper one waits there before its product reads the tile. Bit
     ``stage`` of ``zeroings`` (each warpgroup's count of those tiles per ring position, modulo 2)
     is the phase it waits for. The lower warpgroup zeroes the position again only once the loader
-    has refilled it, after the upper one's product: a phase is never passed unseen. FP8's V tile is a view of its transposed copy, keys contiguous. FP8
-    products accumulate in place, at the tensor cores' reduced precision, as FlashAttention-3's do:
-    a fresh accumulator per tile, added in fp32, measured 13 % slower at D = 128 (design notes,
-    "FP8 forward")."""
+    has refilled it, after the upper one's product: a phase is never passed unseen.
+
+    FP8's V tile is a view of its transposed copy, keys contiguous. FP8 products accumulate in
+    place, at the tensor cores' reduced precision, as FlashAttention-3's do: a fresh accumulator
+    per tile, added in fp32, measured 13 % slower at D = 128 (design notes, "FP8 forward")."""
     if p.FP8:
         v = bufs.v.index(stage).reshape([p.HEAD_DIM, p.BLOCK_N]).permute((1, 0))  # [BLOCK_N, D]
     else:
