@@ -9,6 +9,11 @@ if not torch.cuda.is_available():
     # Must happen before triton is first imported; the Makefile sets it too.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.helpers import scan_interpreter_builtins_once
+
+    scan_interpreter_builtins_once()
+
 SLOW_ON_CPU = os.environ.get("FLASH_DMA_SLOW_TESTS", "0") == "1"
 
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:

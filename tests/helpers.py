@@ -442,3 +442,38 @@ def run_tool_on_cpu(script: str, *args: str):
         check=True, env={**os.environ, "PYTHONPATH": str(repo), "TRITON_INTERPRET": "1"},
     )
 
+
+
+def scan_interpreter_builtins_once() -> None:
+    """Let Triton's interpreter find triton.language's builtins once per process, not per call.
+
+    At every call of a jit function from a kernel (``interpreter.InterpretedFunction.__call__``,
+    triton 3.6 to 3.9), the interpreter patches the language's builtins again, each time scanning
+    whole modules with ``inspect.getmembers`` (``_patch_builtin``); inside a launch they are patched
+    already, so the scans find nothing to do, and they were about a quarter of a kernel sweep's time
+    on the CPU. Here each module's builtins are listed once, before any launch, and each patch
+    walks that list: what gets patched, and when, is unchanged. A Triton without these functions,
+    or a module not listed, keeps its own scan."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    scan = getattr(interpreter, "_patch_builtin", None)
+    patch = getattr(interpreter, "_patch_attr", None)
+    if scan is None or patch is None or getattr(scan, "listed", None) is not None:
+        return
+    modules = (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)
+    listed = {pkg: [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)] for pkg in modules}
+
+    def patch_listed(pkg, builder, scope):
+        names = listed.get(pkg)
+        if names is None:
+            return scan(pkg, builder, scope)
+        for name in names:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                patch(pkg, name, member, builder, scope)
+
+    patch_listed.listed, patch_listed.scan = listed, scan
+    interpreter._patch_builtin = patch_listed

@@ -37,6 +37,10 @@ def _serve(rank: int, world: int, store: str, tasks, results) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if os.environ.get("TRITON_INTERPRET") == "1":  # as tests/conftest.py does in the test processes
+        from tests.helpers import scan_interpreter_builtins_once
+
+        scan_interpreter_builtins_once()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
