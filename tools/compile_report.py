@@ -51,20 +51,22 @@ def _ptxas_report(kernel, arch: int) -> str:
     return f"regs={registers.group(1) if registers else '?'} spill_stores={spills.group(1) if spills else '?'}"
 
 
+def compile_kernel(kernel, signature: dict, constexprs: dict, options: dict, arch: int = 90, attrs: dict | None = None):
+    """``kernel`` (Triton or Gluon) compiled for ``arch`` with no GPU: ``signature`` maps every
+    parameter to its type, ``constexprs`` the constexpr ones (by name) to their values."""
+    source = (GluonASTSource if kernel.is_gluon() else ASTSource)(
+        kernel, signature, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs,
+    )
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
 def compile_variant(variant: Variant, arch: int, dtype: str):
     """``(compiled, seconds)``: ``variant`` compiled for ``arch`` with inputs of ``dtype``."""
-    kernel = variant.kernel
-    source = (GluonASTSource if kernel.is_gluon() else ASTSource)(
-        kernel,
-        variant.signature(dtype),
-        constexprs={(kernel.arg_names.index(k),): v for k, v in variant.constexprs.items()},
-        attrs=variant.attributes(),
-    )
     start = time.time()
     options = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
     if variant.maxnreg is not None:
         options["maxnreg"] = variant.maxnreg
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = compile_kernel(variant.kernel, variant.signature(dtype), variant.constexprs, options, arch, variant.attributes())
     return compiled, time.time() - start
 
 

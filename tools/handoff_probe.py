@@ -24,10 +24,7 @@ finds the control's unordered hand-over there and none in the synced form.
 from __future__ import annotations
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
-from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
@@ -106,6 +103,8 @@ def expected(rounds: int, n: int = 128) -> torch.Tensor:
 
 def ptx(synced: bool, n: int = 128, slots: int = 2) -> str:
     """The probe's PTX for sm90 (no GPU needed; outside the Triton interpreter)."""
+    from tools.compile_report import compile_kernel
+
     signature = {"Out": "*i32", "rounds": "i32", "N": "constexpr", "SLOTS": "constexpr", "SYNCED": "constexpr"}
-    source = GluonASTSource(_handoff_kernel, signature, constexprs={(2,): n, (3,): slots, (4,): synced})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    constexprs = {"N": n, "SLOTS": slots, "SYNCED": synced}
+    return compile_kernel(_handoff_kernel, signature, constexprs, {"num_warps": 4}).asm["ptx"]
