@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import triton
 
-from tools.sanitize_driver import CASES, MARK
+from tools.sanitize_driver import CASES, HOPPER_VARIANTS, MARK
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = REPO / "tools" / "sanitize_driver.py"
@@ -75,6 +75,8 @@ class LogReport:
     passed: list[str] = dataclasses.field(default_factory=list)
     failed: dict[str, str] = dataclasses.field(default_factory=dict)
     last_case: str | None = None  # the last case begun: where a hang or a crash happened
+    variants: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # Hopper variant -> cases launching it
+    unnamed: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # "kernel values" no variant names -> cases
 
     @property
     def total_errors(self) -> int | None:
@@ -96,6 +98,11 @@ def parse_log(text: str) -> LogReport:
                     report.passed.append(words[1])
                 else:
                     report.failed[words[1]] = words[2]
+            elif words[0] == "variant":
+                report.variants.setdefault(words[1], []).append(words[2])
+            elif words[0] == "unnamed":
+                kernel, case, values = words[1], *words[2].split(maxsplit=1)
+                report.unnamed.setdefault(f"{kernel} {values}", []).append(case)
             continue
         if match := _ERROR_SUMMARY.search(line):
             report.errors = int(match.group(1))
@@ -226,14 +233,15 @@ def cache_files(cache_dir: Path) -> set[Path]:
 
 
 def warm_up(cases: list[str], log: Path, env: dict[str, str], jobs: int, timeout: float) -> Run:
-    """Each case once without the sanitizer, ``jobs`` processes at a time (compiling is the slow part)."""
+    """Each case once without the sanitizer, ``jobs`` processes at a time (compiling is the slow part),
+    naming the Hopper variants it launches."""
     run = Run("warm-up (no sanitizer)", "", cases, log)
     parts = log.parent / f"{log.stem}.parts"
     parts.mkdir(exist_ok=True)
     start = time.monotonic()
 
     def one(name: str) -> int | None:
-        return execute([sys.executable, str(DRIVER), f"--case={name}"], parts / f"{name}.log", env, timeout)[0]
+        return execute([sys.executable, str(DRIVER), "--variants", f"--case={name}"], parts / f"{name}.log", env, timeout)[0]
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         statuses = list(pool.map(one, cases))
@@ -283,7 +291,31 @@ def markdown(runs: list[Run], warm: Run, compiled: tuple[int, int], setup: str) 
             lines += [f"- case {name}: {status}" for name, status in run.report.failed.items()]
     lines += ["", "## Cases", ""]
     lines += [f"- {run.label}: {', '.join(run.cases)}" for run in runs]
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        lines += ["", *variant_coverage(warm.report.variants, warm.report.unnamed)]
     return "\n".join(lines) + "\n"
+
+
+def variant_coverage(variants: dict[str, list[str]], unnamed: dict[str, list[str]]) -> list[str]:
+    """The section naming, for each Hopper variant of ``variants.VARIANTS``, the cases that launch
+    it (``variants``, from the warm-up's driver lines), those no case launches first, then the
+    Hopper launches no variant names (``unnamed``: kernel and compile-time values -> cases)."""
+    missing = [v.name for v in HOPPER_VARIANTS if v.name not in variants]
+    lines = [
+        "## Hopper variants",
+        "",
+        f"{len(HOPPER_VARIANTS) - len(missing)} of the {len(HOPPER_VARIANTS)} Hopper variants "
+        f"(`flash_dma/backends/triton/variants.py`) are launched by the cases run"
+        + (f"; not launched: {', '.join(missing)}." if missing else "."),
+        "",
+        "| variant | cases |",
+        "|---|---|",
+    ]
+    lines += [f"| {v.name} | {', '.join(dict.fromkeys(variants[v.name]))} |" for v in HOPPER_VARIANTS if v.name in variants]
+    if unnamed:
+        lines += ["", "Hopper launches that no variant names (compile-time values):", ""]
+        lines += [f"- `{spec}`: {', '.join(dict.fromkeys(cases))}" for spec, cases in unnamed.items()]
+    return lines
 
 
 def main() -> int:

@@ -10,6 +10,7 @@ log can be attributed to the case that was running (``tools/sanitize.py`` does t
     python tools/sanitize_driver.py --list
     python tools/sanitize_driver.py                                  # every default case
     python tools/sanitize_driver.py --case decode-paged-splits --case summary-key-list
+    python tools/sanitize_driver.py --variants    # also name the Hopper variants each case launches
     TRITON_INTERPRET=1 python tools/sanitize_driver.py --device cpu --case attn-len1
 """
 
@@ -53,6 +54,8 @@ from flash_dma.backends.triton.block_summary import block_lists, block_state
 from flash_dma.backends.triton.key_intervals import build_causal_topk_ends, build_interval_state
 from flash_dma.backends.triton.dispatch import TOPK_INDICES, TOPK_PACKED, TopkPlan
 from flash_dma.backends.triton.key_list import build_key_list
+from flash_dma.backends.triton.launch import Launcher
+from flash_dma.backends.triton.variants import VARIANTS
 from flash_dma.inputs import DESCALES, FP8_DTYPE
 from flash_dma.key_intervals import causal_topk_ends, interval_states
 from tools import handoff_probe
@@ -221,7 +224,8 @@ class Attention:
 class Fp8:
     """``flash_dma_func``'s FP8 forward: e4m3 inputs with descales per (batch, key/value head) drawn
     in [0.5, 2], a float32 bias; the reference dequantizes the same inputs. Mask and bias shapes as
-    :class:`Attention`'s; ``walk`` "auto" or "summary" (``build_block_mask`` of ``block_size``)."""
+    :class:`Attention`'s; ``walk`` "auto", "summary" (``build_block_mask`` of ``block_size``) or
+    "packed" (the mask as a ``BitMask`` in blocks of ``block_size``)."""
 
     batch: int
     seqlen_q: int
@@ -244,6 +248,8 @@ class Fp8:
         bias = target.floats(torch.randn(_dims(self, self.bias), generator=gen), fp32=True) if self.bias else None
         mask = target.ints(_keep(_dims(self, self.mask), "blocks", gen)) if self.mask else None
         block_mask = build_block_mask(mask, block_size=self.block_size) if self.walk == "summary" else None
+        if self.walk == "packed":
+            mask = pack_mask(mask, block_size=self.block_size)
         out, lse = flash_dma_func(
             q, k, v, mask, bias, is_causal=self.causal, block_mask=block_mask, return_lse=True, backend=target.backend, **descales,
         )
@@ -624,6 +630,8 @@ CASES = {
                    bias="B,Hkv,1,Sk", causal=True, walk="intervals", block_size=(128, 128)),
         _attention("attn-intervals-d128-padded", batch=2, seqlen_q=129, seqlen_k=300, heads=8, kv_heads=2, head_dim=128,
                    mask="B,1,1,Sk", bias="B,H,1,Sk", causal=True, walk="intervals", block_size=(64, 32)),
+        _attention("attn-intervals-d128-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=128,
+                   bias="B,Hkv,1,Sk", causal=True, walk="intervals", block_size=(128, 128)),
         _attention("attn-intervals-d256-causal", batch=1, seqlen_q=257, seqlen_k=300, heads=2, kv_heads=1, head_dim=256,
                    bias="B,Hkv,1,Sk", causal=True, walk="intervals", block_size=(128, 128)),
         _attention("attn-sq1-gqa-d128", batch=2, seqlen_q=1, seqlen_k=257, heads=4, kv_heads=1, head_dim=128,
@@ -651,6 +659,33 @@ CASES = {
         _attention("attn-summary-d256-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
                    head_dim=256, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True,
                    walk="summary", block_size=(128, 128)),
+        # D = 192: the D = 256 kernels with their last 64 columns zero-filled (dK/dV in slices).
+        _attention("attn-summary-d192-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
+                   head_dim=192, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True,
+                   walk="summary", block_size=(128, 128)),
+        # A per-pair bias alone with softcap at D = 192 and 256 (every tile computed, the bias's
+        # gradient per pair), a per-row mask and bias at D = 128, and D = 32 (D = 64's rings).
+        _attention("attn-pair-bias-d192-softcap", batch=1, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
+                   head_dim=192, bias="1,H,Sq,Sk", causal=True, softcap=5.0),
+        _attention("attn-pair-bias-d256-softcap", batch=1, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
+                   head_dim=256, bias="1,Hkv,Sq,Sk", causal=True, softcap=5.0),
+        _attention("attn-rows-d128-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=128,
+                   mask="B,Hkv,Sq,1", bias="1,H,Sq,1", causal=True),
+        _attention("attn-dense-d32-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=32,
+                   bias="B,H,1,1", causal=True),
+        _attention("attn-dense-d64-window", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=64,
+                   bias="1,Hkv,1,1", window=(100, 20)),
+        # D = 192's query chunks in slices of their own (deterministic), as D = 128's below.
+        _attention("attn-summary-d192-deterministic-chunks", batch=1, seqlen_q=600, seqlen_k=600, heads=4, kv_heads=2,
+                   head_dim=192, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,Hkv,1,Sk", causal=True,
+                   walk="summary", block_size=(128, 128), deterministic=True, query_chunks=3),
+        # A per-pair bias the batch shares: its gradient added by atomics, from BitMask tiles at
+        # D = 128 and from a key list's at D = 64.
+        _attention("attn-bits-d128-shared-pair-bias", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
+                   head_dim=128, mask="B,Hkv,Sq,Sk", mask_kind="blocks", bias="1,Hkv,Sq,Sk", causal=True, walk="packed",
+                   block_size=(128, 128)),
+        _attention("attn-keys-d64-shared-pair-bias", batch=2, seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2,
+                   head_dim=64, mask="B,Hkv,1,Sk", bias="1,Hkv,Sq,Sk", causal=True, walk="listed"),
         # Deterministic on Hopper: dK/dV's query chunks wait for their turns (a per-key bias the batch shares).
         _attention("attn-summary-d128-deterministic-chunks", batch=2, seqlen_q=600, seqlen_k=600, heads=4, kv_heads=2,
                    head_dim=128, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,Hkv,1,Sk", causal=True,
@@ -659,6 +694,12 @@ CASES = {
         _fp8("fp8-summary-d64-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=64,
              mask="B,Hkv,1,Sk", bias="B,H,Sq,Sk", causal=True, walk="summary"),
         _fp8("fp8-dense-d256", batch=1, seqlen_q=130, seqlen_k=199, heads=4, kv_heads=1, head_dim=256, bias="1,H,1,Sk"),
+        _fp8("fp8-summary-d128-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=128,
+             mask="B,Hkv,1,Sk", bias="B,Hkv,1,Sk", causal=True, walk="summary"),
+        _fp8("fp8-summary-d256-causal", batch=1, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=256,
+             mask="B,Hkv,1,Sk", bias="1,Hkv,1,Sk", causal=True, walk="summary"),
+        _fp8("fp8-bits-d64-pair-bias", batch=1, seqlen_q=300, seqlen_k=256, heads=2, kv_heads=1, head_dim=64,
+             mask="1,1,Sq,Sk", bias="1,1,Sq,Sk", causal=True, walk="packed"),
         _attention("attn-query-chunks", batch=1, seqlen_q=90, seqlen_k=70, heads=4, kv_heads=2, head_dim=64,
                    mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,1,1,Sk", causal=True, walk="summary",
                    block_size=(16, 16), query_chunks=2),
@@ -699,6 +740,10 @@ CASES = {
         # indexed cache), the tiles past each entry's keys read and zeroed.
         _decode("cache-prefill-rows", batch=3, seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100,
                 heads=4, kv_heads=2, head_dim=64, rows=True, bias_heads=2, num_splits=1),
+        _decode("cache-prefill-listed-d128", batch=3, seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100,
+                heads=4, kv_heads=2, head_dim=128, bias_heads=2, listed=True, num_splits=1),
+        _decode("cache-prefill-rows-d128", batch=3, seqlen_q=130, new=130, cached=(300, 0, 900), capacity=1100,
+                heads=4, kv_heads=2, head_dim=128, rows=True, bias_heads=2, num_splits=1),
         _decode("cache-prefill-pages-d128", batch=3, seqlen_q=129, new=129, cached=(300, 0, 700), capacity=1024,
                 heads=4, kv_heads=2, head_dim=128, page_size=256, bias_heads=4, num_splits=1),
         # flash_dma_varlen_func: packed sequences (one empty, one of length 1), forward and backward.
@@ -757,6 +802,33 @@ def _problems(actual: Results, expected: Results | None, tolerance: float) -> li
     return problems
 
 
+HOPPER_VARIANTS = [variant for variant in VARIANTS if "-hopper-" in variant.name]
+
+
+def launched_variants(case_name: Callable[[], str]):
+    """A patch of ``Launcher.prepare`` that prints ``MARK variant <name> <case>`` for each launch
+    specialised as a Hopper variant of ``variants.VARIANTS`` is (same kernel, same compile-time
+    values), ``case_name()`` being the case running, and ``MARK unnamed <kernel> <case>
+    <name=value,...>`` for a Hopper launch that no variant names. Launches are prepared once per
+    layout: a later case with the same one goes unnamed."""
+    prepare = Launcher.prepare
+
+    def naming(self, grid, args, key, candidates):
+        prepared = prepare(self, grid, args, key, candidates)
+        mine = [variant for variant in HOPPER_VARIANTS if variant.launcher is self]
+        if mine:  # a compiled launch: its template holds every compile-time value, the tile's too
+            values = {self.kernel.arg_names[slot]: prepared.template[slot] for slot in self.constexpr_slots}
+            named = [v.name for v in mine if all(values.get(k) == x for k, x in v.constexprs.items())]
+            for name in named:
+                print(f"{MARK} variant {name} {case_name()}", flush=True)
+            if not named:
+                spec = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in values.items())
+                print(f"{MARK} unnamed {self.kernel.__name__} {case_name()} {spec}", flush=True)
+        return prepared
+
+    return mock.patch.object(Launcher, "prepare", naming)
+
+
 def run_case(case: Case, device: torch.device, reference: bool) -> list[str]:
     """Run ``case`` on ``device``, synchronise, and return what is wrong with its results."""
     # The interpreter has no bfloat16: on the CPU the kernels compute in float32.
@@ -776,6 +848,7 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-reference", action="store_true", help="only check that results are finite")
+    parser.add_argument("--variants", action="store_true", help="name the Hopper variants each case launches")
     args = parser.parse_args()
     if args.list:
         for case in CASES.values():
@@ -790,19 +863,28 @@ def main() -> int:
         parser.error("--device cpu runs the kernels under the Triton interpreter: set TRITON_INTERPRET=1")
     cases = [CASES[name] for name in args.case] if args.case else [c for c in CASES.values() if c.default]
     failed = 0
-    for case in cases:
-        print(f"{MARK} begin {case.name}", flush=True)
-        start = time.perf_counter()
-        try:
-            problems = run_case(case, device, not args.no_reference)
-        except Exception:  # report and go on: the other cases still say which kernels are sound
-            problems = [traceback.format_exc().rstrip().splitlines()[-1]]
-            traceback.print_exc()
-        failed += bool(problems)
-        status = "ok" if not problems else "FAILED: " + "; ".join(problems)
-        print(f"{MARK} end {case.name} {status} ({time.perf_counter() - start:.2f}s)", flush=True)
+    running = ""
+    naming = launched_variants(lambda: running) if args.variants else ExitStack()
+    with naming:
+        for case in cases:
+            running = case.name
+            failed += _run_and_report(case, device, not args.no_reference)
     print(f"{MARK} {len(cases) - failed} passed, {failed} failed", flush=True)
     return 1 if failed else 0
+
+
+def _run_and_report(case: Case, device: torch.device, reference: bool) -> bool:
+    """Run ``case`` between its begin and end lines; whether it failed."""
+    print(f"{MARK} begin {case.name}", flush=True)
+    start = time.perf_counter()
+    try:
+        problems = run_case(case, device, reference)
+    except Exception:  # report and go on: the other cases still say which kernels are sound
+        problems = [traceback.format_exc().rstrip().splitlines()[-1]]
+        traceback.print_exc()
+    status = "ok" if not problems else "FAILED: " + "; ".join(problems)
+    print(f"{MARK} end {case.name} {status} ({time.perf_counter() - start:.2f}s)", flush=True)
+    return bool(problems)
 
 
 if __name__ == "__main__":

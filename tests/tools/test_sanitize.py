@@ -6,9 +6,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
-from tools.sanitize import EXCLUDE_MANGLED, Run, parse_log, sanitizer_command
-from tools.sanitize_driver import CASES, Attention, Decode, Fp8, Topk, Varlen
+from flash_dma.backends.triton.launch import Launcher, Prepared
+from tools.sanitize import EXCLUDE_MANGLED, Run, parse_log, sanitizer_command, variant_coverage
+from tools.sanitize_driver import CASES, HOPPER_VARIANTS, MARK, Attention, Decode, Fp8, Topk, Varlen, launched_variants
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,6 +100,35 @@ def test_command_uses_the_options_this_sanitizer_has():
     every_kernel = argparse.Namespace(print_limit=0, all_kernels=True)
     assert sanitizer_command("cs", "memcheck", ["a"], every_kernel, "--kernel-name-exclude")[4] == sys.executable
 
+def test_a_launch_specialised_as_a_hopper_variant_is_named_with_its_case(capsys):
+    variant = next(v for v in HOPPER_VARIANTS if v.name == "forward-hopper-rows")
+    names = variant.kernel.arg_names
+    template = [variant.constexprs.get(name) for name in names]
+    other = list(template)
+    other[names.index("MASK")] += 1  # another mask form: no variant of this name
+    prepared = iter([Prepared(variant.kernel, None, (1, 1, 1), t, [], {}) for t in (template, other)])
+    with mock.patch.object(Launcher, "prepare", lambda *args: next(prepared)), launched_variants(lambda: "the-case"):
+        variant.launcher.prepare(None, [], (), None)
+        variant.launcher.prepare(None, [], (), None)
+    named, unnamed = capsys.readouterr().out.splitlines()
+    assert named == f"{MARK} variant forward-hopper-rows the-case"
+    assert unnamed.startswith(f"{MARK} unnamed {variant.kernel.__name__} the-case ") and " MASK=3," in unnamed
+
+
+def test_variant_lines_are_gathered_and_the_variants_no_case_launches_listed():
+    report = parse_log(
+        f"{MARK} begin a\n{MARK} variant {HOPPER_VARIANTS[0].name} a\n{MARK} end a ok (1.0s)\n"
+        f"{MARK} begin b\n{MARK} variant {HOPPER_VARIANTS[0].name} b\n{MARK} unnamed _k b MASK=1,BIAS=3\n"
+        f"{MARK} end b ok (1.0s)\n"
+    )
+    assert report.variants == {HOPPER_VARIANTS[0].name: ["a", "b"]} and report.passed == ["a", "b"]
+    assert report.unnamed == {"_k MASK=1,BIAS=3": ["b"]}
+    section = variant_coverage(report.variants, report.unnamed)
+    assert section[2].startswith(f"1 of the {len(HOPPER_VARIANTS)} Hopper variants")
+    not_launched = section[2].split("not launched: ")[1].rstrip(".").split(", ")
+    assert not_launched == [v.name for v in HOPPER_VARIANTS[1:]]
+    assert section[-5] == f"| {HOPPER_VARIANTS[0].name} | a, b |" and section[-1] == "- `_k MASK=1,BIAS=3`: b"
+
 
 def test_the_cases_cover_odd_shapes():
     specs = [getattr(case.run, "__self__", None) for case in CASES.values()]
@@ -111,7 +142,7 @@ def test_the_cases_cover_odd_shapes():
     assert {spec.bias.count(",") for spec in topk} == {2, 3} and any(spec.hot for spec in topk)  # per key and per pair; shared keys
     assert {spec.walk for spec in topk} == {"indices", "union", "packed"}
     fp8 = [spec for spec in specs if isinstance(spec, Fp8)]
-    assert {spec.head_dim for spec in fp8} == {64, 256} and any(spec.walk == "summary" for spec in fp8)
+    assert {spec.head_dim for spec in fp8} == {64, 128, 256} and {"summary", "packed"} <= {spec.walk for spec in fp8}
 
 
 def test_list_shows_every_case():

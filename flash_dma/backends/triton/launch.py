@@ -69,10 +69,18 @@ def tuning_cache_path(kernel) -> Path:
     return root / f"tuning-{kernel.__name__}-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.json"
 
 
+def _driver():
+    """Triton's driver, once the warm-up (:func:`_warm_up`), if it runs, is done making it: Triton
+    makes it on first use, unguarded."""
+    if _WARM_UP is not None:
+        _WARM_UP.join()
+    return triton.runtime.driver.active
+
+
 @functools.cache
 def _stream_of():
     """Triton's current-stream getter (the driver exists only once CUDA is up)."""
-    return triton.runtime.driver.active.get_current_stream
+    return _driver().get_current_stream
 
 
 def _grid3(grid: tuple) -> tuple:
@@ -301,7 +309,7 @@ class Launcher:
             _pool().installation_hashed.result()
             with torch.cuda.device(args[self.tensor_slots[0]].device):
                 compiled, config = self._compile(None, args, key, lambda: configs)
-        triton.runtime.driver.active.launcher_cls(compiled.src, compiled.metadata)
+        _driver().launcher_cls(compiled.src, compiled.metadata)
         return compiled, config
 
     def _compiled_ahead(self, signature: tuple, grid, args: list, key: tuple, candidates: Callable[[], list]):
@@ -335,12 +343,12 @@ class Launcher:
         return compiled, config
 
     def _build(self, args: list, config: triton.Config):
-        front_ends_in_turn(self.kernel, triton.runtime.driver.active.get_current_device())
+        front_ends_in_turn(self.kernel, _driver().get_current_device())
         return self.kernel.warmup(*args, grid=(1,), **config.all_kwargs())
 
     def _fits(self, compiled, args: list) -> bool:
         device = args[self.tensor_slots[0]].device.index
-        return compiled.metadata.shared <= triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
+        return compiled.metadata.shared <= _driver().utils.get_device_properties(device)["max_shared_mem"]
 
     def _fitting(self, args: list, configs: list):
         """``(config, compiled)`` of each candidate that fits the device, in order, compiled lazily."""
@@ -448,13 +456,38 @@ def _hash_installation() -> None:
 @functools.cache
 def _pool() -> _Compilers:
     """One thread per CPU this process may run on; the installation's hash starts first, beside the
-    driver's first build (a host compile on an empty cache)."""
+    driver's first build (a host compile on an empty cache), unless the warm-up did both."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = ThreadPoolExecutor(max_workers=cpus, thread_name_prefix="flash-dma-compile")
-    hashed = threads.submit(_hash_installation)
     # Triton makes its driver on first use, unguarded: here, before any thread of the pool can.
-    triton.runtime.driver.active.get_current_target()
+    driver = _driver()
+    hashed = threads.submit(_hash_installation)
+    driver.get_current_target()
     return _Compilers(threads, hashed)
+
+
+def _warm_up() -> None:
+    """What a process's first compilation waits for, done as this module is imported, on a thread
+    of its own: the hash of Triton's installation and Triton's driver (its C module: a host compile
+    on an empty cache), together 0.6-0.8 s of the cold first call (docs/design-notes.md, "The first
+    call: the kernels it compiles"). Neither touches a GPU (no CUDA context is made)."""
+    try:
+        if torch.cuda.is_available():
+            _hash_installation()
+            triton.runtime.driver.active  # made on first use
+    except Exception:  # the first compilation makes both again, and reports what fails
+        pass
+
+
+def _start_warm_up() -> threading.Thread | None:
+    """The warm-up's thread, where kernels will be compiled (``compile_ahead_enabled``). A fork
+    waits for it (``os.register_at_fork``): a process forked while a thread runs may deadlock."""
+    if not compile_ahead_enabled():
+        return None
+    thread = threading.Thread(target=_warm_up, name="flash-dma-warm-up", daemon=True)
+    thread.start()
+    os.register_at_fork(before=thread.join)
+    return thread
 
 
 class _FrontEnds:
@@ -591,3 +624,6 @@ def run_ahead() -> None:
         # Compiling ahead only saves time: whatever stops the dry run (memory for its tensors beside
         # the call's, a backward the call never runs), the call goes on and compiles the rest itself.
         pass
+
+
+_WARM_UP = _start_warm_up()

@@ -126,6 +126,9 @@ _HOPPER_DKDV = dict(
     DBIAS=DBIAS_PER_KEY, DBIAS_ATOMIC=False, DBIAS_HEAD_SHARED=True, SLICES=False, Q_STAGES=2, KV_BUFFERS=2, ROLES=False,
     SEQ=SEQ_FIXED,
 )
+# A bias with no gradient to make (none asked for, or zero: a row's, or one value for all keys):
+# the flags the backward then launches dK/dV with (``backward.py``, ``dbias_flags``).
+_NO_DBIAS = dict(DBIAS=DBIAS_NONE, DBIAS_HEAD_SHARED=False)
 _HOPPER_DKDV_PAIRS = dict(
     _HOPPER_DKDV, MASK=MASK_BITS.value, BIAS=BIAS_PAIRS.value, HEAD_DIM=64, COLUMNS=64, Q_STAGES=3, DBIAS=DBIAS_FULL,
 )
@@ -219,13 +222,13 @@ VARIANTS = [
     *_gluon_variants(
         "dkdv-hopper", hopper_dkdv.hopper_dkdv_launcher, hopper_dkdv.TILE,
         ("per-key-blocks", _HOPPER_DKDV),
-        ("dense-d64", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, COLUMNS=64, Q_STAGES=3, DBIAS=DBIAS_NONE)),
-        ("dense-d32", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=32, COLUMNS=32, Q_STAGES=3, DBIAS=DBIAS_NONE)),
+        ("dense-d64", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, COLUMNS=64, Q_STAGES=3, **_NO_DBIAS)),
+        ("dense-d32", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=32, COLUMNS=32, Q_STAGES=3, **_NO_DBIAS)),
         ("pairs-d64", _HOPPER_DKDV_PAIRS),
         ("pairs-d64-staged", dict(_HOPPER_DKDV_PAIRS, STAGED_BIAS=True)),
         ("pairs-d128-atomic", dict(_HOPPER_DKDV_PAIRS, HEAD_DIM=128, COLUMNS=128, Q_STAGES=2, DBIAS_ATOMIC=True)),
         ("intervals", dict(_HOPPER_DKDV, MASK=MASK_INTERVALS.value)),
-        ("rows", dict(_HOPPER_DKDV, MASK=MASK_ROWS.value, BIAS=BIAS_ROWS.value, WALK=WALK_DENSE, DBIAS=DBIAS_NONE)),
+        ("rows", dict(_HOPPER_DKDV, MASK=MASK_ROWS.value, BIAS=BIAS_ROWS.value, WALK=WALK_DENSE, **_NO_DBIAS)),
         ("per-key-blocks-softcap", dict(_HOPPER_DKDV, SOFTCAP=True)),
         ("per-key-blocks-slices", dict(_HOPPER_DKDV, SLICES=True)),
         ("per-key-blocks-d96", dict(_HOPPER_DKDV, COLUMNS=96)),

@@ -4,6 +4,7 @@ kernels are compiled ahead, side by side, by a dry run of the call."""
 
 import gc
 import json
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -492,3 +493,25 @@ def test_compiling_ahead_is_on_unless_turned_off_or_autotuning(monkeypatch):
     monkeypatch.setenv("FLASH_DMA_COMPILE_AHEAD", "1")
     monkeypatch.setenv("FLASH_DMA_AUTOTUNE", "1")  # candidates are timed on the call's own tensors
     assert not configs.compile_ahead_enabled()
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["compiling-ahead", "not-compiling-ahead"])
+def test_the_warm_up_runs_on_a_thread_of_its_own_that_a_fork_and_the_driver_wait_for(ahead, monkeypatch):
+    done = []
+    forks = []
+
+    def warm_up():
+        time.sleep(0.2)
+        done.append(True)
+
+    monkeypatch.setattr(launch, "compile_ahead_enabled", lambda: ahead)
+    monkeypatch.setattr(launch, "_warm_up", warm_up)
+    monkeypatch.setattr(launch.os, "register_at_fork", lambda before: forks.append(before))
+    thread = launch._start_warm_up()
+    if not ahead:  # nothing will compile ahead: no thread
+        assert thread is None and forks == []
+        return
+    assert thread.daemon and forks == [thread.join] and done == []
+    monkeypatch.setattr(launch, "_WARM_UP", thread)
+    monkeypatch.setattr(launch.triton.runtime, "driver", SimpleNamespace(active="the driver"))
+    assert launch._driver() == "the driver" and done == [True]  # made only once the warm-up is done
