@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 import torch
 import triton
+import triton.backends
 import triton.runtime.cache
 import triton.testing
 from triton.runtime import _allocation
@@ -70,8 +71,8 @@ def tuning_cache_path(kernel) -> Path:
 
 
 def _driver():
-    """Triton's driver, once the warm-up (:func:`_warm_up`), if it runs, is done making it: Triton
-    makes it on first use, unguarded."""
+    """Triton's driver (made on first use), once the warm-up (:func:`_warm_up`), if it runs, has
+    built the driver's C module: made side by side, both would compile it."""
     if _WARM_UP is not None:
         _WARM_UP.join()
     return triton.runtime.driver.active
@@ -468,14 +469,19 @@ def _pool() -> _Compilers:
 
 def _warm_up() -> None:
     """What a process's first compilation waits for, done as this module is imported, on a thread
-    of its own: the hash of Triton's installation and Triton's driver (its C module: a host compile
-    on an empty cache), together 0.6-0.8 s of the cold first call (docs/design-notes.md, "The first
-    call: the kernels it compiles"). Neither touches a GPU (no CUDA context is made)."""
+    of its own: the hash of Triton's installation and the C module of Triton's CUDA driver (a host
+    compile on an empty cache, then in Triton's cache), together 0.6-0.8 s of the cold first call
+    (docs/design-notes.md, "The first call: the kernels it compiles"). It initialises no CUDA: GPUs
+    are counted through NVML (``torch.cuda.device_count``; ``is_available`` would initialise the
+    driver, fixing ``CUDA_VISIBLE_DEVICES`` and barring CUDA from forked children), and the driver
+    object that Triton makes on first use, which asks ``is_available``, is not made here."""
     try:
-        if torch.cuda.is_available():
+        if torch.cuda.device_count() > 0:
             _hash_installation()
-            triton.runtime.driver.active  # made on first use
-    except Exception:  # the first compilation makes both again, and reports what fails
+            cuda = triton.backends.backends.get("nvidia")
+            if cuda is not None:
+                cuda.driver()  # builds the C module; the driver Triton makes later loads it from the cache
+    except Exception:  # the first compilation does both again, and reports what fails
         pass
 
 

@@ -515,3 +515,21 @@ def test_the_warm_up_runs_on_a_thread_of_its_own_that_a_fork_and_the_driver_wait
     monkeypatch.setattr(launch, "_WARM_UP", thread)
     monkeypatch.setattr(launch.triton.runtime, "driver", SimpleNamespace(active="the driver"))
     assert launch._driver() == "the driver" and done == [True]  # made only once the warm-up is done
+
+
+def test_the_warm_up_hashes_and_builds_the_driver_module_without_initialising_cuda(monkeypatch):
+    done = []
+
+    def initialises_cuda():
+        raise AssertionError("torch.cuda.is_available() initialises CUDA (cuInit)")
+
+    monkeypatch.setattr(launch.torch.cuda, "is_available", initialises_cuda)
+    monkeypatch.setattr(launch.torch.cuda, "device_count", lambda: 1)  # NVML's count
+    monkeypatch.setattr(launch, "_hash_installation", lambda: done.append("hash"))
+    monkeypatch.setattr(launch.triton.backends, "backends", {"nvidia": SimpleNamespace(driver=lambda: done.append("driver"))})
+    launch._warm_up()
+    assert done == ["hash", "driver"]
+    monkeypatch.setattr(launch.torch.cuda, "device_count", lambda: 0)  # no GPU: nothing to prepare
+    done.clear()
+    launch._warm_up()
+    assert done == []
