@@ -470,10 +470,10 @@ TARGETS = (
                            _pick("flash-dma", "fwd", suite="forms", keep=keep, softcap=0.0, head_dim=LLM_SHAPE["head_dim"])))
         for keep in (1, FORMS_KEEP)
     ),
-    Target(f"forms cache prefill Sq=4K Sk=64K keep 1/8 fwd: flash-dma-kvcache / flash-dma-nocache time", "<=", 1.1,
+    Target("forms cache prefill Sq=4K Sk=64K keep 1/8 fwd: flash-dma-kvcache / flash-dma-nocache time", "<=", 1.1,
            _time_ratio(*(_pick(m, "fwd", suite="forms", seqlen_k=FORMS_CACHE_LENGTH, keep=FORMS_KEEP, kv_layout="contiguous")
                          for m in ("flash-dma-kvcache", "flash-dma-nocache")))),
-    Target(f"forms cache prefill Sq=4K Sk=64K keep 1 fwd: paged flash-dma-kvcache / flash-dma-nocache time", "<=", 1.1,
+    Target("forms cache prefill Sq=4K Sk=64K keep 1 fwd: paged flash-dma-kvcache / flash-dma-nocache time", "<=", 1.1,
            _time_ratio(_pick("flash-dma-kvcache", "fwd", suite="forms", seqlen_k=FORMS_CACHE_LENGTH, keep=1, kv_layout="paged"),
                        _pick("flash-dma-nocache", "fwd", suite="forms", seqlen_k=FORMS_CACHE_LENGTH, keep=1))),
     *(
