@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import triton
 
+from flash_dma.backends.triton import dispatch
 from tools.sanitize_driver import CASES, HOPPER_VARIANTS, MARK
 
 REPO = Path(__file__).resolve().parent.parent
@@ -291,7 +292,7 @@ def markdown(runs: list[Run], warm: Run, compiled: tuple[int, int], setup: str) 
             lines += [f"- case {name}: {status}" for name, status in run.report.failed.items()]
     lines += ["", "## Cases", ""]
     lines += [f"- {run.label}: {', '.join(run.cases)}" for run in runs]
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+    if torch.cuda.is_available() and dispatch.device_kind(torch.device("cuda")) == "hopper":
         lines += ["", *variant_coverage(warm.report.variants, warm.report.unnamed)]
     return "\n".join(lines) + "\n"
 

@@ -25,7 +25,7 @@ import time
 import traceback
 import zlib
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from unittest import mock
 
 import torch
@@ -864,7 +864,7 @@ def main() -> int:
     cases = [CASES[name] for name in args.case] if args.case else [c for c in CASES.values() if c.default]
     failed = 0
     running = ""
-    naming = launched_variants(lambda: running) if args.variants else ExitStack()
+    naming = launched_variants(lambda: running) if args.variants else nullcontext()
     with naming:
         for case in cases:
             running = case.name

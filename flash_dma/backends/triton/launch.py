@@ -456,8 +456,9 @@ def _hash_installation() -> None:
 
 @functools.cache
 def _pool() -> _Compilers:
-    """One thread per CPU this process may run on; the installation's hash starts first, beside the
-    driver's first build (a host compile on an empty cache), unless the warm-up did both."""
+    """One thread per CPU this process may run on. Triton's driver is made here, once the warm-up
+    (which also hashed the installation) is done; the hash is taken again on the pool only where
+    the warm-up did not (memoised, it then returns at once)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = ThreadPoolExecutor(max_workers=cpus, thread_name_prefix="flash-dma-compile")
     # Triton makes its driver on first use, unguarded: here, before any thread of the pool can.
