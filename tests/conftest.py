@@ -10,9 +10,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from tests.helpers import scan_interpreter_builtins_once
+    from tests.helpers import speed_up_interpreter
 
-    scan_interpreter_builtins_once()
+    speed_up_interpreter()
 
 SLOW_ON_CPU = os.environ.get("FLASH_DMA_SLOW_TESTS", "0") == "1"
 

@@ -444,6 +444,36 @@ def run_tool_on_cpu(script: str, *args: str):
 
 
 
+def speed_up_interpreter() -> None:
+    """Two savings for Triton's interpreter, neither changing what a kernel computes or reports:
+    :func:`scan_interpreter_builtins_once` and :func:`skip_dropped_overflow_checks`."""
+    scan_interpreter_builtins_once()
+    skip_dropped_overflow_checks()
+
+
+def skip_dropped_overflow_checks() -> None:
+    """Skip the interpreter's integer-overflow checks whose verdict would be thrown away.
+
+    On every +, - and * of 32-bit integers, Triton's front end casts both sides to int64, redoes the
+    operation and compares it with both bounds (``binary_op_sanitize_overflow_impl``), then hands
+    the result to ``device_assert``, which drops it unless the options ask for debugging (triton
+    3.6 to 3.9; the interpreter's options never do). Under the interpreter that work is numpy calls
+    on every index computation: a third of a backward's time on the CPU. Here the check runs only
+    when its assert would; tests/test_helpers.py checks that premise on the installed Triton."""
+    from triton.language.semantic import TritonSemantic
+
+    check = TritonSemantic.binary_op_sanitize_overflow_impl
+    if getattr(check, "checks_only_when_asserted", False):
+        return
+
+    def check_when_asserted(self, lhs, rhs, binary_op):
+        if self.builder.options.debug:
+            check(self, lhs, rhs, binary_op)
+
+    check_when_asserted.checks_only_when_asserted = True
+    TritonSemantic.binary_op_sanitize_overflow_impl = check_when_asserted
+
+
 def scan_interpreter_builtins_once() -> None:
     """Let Triton's interpreter find triton.language's builtins once per process, not per call.
 

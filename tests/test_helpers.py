@@ -38,3 +38,35 @@ def test_the_interpreter_patches_what_its_own_scan_would():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     result = subprocess.run([sys.executable, "-c", _COMPARE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.stdout.split() == ["same"], result.stderr[-3000:]
+
+
+# In a new process, first without the suite's patches: a product past int32's range in a kernel.
+_OVERFLOW = """
+import torch
+import triton
+import triton.language as tl
+
+@triton.jit
+def square(x_ptr, out_ptr):
+    x = tl.load(x_ptr)
+    tl.store(out_ptr, x * x)
+
+def run():
+    x, out = torch.tensor([70000], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    square[(1,)](x, out)
+    return out.item()
+
+plain = run()
+from tests.helpers import skip_dropped_overflow_checks
+skip_dropped_overflow_checks()
+print(plain, run())
+"""
+
+
+def test_the_skipped_overflow_checks_report_nothing_on_the_installed_triton():
+    """``skip_dropped_overflow_checks`` rests on the interpreter dropping an overflow check's
+    verdict: an int32 product that overflows runs, and wraps, with Triton's own check as with none."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", _OVERFLOW], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    wrapped = str((70000 * 70000 + 2**31) % 2**32 - 2**31)
+    assert result.stdout.split() == [wrapped, wrapped], result.stderr[-3000:]

@@ -38,9 +38,9 @@ def _serve(rank: int, world: int, store: str, tasks, results) -> None:
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if os.environ.get("TRITON_INTERPRET") == "1":  # as tests/conftest.py does in the test processes
-        from tests.helpers import scan_interpreter_builtins_once
+        from tests.helpers import speed_up_interpreter
 
-        scan_interpreter_builtins_once()
+        speed_up_interpreter()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
