@@ -374,8 +374,10 @@ def fp8_descale(query, key, value, attn_bias, descales) -> torch.Tensor | None:
     grads = torch.is_grad_enabled() and [t is not None and t.requires_grad for t in (query, key, value, attn_bias)]
     if grads and any(grads):
         raise ValueError(f"{names[grads.index(True)]}: FP8 attention has a forward only; expected a tensor that does not require grad")
-    ones = torch.ones(batch, num_kv_heads, dtype=torch.float32, device=query.device)
-    return torch.stack([ones if d is None else d for d in descales], dim=-1)
+    if any(d is None for d in descales):
+        ones = torch.ones(batch, num_kv_heads, dtype=torch.float32, device=query.device)
+        descales = [ones if d is None else d for d in descales]
+    return torch.stack(descales, dim=-1)
 
 
 def head_descale(descale: torch.Tensor, heads: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ import tempfile
 import time
 from dataclasses import replace
 
-from flash_dma.benchmark.cli import length_list
+from flash_dma.benchmark.cli import one_length
 from flash_dma.benchmark.first_call import ChildTimes, child_request, fresh_cache_environment, run_child
 from flash_dma.benchmark.suites import first_call_cases, format_fraction
 
@@ -50,16 +50,9 @@ def _compilations(label: str, times: ChildTimes) -> str:
     return f"{label}: {listed} (s; kernels compiled side by side overlap)"
 
 
-def _one_length(text: str) -> int:
-    lengths = length_list(text)
-    if len(lengths) != 1:
-        raise argparse.ArgumentTypeError(f"expected one length, got {text!r}")
-    return lengths[0]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--length", type=_one_length, default="16K",
+    parser.add_argument("--length", type=one_length, default="16K",
                         help="queries = keys of the call (default: %(default)s; K = 1024)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the children's device (default: cuda)")
     args = parser.parse_args()

@@ -7,7 +7,7 @@ run is the warm one). Each child records every Triton compilation
 (``flash_dma.benchmark.first_call.CompileRecord``); the report lists them, cold against warm.
 
     python3 tools/first_call_report.py      # on a GPU
-    TRITON_INTERPRET=1 python3 tools/first_call_report.py --device cpu   # the pipeline, nothing compiled
+    TRITON_INTERPRET=1 python3 tools/first_call_report.py --device cpu --length 128   # the pipeline, nothing compiled
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import tempfile
 from collections import Counter
+from dataclasses import replace
 
+from flash_dma.benchmark.cli import one_length
 from flash_dma.benchmark.first_call import ChildTimes, child_request, fresh_cache_environment, run_child
 from flash_dma.benchmark.suites import first_call_cases
 
@@ -31,8 +33,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwdbwd", help="the first call (default: fwdbwd)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the child's device (default: cuda)")
+    parser.add_argument("--length", type=one_length, help="queries = keys of the call (default: the suite's; K = 1024)")
     args = parser.parse_args()
     case = next(c for c in first_call_cases() if c.kind == "prefill")
+    if args.length is not None:
+        case = replace(case, seqlen_q=args.length, seqlen_k=args.length)
     request = child_request(case, case.methods[0], args.mode, device=args.device)
     with tempfile.TemporaryDirectory(prefix="flash-dma-first-call-") as folder:
         environment = fresh_cache_environment(folder)

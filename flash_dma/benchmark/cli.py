@@ -68,6 +68,14 @@ def length_list(text: str) -> tuple[int, ...]:
     return _comma_list(text, _length, "comma-separated lengths such as 16384,16K,1M (K = 1024, M = 1024^2)")
 
 
+def one_length(text: str) -> int:
+    """One token count in :func:`length_list`'s forms: a tool's ``--length``."""
+    lengths = length_list(text)
+    if len(lengths) != 1:
+        raise argparse.ArgumentTypeError(f"expected one length, got {text!r}")
+    return lengths[0]
+
+
 def fraction_list(text: str) -> tuple[float, ...]:
     """Comma-separated fractions in (0, 1], each ``1/8``, ``0.125`` or ``1``: the ``--keeps`` of every subcommand."""
     return _comma_list(text, _fraction, "comma-separated fractions in (0, 1] such as 1/8,0.5,1")

@@ -4,7 +4,7 @@ from tests.helpers import run_tool_on_cpu
 
 
 def test_first_call_report_runs_a_cold_and_a_warm_child():
-    run = run_tool_on_cpu("first_call_report.py", "--mode", "fwd")
+    run = run_tool_on_cpu("first_call_report.py", "--mode", "fwd", "--length", "128")
     lines = run.stdout.splitlines()
     # The interpreter compiles nothing: each child reports its times and zero kernels.
     assert lines[0].startswith("cold caches: before the call ") and lines[0].endswith("0 kernels, 0.00 s compiling, 0.00 s loading from the cache")
