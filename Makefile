@@ -45,7 +45,10 @@ $(LATEST)/bin/python:
 
 # PIP_CONSTRAINT=/dev/null: a constraints file in pip's own configuration (a machine may cap torch at
 # the releases it keeps on disk) would hold this run below what a plain `pip install` resolves.
-LATEST_INSTALL := PIP_CONSTRAINT=/dev/null $(LATEST_BIN)/python -m pip install --upgrade --upgrade-strategy eager -e '.[test,demo,hf]'
+# --no-compile: pip would byte-compile all 11,000 modules of the install (60 CPU-seconds of its 140);
+# the slice's processes, which may write bytecode (LATEST_RUN), compile the few thousand they import, once.
+LATEST_INSTALL := PIP_CONSTRAINT=/dev/null $(LATEST_BIN)/python -m pip install --no-compile --upgrade --upgrade-strategy eager -e '.[test,demo,hf]'
+LATEST_RUN := env -u PYTHONDONTWRITEBYTECODE TRITON_INTERPRET=1 $(LATEST_BIN)/python -m pytest $(PYTEST_ARGS) -m latest
 LATEST_SIZE := about 6 GB the first time; later runs fetch only new releases
 
 test: $(LATEST)/bin/python
@@ -66,7 +69,7 @@ latest-install: $(LATEST)/bin/python
 
 latest-slice:
 	$(LATEST_BIN)/python -m pip list 2>/dev/null | grep -E -i '^(torch|triton|numpy|transformers) '
-	TRITON_INTERPRET=1 $(LATEST_BIN)/python -m pytest $(PYTEST_ARGS) -m latest
+	$(LATEST_RUN)
 
 clean:
 	rm -rf $(VENV) $(LATEST) .pytest_cache .hypothesis

@@ -9,6 +9,7 @@ variant: whether wgmma is used, shared memory, registers and spills (from ptxas)
     python tools/compile_report.py --shard 2/4   # every 4th variant from the 2nd: 4 processes share the list
     python tools/compile_report.py --kernels first    # the first variant of each kernel (one case a family)
     python tools/compile_report.py --no-registers     # compile only: no second ptxas run for the counts
+    python tools/compile_report.py --no-ptxas         # to PTX only: the front end and LLVM, no ptxas at all
 
 Each variant is also checked for a hand-over of shared memory that the PTX memory model leaves
 unordered (:func:`unordered_handovers`); the command exits 1 if one has any.
@@ -49,6 +50,21 @@ def _ptxas_report(kernel, arch: int) -> str:
     registers = re.search(r"Used (\d+) registers", result.stderr)
     spills = re.search(r"(\d+) bytes spill stores", result.stderr)
     return f"regs={registers.group(1) if registers else '?'} spill_stores={spills.group(1) if spills else '?'}"
+
+
+def stop_at_ptx() -> None:
+    """Make this process's compilations end at PTX: Triton's stage hook gives each an empty binary
+    in place of ptxas's (about a third of a compilation's time). Their cache is a temporary folder
+    of this process, so that no GPU process ever loads those binaries."""
+    triton.knobs.cache.dir = tempfile.mkdtemp(prefix="compile-report-ptx-")
+
+    def without_ptxas(*args):
+        if not args:  # asked for its cache key (newer Triton releases)
+            return "compile-report-no-ptxas", "no-ptxas"
+        stages = args[1]
+        stages["cubin"] = lambda src, metadata: b""
+
+    triton.knobs.runtime.add_stages_inspection_hook = without_ptxas
 
 
 def compile_kernel(kernel, signature: dict, constexprs: dict, options: dict, arch: int = 90, attrs: dict | None = None):
@@ -143,7 +159,11 @@ def main() -> None:
     parser.add_argument("--same-as", type=Path, help="compare each variant's instructions with DIR/<name>.ptx")
     parser.add_argument("--no-registers", action="store_true",
                         help="leave out the registers and spills (each a second ptxas run, about a quarter of the time)")
+    parser.add_argument("--no-ptxas", action="store_true",
+                        help="compile to PTX only, without registers and spills (ptxas takes about a third of the time)")
     args = parser.parse_args()
+    if args.no_ptxas:
+        stop_at_ptx()
     if args.ptx_dir:
         args.ptx_dir.mkdir(parents=True, exist_ok=True)
     index, count = args.shard
@@ -152,7 +172,7 @@ def main() -> None:
         if args.only and not any(part in variant.name for part in args.only):
             continue
         compiled, seconds = compile_variant(variant, args.arch, "bf16")
-        line = f"{variant.name:24s} {report(compiled, seconds, args.arch, not args.no_registers)}"
+        line = f"{variant.name:24s} {report(compiled, seconds, args.arch, not (args.no_registers or args.no_ptxas))}"
         ptx = compiled.asm["ptx"]
         if handovers := unordered_handovers(ptx):
             line += f" UNORDERED hand-overs={handovers}"

@@ -22,16 +22,20 @@ def test_instructions_ignore_register_numbers_parameter_names_and_debug_lines():
 
 
 def test_a_variant_compared_with_its_own_ptx_is_the_same(tmp_path):
-    env = compiling_environment()
+    # Stopped before ptxas, the same PTX; and its empty binary stays out of the process's cache.
+    cache, ptx = tmp_path / "cache", tmp_path / "ptx"
+    env = {**compiling_environment(), "TRITON_CACHE_DIR": str(cache)}
 
     def report(*options: str) -> str:
         command = [sys.executable, "-m", "tools.compile_report", "--only", "forward-key-list", *options]
         return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=600).stdout
 
-    report("--ptx-dir", str(tmp_path))
-    assert [path.name for path in tmp_path.iterdir()] == ["forward-key-list.ptx"]
-    (line,) = report("--same-as", str(tmp_path)).splitlines()
-    assert line.startswith("forward-key-list ") and line.endswith(" same")
+    report("--ptx-dir", str(ptx))
+    assert [path.name for path in ptx.iterdir()] == ["forward-key-list.ptx"]
+    (line,) = report("--same-as", str(ptx), "--no-ptxas").splitlines()
+    assert line.startswith("forward-key-list ") and line.endswith(" same") and "regs=-" in line
+    binaries = list(cache.rglob("*.cubin"))
+    assert len(binaries) == 1 and binaries[0].stat().st_size > 0
 
 
 def test_stores_handed_over_by_one_lane_without_a_barrier_of_the_lanes_are_found():

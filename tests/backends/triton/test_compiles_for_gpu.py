@@ -1,8 +1,10 @@
 """The kernels compile for Hopper (sm90) on any machine, GPU or not.
 
 The Triton interpreter runs Python that the compiler rejects (tuple loops, mixed return types),
-so CI also compiles each kernel family to machine code with Triton's bundled ptxas. That needs
-a process without TRITON_INTERPRET, where ``@triton.jit`` makes compilable functions.
+so CI also compiles every kernel variant for sm90: each kernel's first variant to machine code
+with Triton's bundled ptxas, the others to PTX (the front end and LLVM, where such errors show;
+ptxas, a third of the time, assembles every variant on the GPU runs). That needs a process
+without TRITON_INTERPRET, where ``@triton.jit`` makes compilable functions.
 """
 
 import subprocess
@@ -26,7 +28,7 @@ PARTS = [("first", "1/1"), *(("others", f"{i}/3") for i in range(1, 4))]
 @pytest.mark.parametrize("kernels, shard", PARTS, ids=lambda p: p.replace("/", "of"))
 def test_every_kernel_variant_compiles_for_sm90(kernels, shard):
     # Compiling is the check: the registers' count would be a second ptxas run, a quarter more time.
-    command = ["--arch", "90", "--kernels", kernels, "--shard", shard, "--no-registers"]
+    command = ["--arch", "90", "--kernels", kernels, "--shard", shard, "--no-registers" if kernels == "first" else "--no-ptxas"]
     result = subprocess.run(
         [sys.executable, "-m", "tools.compile_report", *command],
         cwd=ROOT, env=compiling_environment(), capture_output=True, text=True, timeout=900,
