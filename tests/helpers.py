@@ -28,6 +28,11 @@ HOPPER_ONLY = [
     pytest.mark.skipif(DEVICE.type != "cuda" or torch.cuda.get_device_capability()[0] != 9, reason="the Hopper kernels need sm90"),
 ]
 ON_GPU = DEVICE.type == "cuda"
+# A test that repeats a call and wants the same bits: on a GPU the programs of a grid, and their
+# atomics, run in an order that varies from launch to launch. The interpreter runs them one at a
+# time in one order, so a repeat there could differ only by an output element left unwritten,
+# which the poisoned outputs of the fuzz harness and the reference comparisons catch.
+REPEATS_ON_GPU = pytest.mark.skipif(not ON_GPU, reason="a bitwise repeat: the interpreter runs programs in one fixed order")
 # The Triton interpreter cannot do bf16, so kernels are tested in fp32/fp16 on the CPU.
 KERNEL_DTYPES = (torch.bfloat16, torch.float16) if ON_GPU else (torch.float32, torch.float16)
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from flash_dma.block_mask import EMPTY
 from flash_dma.modules import DynamicMaskAttention, KVCache, RotaryEmbedding
-from tests.helpers import DEVICE
+from tests.helpers import DEVICE, ON_GPU
 from tests.test_masks import brute_force_topk
 
 HIDDEN, HEADS, KV_HEADS = 32, 4, 2
@@ -109,17 +109,20 @@ def test_per_query_gradients_reach_the_indexer():
 def test_per_query_triton_backend_matches_reference_and_repeats_bitwise(topk_walk):
     x, padding = make_inputs(seqlen=33, padded=4)
     outputs, grads = [], []
-    for backend in ("reference", "triton", "triton"):
+    # The repeat on a GPU only (REPEATS_ON_GPU says why).
+    for backend in ("reference", "triton", *(("triton",) if ON_GPU else ())):
         layer = make_per_query_layer(window_size=10, backend=backend, qk_norm=True)
         out = layer(x, padding)
         out.square().sum().backward()
         outputs.append(out.detach())
         grads.append([p.grad for p in layer.indexer.parameters()])
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
-    assert torch.equal(outputs[2], outputs[1])
-    for reference_grad, triton_grad, again in zip(*grads):
+    for reference_grad, triton_grad in zip(*grads[:2]):
         torch.testing.assert_close(triton_grad, reference_grad, atol=1e-3, rtol=1e-3)
-        assert torch.equal(again, triton_grad)
+    if ON_GPU:
+        assert torch.equal(outputs[2], outputs[1])
+        for triton_grad, again in zip(*grads[1:]):
+            assert torch.equal(again, triton_grad)
 
 
 def test_token_selection_keeps_the_top_keys_and_matches_sdpa():

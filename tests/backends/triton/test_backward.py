@@ -6,6 +6,7 @@ import torch
 from flash_dma import build_block_mask
 from tests.helpers import (
     KERNEL_DTYPES,
+    REPEATS_ON_GPU,
     Case,
     assert_close,
     assert_gradients_close,
@@ -68,6 +69,7 @@ def test_gradients_match_reference(case, dtype, poison_outputs):
     ],
     ids=str,
 )
+@REPEATS_ON_GPU
 def test_deterministic_gradients_are_bitwise_reproducible(case):
     # These biases are shared across batch and kv heads: the default path sums them with atomics.
     runs = []

@@ -16,7 +16,7 @@ from flash_dma.backends.triton import dispatch, launch
 from flash_dma.backends.triton.dispatch import TOPK_INDICES, TOPK_PACKED, TopkPlan, topk_plan
 from tests.conftest import TOPK_WALKS
 from tests.helpers import (
-    DEVICE, DTYPE_IDS, KERNEL_DTYPES, Case, assert_close, call_kwargs, case_dtypes, guarded,
+    DEVICE, DTYPE_IDS, KERNEL_DTYPES, REPEATS_ON_GPU, Case, assert_close, call_kwargs, case_dtypes, guarded,
     topk_reference_outputs,
 )
 
@@ -253,6 +253,7 @@ def test_one_tile_choice_per_key(deterministic, monkeypatch):
         assert len(tiles) == 1, f"{name}: one key, several tile sets {tiles}"
 
 
+@REPEATS_ON_GPU
 @pytest.mark.parametrize("bias", ["pairs:1,1", "keys:1,H"])
 def test_gradients_are_bitwise_reproducible(bias, topk_walk):
     # Many queries pick the same few keys: the dK/dV sums are longest there. Unique lists of a per-key
