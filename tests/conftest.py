@@ -104,9 +104,16 @@ def _mark_latest(config, items) -> None:
         raise pytest.UsageError("tests/conftest.py, the latest slice: " + "; ".join(sorted(missing)))
 
 
+# Tests that each run whole processes of a tool, tens of seconds apiece. xdist hands tests out in
+# the order they were collected: one of these started last would keep a worker busy while the
+# other has nothing left, so they start first.
+FIRST_TO_RUN = ("tests/tools/",)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m and -k deselect: the slice is chosen from the whole collection
 def pytest_collection_modifyitems(config, items):
     _mark_latest(config, items)
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST_TO_RUN))  # stable: the order within each part stays
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

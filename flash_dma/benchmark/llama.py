@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_dma.benchmark.suites import BATCH_NEW_TOKENS, BATCH_PROMPT_LENGTHS, GENERATE_NEW_TOKENS
+from flash_dma.benchmark.suites import BATCH_CACHE_BLOCKS, BATCH_NEW_TOKENS, BATCH_PROMPT_LENGTHS, GENERATE_NEW_TOKENS
 
 LLAMA_CONFIG = {
     "hidden_size": 2048,
@@ -88,14 +88,17 @@ def train_loss(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 def generate_batch(model: torch.nn.Module, input_ids: torch.Tensor) -> dict:
     """Continuous batching (``generate_batch``, transformers' paged cache and scheduler, its default
-    configuration) of one request per row of ``input_ids`` ``[len(BATCH_PROMPT_LENGTHS), S]``, row
-    ``i`` cut to ``BATCH_PROMPT_LENGTHS[i]`` tokens; greedy, exactly :data:`BATCH_NEW_TOKENS` each."""
+    configuration but for :data:`BATCH_CACHE_BLOCKS`) of one request per row of ``input_ids``
+    ``[len(BATCH_PROMPT_LENGTHS), S]``, row ``i`` cut to ``BATCH_PROMPT_LENGTHS[i]`` tokens; greedy,
+    exactly :data:`BATCH_NEW_TOKENS` each."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     prompts = [row[:length].tolist() for row, length in zip(input_ids, BATCH_PROMPT_LENGTHS, strict=True)]
     # No end token (-1 is never produced), so every request generates all its tokens.
     config = GenerationConfig(max_new_tokens=BATCH_NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    results = model.generate_batch(inputs=prompts, generation_config=config, warmup=False)
+    batching = None if BATCH_CACHE_BLOCKS is None else ContinuousBatchingConfig(num_blocks=BATCH_CACHE_BLOCKS)
+    results = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=batching, warmup=False)
     errors = sorted({r.error for r in results.values() if r.error})
     if errors:
         raise RuntimeError(f"generate_batch: {len(errors)} distinct request errors, first: {errors[0]}")

@@ -25,6 +25,8 @@ GENERATE_NEW_TOKENS = 8
 # The batching suite's serving workload: 16 requests of 128 to 2048 prompt tokens, 32 new tokens each.
 BATCH_PROMPT_LENGTHS = tuple(128 << (i % 5) for i in range(16))
 BATCH_NEW_TOKENS = 32
+# Blocks of its paged KV cache; None: transformers' default, sized from the device's free memory.
+BATCH_CACHE_BLOCKS: int | None = None
 LAYER_CONFIG = {
     "hidden_size": 2048,
     "num_heads": 16,

@@ -258,6 +258,8 @@ def test_batching_methods_serve_every_request_the_same_tokens(tiny_llama, monkey
     # Continuous batching of a tiny Llama: flash-dma and SDPA generate the same greedy tokens.
     monkeypatch.setattr(llama, "BATCH_PROMPT_LENGTHS", (5, 17, 2))
     monkeypatch.setattr(llama, "BATCH_NEW_TOKENS", 4)
+    # On the CPU transformers' default cache takes a share of the machine's memory (GBs to fill).
+    monkeypatch.setattr(llama, "BATCH_CACHE_BLOCKS", 16)
     serve = Case("batching", "serve", 3, 4, 2, 16, 17, 17, 1.0, ("batch-flash-dma", "batch-sdpa"), ("fwd",),
                  bias="none", mask="none")
     # On the test device: where CUDA is present, continuous batching serves only a model on it.
