@@ -35,8 +35,7 @@ print("same")
 def test_the_interpreter_patches_what_its_own_scan_would():
     """``scan_interpreter_builtins_once`` lists each module's builtins once; patching through the
     list sets the same attributes as Triton's scan of the module, before a launch and inside one."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-c", _COMPARE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = _interpreted(_COMPARE)
     assert result.stdout.split() == ["same"], result.stderr[-3000:]
 
 
@@ -66,7 +65,12 @@ print(plain, run())
 def test_the_skipped_overflow_checks_report_nothing_on_the_installed_triton():
     """``skip_dropped_overflow_checks`` rests on the interpreter dropping an overflow check's
     verdict: an int32 product that overflows runs, and wraps, with Triton's own check as with none."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-c", _OVERFLOW], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = _interpreted(_OVERFLOW)
     wrapped = str((70000 * 70000 + 2**31) % 2**32 - 2**31)
     assert result.stdout.split() == [wrapped, wrapped], result.stderr[-3000:]
+
+
+def _interpreted(code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a new Python process under the interpreter, the repository on its path."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
