@@ -20,6 +20,10 @@ FWDBWD_FLOPS_RATIO = 3.5  # the backward's five matrix products cost 2.5x the fo
 HBM_COPY_GBPS = 3000.0  # device-to-device copy ceiling measured on the H100 (GUIDE.md)
 CAUSAL = (-1, 0)  # the window of the causal rule
 _COUNT_CHUNK_ENTRIES = 1 << 26  # index entries checked at a time: bounds the temporaries
+# FlashAttention-3's backward on sm90 at head dim 128 (causal): the query rows and keys of its
+# tiles, to which its fp32 scratch is rounded, and the head dims its kernels are built for.
+FA3_BACKWARD_TILE = (64, 128)
+FA3_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
 def active_pairs(seqlen_q: int, seqlen_k: int, batch: int, num_heads: int, mask: torch.Tensor | None = None) -> int:
@@ -135,6 +139,27 @@ def attention_flops(pairs: int, head_dim: int, mode: str) -> float:
     if mode == "fwdbwd":
         return FWDBWD_FLOPS_RATIO * forward
     raise ValueError(f"mode: expected 'fwd' or 'fwdbwd', got {mode!r}")
+
+
+def fa3_fwdbwd_bytes(
+    batch: int, seqlen_q: int, seqlen_k: int, heads: int, kv_heads: int, head_dim: int, itemsize: int = 2,
+) -> int:
+    """Bytes one FlashAttention-3 forward and backward allocate beyond their inputs and dO, as its
+    ``mha_fwd`` and ``mha_bwd`` (``hopper/flash_api.cpp``) size them: what a peak-memory target is
+    held against where FlashAttention-3 is not installed. The forward keeps ``out`` and the LSE
+    ``[B, H, Sq]``; the backward adds dQ, dK and dV in the inputs' dtype and fp32 scratch: the LSE
+    in log2 units and each row's dO.O (``[B, H, Sq rounded]``), the dQ accumulator (``[B, H, Sq
+    rounded x D rounded]``) and, where query heads share a K/V head, dK and dV accumulators (``[B,
+    Hkv, Sk rounded x D rounded]``). Its semaphores (a few KB) are left out."""
+    rows, keys = FA3_BACKWARD_TILE
+    rows_rounded, keys_rounded = -(-seqlen_q // rows) * rows, -(-seqlen_k // keys) * keys
+    dim = next(d for d in FA3_HEAD_DIMS if d >= head_dim)
+    out_and_grads = itemsize * head_dim * (2 * batch * seqlen_q * heads + 2 * batch * seqlen_k * kv_heads)
+    lse = 4 * batch * heads * seqlen_q
+    scratch = 4 * batch * heads * rows_rounded * (2 + dim)
+    if heads != kv_heads:
+        scratch += 4 * 2 * batch * kv_heads * keys_rounded * dim
+    return out_and_grads + lse + scratch
 
 
 def tflops(flops: float, ms: float) -> float:

@@ -147,7 +147,7 @@ TOKEN_KEPT_KEYS = 2048  # per (batch, K/V head): the seeds' window
 HOST_LENGTH = 128
 HOST_METHODS = ("flash-dma", "flex", "sdpa")
 
-LLAMA_LENGTHS = (4096, 16384)
+LLAMA_LENGTHS = (4096, 8192, 16384)
 DOGE_SHAPE = {"batch": 1, "heads": 8, "kv_heads": 2, "head_dim": 128}
 DOGE_LENGTHS = (4096, 8192, 16384)
 DOGE_METHODS = ("doge-flash-dma", "doge-sdpa")
@@ -179,6 +179,7 @@ KVCACHE_LONG_LENGTH = 524288
 KVCACHE_LONG_KEEP = 1 / 8
 KVCACHE_METHODS = ("flash-dma-kvcache",)
 FORMS_LENGTH = 16384
+FORMS_FP8_SHORT_LENGTH = 4096  # the FP8 forward where the call's host time is a large share
 FORMS_KEEP = 1 / 8
 FORMS_SOFTCAP = 30.0  # Gemma 2's attention cap
 FORMS_HEAD_DIMS = (96, 192, 256)  # large models' head dims, against Flex
@@ -626,9 +627,9 @@ def kvcache_cases(quick: bool = False) -> list[Case]:
 def forms_cases(quick: bool = False) -> list[Case]:
     """The plain llm call at 16K keep 1/8 (and its FP8 forward, also at keep 1), then the same call
     in each other form, a chunk of prefill over a KV cache (contiguous, and paged at keep 1) against
-    the same problem without one,
-    and the llm call at other head dims against Flex; ``quick`` leaves out the head dims (a Flex
-    compilation each)."""
+    the same problem without one, the plain call's forward at 4K (bf16 and FP8),
+    and the llm call at other head dims against Flex; ``quick`` leaves out the last two (the head
+    dims cost a Flex compilation each)."""
     plain = Case("forms", "prefill", **LLM_SHAPE, seqlen_q=FORMS_LENGTH, seqlen_k=FORMS_LENGTH, keep=FORMS_KEEP,
                  methods=("flash-dma", "flash-dma-fp8"), modes=MODES)
     single = replace(plain, methods=("flash-dma",))
@@ -646,7 +647,8 @@ def forms_cases(quick: bool = False) -> list[Case]:
     ]
     if quick:  # one Flex compilation per head dim and mode: minutes
         return forms
-    return forms + [replace(plain, head_dim=head_dim, methods=("flash-dma", "flex")) for head_dim in FORMS_HEAD_DIMS]
+    short = replace(plain, seqlen_q=FORMS_FP8_SHORT_LENGTH, seqlen_k=FORMS_FP8_SHORT_LENGTH, modes=("fwd",))
+    return [*forms, short, *(replace(plain, head_dim=head_dim, methods=("flash-dma", "flex")) for head_dim in FORMS_HEAD_DIMS)]
 
 
 BUILDERS = {

@@ -24,8 +24,10 @@ from flash_dma.benchmark.suites import (
     DOGE_LENGTHS,
     INDEX_SELECTIONS,
     FORMS_CACHE_LENGTH,
+    FORMS_FP8_SHORT_LENGTH,
     FORMS_HEAD_DIMS,
     FORMS_KEEP,
+    FORMS_LENGTH,
     FORMS_SOFTCAP,
     LAYER_LENGTH,
     LLAMA_LENGTHS,
@@ -42,7 +44,7 @@ from flash_dma.benchmark.suites import (
     MODES,
     format_fraction,
 )
-from flash_dma.benchmark.metrics import attention_flops, tflops
+from flash_dma.benchmark.metrics import attention_flops, fa3_fwdbwd_bytes, tflops
 
 DECODE_LENGTH = 524288
 PREFILL_CHECK_LENGTHS = tuple(s for s in SEED_PREFILL_LENGTHS if 1024 <= s <= 16384)
@@ -116,6 +118,18 @@ def _peak_ratio(ours: Pick, theirs: Pick) -> Measure:
     def measure(results):
         a, b = ours(results), theirs(results)
         return a.peak_gib / b.peak_gib, f"{a.method} {a.peak_gib:.3g} GiB, {b.method} {b.peak_gib:.3g} GiB"
+
+    return measure
+
+
+def _peak_over_fa3(ours: Pick) -> Measure:
+    """``ours``' peak memory over what FlashAttention-3 allocates for the same shape
+    (``metrics.fa3_fwdbwd_bytes``; it is not installed on the machines this runs on)."""
+    def measure(results):
+        row = ours(results)
+        case = row.case
+        fa3 = fa3_fwdbwd_bytes(case.batch, case.seqlen_q, case.seqlen_k, case.heads, case.kv_heads, case.head_dim) / 2**30
+        return row.peak_gib / fa3, f"{row.method} {row.peak_gib:.3g} GiB, FlashAttention-3 {fa3:.3g} GiB (its allocations, counted)"
 
     return measure
 
@@ -305,7 +319,9 @@ def _seedtable(method: str, mode: str, window: int) -> Pick:
 
 
 TARGETS = (
-    *(_sparse_vs_flex("fwd", s, 0.7) for s in (16384, 32768, LLM_LONG_LENGTH)),
+    # The tensor-core-limit issue (44): 16K and 32K at half Flex's forward time, a third of its
+    # forward+backward; 128K keeps the earlier goals.
+    *(_sparse_vs_flex("fwd", s, limit) for s, limit in ((16384, 0.5), (32768, 0.5), (LLM_LONG_LENGTH, 0.7))),
     # The per-query-mask issue: the seeds' table, a per-query top-k of 16K, transformers' Doge.
     *(
         Target(f"seedtable S=32K W={w} fwd: flash-dma / flash-dma-nomask time", "<=", 1.0,
@@ -358,7 +374,7 @@ TARGETS = (
         for s in DOGE_LENGTHS
         for what, ratio, limit in (("time", _time_ratio, DOGE_TIME_LIMITS[s]), ("peak memory", _peak_ratio, 0.6))
     ),
-    *(_sparse_vs_flex("fwdbwd", s, limit) for s, limit in ((4096, 0.6), (16384, 0.45), (32768, 0.45),
+    *(_sparse_vs_flex("fwdbwd", s, limit) for s, limit in ((4096, 0.6), (16384, 0.3), (32768, 0.3),
                                                              (LLM_LONG_LENGTH, 0.45))),
     # Low keep fractions must not be host-bound (the latency issue).
     Target("llm keep 1/32 S=16K fwd+bwd: flash-dma time", "<=", 0.45, _ms(_llm("flash-dma", "fwdbwd", 16384, 1 / 32)),
@@ -384,14 +400,16 @@ TARGETS = (
                                   _pick("flash-dma", mode, suite="token", mask="none")))
         for mode, limit in (("fwd", 0.25), ("fwdbwd", 0.3))
     ),
-    # Keep 1 passes an all-true mask; TFLOP/s over the same causal pairs is cuDNN's time over ours.
+    # Keep 1 passes an all-true mask; TFLOP/s over the same causal pairs is cuDNN's time over ours
+    # (issue 44: the bias for free, against cuDNN without one).
     *(
-        Target(f"llm keep 1 S=16K {MODE_LABELS[mode]}: flash-dma / sdpa-cudnn TFLOP/s", ">=", limit,
-               _tflops_ratio(_llm("flash-dma", mode, 16384, 1.0), _llm("sdpa-cudnn", mode, 16384)))
-        for mode, limit in (("fwd", 0.8), ("fwdbwd", 0.7))
+        Target(f"llm keep 1 S={_k(s)} {MODE_LABELS[mode]}: flash-dma / sdpa-cudnn TFLOP/s", ">=", 1.0,
+               _tflops_ratio(_llm("flash-dma", mode, s, 1.0), _llm("sdpa-cudnn", mode, s)))
+        for s in (16384, 32768)
+        for mode in MODES
     ),
     *(
-        Target(f"llama S={_k(s)} train step: llama-flash-dma / llama-sdpa time", "<=", 1.0,
+        Target(f"llama S={_k(s)} train step: llama-flash-dma / llama-sdpa time", "<=", 0.97,
                _time_ratio(*(_pick(m, "fwdbwd", suite="llama", seqlen_k=s) for m in ("llama-flash-dma", "llama-sdpa"))))
         for s in LLAMA_LENGTHS
     ),
@@ -414,10 +432,11 @@ TARGETS = (
     *(
         Target(f"llm S=32K keep 1/8 {MODE_LABELS[mode]}: flash-dma / {baseline} peak memory", "<=", limit,
                _peak_ratio(_llm("flash-dma", mode, 32768, 1 / 8), _llm(baseline, mode, 32768, baseline_keep)))
-        for mode, baseline, baseline_keep, limit in (
-            ("fwd", "sdpa-flash", None, 1.2), ("fwdbwd", "sdpa-flash", None, 1.2), ("fwdbwd", "flex", 1 / 8, 0.75)
-        )
+        for mode, baseline, baseline_keep, limit in (("fwd", "sdpa-flash", None, 1.2), ("fwdbwd", "sdpa-flash", None, 1.2))
     ),
+    # Issue 44: a backward may keep FlashAttention-3's fp32 accumulators, and no more.
+    Target("llm S=32K keep 1/8 fwd+bwd: flash-dma / FlashAttention-3 peak memory", "<=", 1.0,
+           _peak_over_fa3(_llm("flash-dma", "fwdbwd", 32768, 1 / 8))),
     *(
         Target(f"host S=128 mask+bias {MODE_LABELS[mode]}: flash-dma host time per call", "<=", limit,
                _host_us(_pick("flash-dma", mode, suite="host", mask="token")), unit="µs")
@@ -456,19 +475,21 @@ TARGETS = (
         Target(f"forms S=16K keep 1/8 {MODE_LABELS[mode]}: flash-dma {form} / plain time", "<=", 1.15,
                _time_ratio(_pick("flash-dma", mode, suite="forms", **fields),
                            _pick("flash-dma", mode, suite="forms", softcap=0.0, deterministic=False,
-                                 head_dim=LLM_SHAPE["head_dim"], keep=FORMS_KEEP)))
+                                 head_dim=LLM_SHAPE["head_dim"], keep=FORMS_KEEP, seqlen_k=FORMS_LENGTH)))
         for form, fields, modes in (
             (f"softcap={FORMS_SOFTCAP:g}", dict(softcap=FORMS_SOFTCAP), MODES),
             ("deterministic", dict(deterministic=True), ("fwdbwd",)),
         )
         for mode in modes
     ),
-    # FP8 (issue 31): at least 1.5x the bfloat16 forward's speed.
+    # FP8 (issues 31 and 44): at least 1.5x the bfloat16 forward's speed at 16K, and faster at 4K.
     *(
-        Target(f"forms S=16K keep {format_fraction(keep)} fwd: flash-dma-fp8 / flash-dma time", "<=", 1 / 1.5,
-               _time_ratio(_pick("flash-dma-fp8", "fwd", suite="forms", keep=keep),
-                           _pick("flash-dma", "fwd", suite="forms", keep=keep, softcap=0.0, head_dim=LLM_SHAPE["head_dim"])))
-        for keep in (1, FORMS_KEEP)
+        Target(f"forms S={_k(length)} keep {format_fraction(keep)} fwd: flash-dma-fp8 / flash-dma time", "<=", limit,
+               _time_ratio(*(_pick(m, "fwd", suite="forms", keep=keep, softcap=0.0, head_dim=LLM_SHAPE["head_dim"], seqlen_k=length)
+                             for m in ("flash-dma-fp8", "flash-dma"))))
+        for length, keep, limit in (
+            (FORMS_LENGTH, 1, 1 / 1.5), (FORMS_LENGTH, FORMS_KEEP, 1 / 1.5), (FORMS_FP8_SHORT_LENGTH, FORMS_KEEP, 0.85),
+        )
     ),
     Target("forms cache prefill Sq=4K Sk=64K keep 1/8 fwd: flash-dma-kvcache / flash-dma-nocache time", "<=", 1.1,
            _time_ratio(*(_pick(m, "fwd", suite="forms", seqlen_k=FORMS_CACHE_LENGTH, keep=FORMS_KEEP, kv_layout="contiguous")

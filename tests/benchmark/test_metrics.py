@@ -7,6 +7,7 @@ from flash_dma.benchmark.metrics import (
     attention_flops,
     block_active_pairs,
     document_active_pairs,
+    fa3_fwdbwd_bytes,
     gbps,
     kv_bytes,
     kvcache_bytes,
@@ -113,3 +114,11 @@ def test_kvcache_bytes_count_kept_kv_every_bias_and_the_mask():
     assert kvcache_bytes(shared, 2, 16, 2, 1, 4) == kept_kv + 2 * 1024 * 4 + shared.numel()
     with pytest.raises(ValueError, match="heads"):
         kvcache_bytes(torch.ones(1, 3, 1, 8, dtype=torch.bool), 2, 16, 2, 1, 2)
+
+
+def test_fa3_bytes_count_its_outputs_and_rounded_fp32_scratch():
+    """B=1, S=100, H=2, D=72 (FlashAttention-3's kernel for D=96; rows rounded to 128 by its 64-row
+    tiles, keys by its 128-key tiles): out and the gradients 2 x 72 x (2 x 100 x 2 + 2 x 100 x Hkv)
+    bytes, the LSE 800, the scratch 4 x 2 x 128 x (2 + 96); GQA adds dK and dV accumulators."""
+    assert fa3_fwdbwd_bytes(1, 100, 100, 2, 2, 72) == 115200 + 800 + 100352
+    assert fa3_fwdbwd_bytes(1, 100, 100, 2, 1, 72) == 86400 + 800 + 100352 + 2 * 4 * 128 * 96

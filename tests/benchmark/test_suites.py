@@ -135,7 +135,7 @@ def test_batching_suite_serves_requests_of_many_lengths():
 
 def test_llama_suite_times_train_steps():
     cases = llama_cases()
-    assert [c.seqlen_k for c in cases] == [4096, 16384]
+    assert [c.seqlen_k for c in cases] == [4096, 8192, 16384]
     for c in cases:
         assert c.kind == "train" and c.is_model and not c.counts_work
         assert c.methods == ("llama-flash-dma", "llama-sdpa") and c.modes == ("fwdbwd",)
@@ -250,7 +250,7 @@ def test_kvcache_suite_decodes_over_full_caches():
 
 
 def test_forms_suite_is_the_plain_call_then_each_form():
-    plain, keep_all, softcap, deterministic, prefill, prefill_all, paged_all, *head_dims = build_cases("forms")
+    plain, keep_all, softcap, deterministic, prefill, prefill_all, paged_all, short, *head_dims = build_cases("forms")
     assert (plain.seqlen_k, plain.keep, plain.softcap, plain.deterministic) == (16384, 1 / 8, 0.0, False)
     assert plain.methods == ("flash-dma", "flash-dma-fp8") and keep_all == replace(plain, keep=1, modes=("fwd",))
     assert softcap == replace(plain, softcap=30.0, methods=("flash-dma",)) and softcap.label == "S=16384 keep=1/8 softcap=30"
@@ -263,4 +263,5 @@ def test_forms_suite_is_the_plain_call_then_each_form():
     assert prefill.label == "Sq=4096 Sk=65536 keep=1/8 random contiguous"
     assert prefill_all == replace(prefill, keep=1, methods=("flash-dma-nocache",))
     assert paged_all == replace(prefill, keep=1, methods=("flash-dma-kvcache",), kv_layout="paged")
+    assert short == replace(plain, seqlen_q=4096, seqlen_k=4096, modes=("fwd",)) and short.label == "S=4096 keep=1/8"
     assert build_cases("forms", quick=True) == [plain, keep_all, softcap, deterministic, prefill, prefill_all, paged_all]
