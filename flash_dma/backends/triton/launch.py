@@ -314,9 +314,6 @@ class Launcher:
             _pool().installation_hashed.result()
             with torch.cuda.device(args[self.tensor_slots[0]].device):
                 compiled, config = self._compile(None, args, key, lambda: configs)
-        built = getattr(compiled.src, "launcher_built", None)
-        if built is not None:
-            built.join()  # then loaded from the cache below, not built twice side by side
         _driver().launcher_cls(compiled.src, compiled.metadata)
         return compiled, config
 
@@ -352,7 +349,11 @@ class Launcher:
 
     def _build(self, args: list, config: triton.Config):
         front_ends_in_turn(self.kernel, _driver().get_current_device())
-        return self.kernel.warmup(*args, grid=(1,), **config.all_kwargs())
+        compiled = self.kernel.warmup(*args, grid=(1,), **config.all_kwargs())
+        built = getattr(compiled.src, "launcher_built", None)
+        if built is not None:  # on the pool or in the call: its launcher is then loaded from the cache, not built twice side by side
+            built.join()
+        return compiled
 
     def _fits(self, compiled, args: list) -> bool:
         device = args[self.tensor_slots[0]].device.index
