@@ -305,12 +305,12 @@ class Launcher:
             self.pending[signature] = future
         return future
 
-    def _compile_on_pool(self, args: list, key: tuple, configs: list, ticket: int):
+    def _compile_on_pool(self, args: list, key: tuple, configs: list):
         """``(compiled, config)`` as :meth:`_compile` gives them, for a thread of the pool, its front
-        end in the turn of ``ticket`` (:class:`_FrontEnds`); the kernel's C launcher is built too
+        end in its turn (:class:`_FrontEnds`); the kernel's C launcher is built too
         (by the host compiler, into Triton's cache), so that its first launch only loads it. No CUDA
         call: a graph may be captured meanwhile."""
-        with _QUICK_HAND_OFFS.held(), _FRONT_ENDS.holding(ticket):
+        with _QUICK_HAND_OFFS.held():
             _pool().installation_hashed.result()
             with torch.cuda.device(args[self.tensor_slots[0]].device):
                 compiled, config = self._compile(None, args, key, lambda: configs)
@@ -563,24 +563,29 @@ class _FrontEnds:
         self._held = threading.local()  # the ticket of the compilation this thread runs
 
     def submit(self, threads: ThreadPoolExecutor, compile_on_pool: Callable, *args) -> Future:
-        """``threads.submit(compile_on_pool, *args, ticket)``, the ticket taken in the same step: the
-        pool starts its compilations in the order of their tickets, so that no turn waits for a
-        compilation that no thread will start."""
+        """``threads.submit(compile_on_pool, *args)``, run as the holder of a ticket taken in the same
+        step: the pool starts its compilations in the order of their tickets, so that no turn waits
+        for a compilation that no thread will start. The ticket is given up however the compilation
+        ends (done, failed, or cancelled before it started): one left queued would hold every later
+        front end of the pool up for good."""
         with self._changed:
             ticket = self._issued
             self._issued += 1
             self._queued.append(ticket)
-            return threads.submit(compile_on_pool, *args, ticket)
+            try:
+                future = threads.submit(self._holding, ticket, compile_on_pool, *args)
+            except BaseException:
+                self._queued.remove(ticket)
+                raise
+        future.add_done_callback(lambda _: self._passed(ticket))
+        return future
 
-    @contextmanager
-    def holding(self, ticket: int) -> Iterator[None]:
-        """Run a compilation of the pool as ``ticket``'s; on leaving, its turn is given up, passed or not."""
+    def _holding(self, ticket: int, compile_on_pool: Callable, *args):
         self._held.ticket = ticket
         try:
-            yield
+            return compile_on_pool(*args)
         finally:
             self._held.ticket = None
-            self._passed(ticket)
 
     @contextmanager
     def turn(self) -> Iterator[None]:

@@ -288,7 +288,7 @@ def compiling_pool(monkeypatch):
     compiled = SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=0))
     on_pool = []
 
-    def compile_on_pool(self, args, key, configs, ticket):
+    def compile_on_pool(self, args, key, configs):
         on_pool.append((self.kernel.__name__, args))
         return compiled, configs[0]
 
@@ -385,11 +385,10 @@ def test_front_ends_run_one_at_a_time_in_the_order_of_their_tickets(monkeypatch)
     # Each compilation reaches its front end later the earlier its ticket: the reverse of its turn.
     delays = {"cached": 0.20, "first": 0.15, "second": 0.10, "third": 0.0}
 
-    def compile_on_pool(name, ticket):
-        with front_ends.holding(ticket):
-            time.sleep(delays[name])
-            if name != "cached":
-                source.make_ir(name)
+    def compile_on_pool(name):
+        time.sleep(delays[name])
+        if name != "cached":
+            source.make_ir(name)
 
     with ThreadPoolExecutor(4) as threads:
         futures = [front_ends.submit(threads, compile_on_pool, name) for name in delays]
@@ -400,6 +399,45 @@ def test_front_ends_run_one_at_a_time_in_the_order_of_their_tickets(monkeypatch)
     assert all(end <= next_start for (_, end, _), (next_start, _, _) in zip(spans, spans[1:])), spans
     on_pool = [name for _, _, name in spans if name != "off the pool"]
     assert on_pool == ["first", "second", "third"] and front_ends._queued == []
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "failed", "no front end"])
+def test_a_compilation_that_never_reaches_its_front_end_holds_no_later_one_up(monkeypatch, ending):
+    """A ticket is given up however its compilation ends, so that a later compilation of the pool
+    still gets its turn: one left queued (a future cancelled before it started, say) would hold it
+    up for good."""
+    import threading
+
+    front_ends = launch._FrontEnds()
+    monkeypatch.setattr(launch, "_FRONT_ENDS", front_ends)
+
+    class Source:
+        def make_ir(self):
+            return "ir"
+
+    source, started = launch._in_turn(Source)(), threading.Event()
+
+    def compile_on_pool(kind):
+        if kind == "blocker":
+            started.wait(5)
+        elif kind == "failed":
+            raise RuntimeError("a compilation error")
+        elif kind == "front end":
+            return source.make_ir()
+
+    with ThreadPoolExecutor(1) as threads:
+        blocker = front_ends.submit(threads, compile_on_pool, "blocker")  # keeps the one thread busy
+        earlier = front_ends.submit(threads, compile_on_pool, ending)
+        later = front_ends.submit(threads, compile_on_pool, "front end")
+        if ending == "cancelled":
+            assert earlier.cancel()
+        started.set()
+        try:
+            assert later.result(timeout=5) == "ir" and blocker.result() is None
+            assert front_ends._queued == []
+        finally:  # on a failure, a later compilation still waiting is let go, so that the pool can shut down
+            front_ends._queued.clear()
+            front_ends._passed(None)
 
 
 @pytest.mark.parametrize("not_specialized", [None, ["n"], [2]], ids=["none", "named", "numbered"])
