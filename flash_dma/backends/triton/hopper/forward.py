@@ -205,6 +205,20 @@ def _zero_rows_past(values, count):
 
 
 @gluon.jit
+def _value_operand(p, probs, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """``probs`` ``[ROWS, BLOCK_N]`` as ``P V``'s A operand. FP8: each group of 16 columns reordered as
+    the V copy's keys are (``transpose.key_at_column``), which puts each thread's own four
+    bytes where the 8-bit operand wants them: no exchange between threads."""
+    P = probs.to(dtype)
+    if p.FP8:
+        ROWS: gl.constexpr = probs.shape[0]
+        N: gl.constexpr = probs.shape[1]
+        # column 16 g + 8 j + 2 t + e goes to 16 g + 4 t + 2 j + e
+        P = P.reshape([ROWS, N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([ROWS, N])
+    return gl.convert_layout(P, p_layout)
+
+
+@gluon.jit
 def _issue_value_product(p, bufs, stage, probs, acc, first_key, span, zeroings, HALF: gl.constexpr):
     """Issue ``O += P V`` for the V tile at ring position ``stage`` (``probs`` in the operand's
     layout; ``first_key`` its first key, in an entry whose :class:`Span` is ``span``),
@@ -287,7 +301,7 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
                 qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
                 mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
                 pv, zeroings = _issue_value_product(
-                    p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc, staged[0], span, zeroings, HALF,
+                    p, bufs, stage, _value_operand(p, probs, dtype, p_layout), acc, staged[0], span, zeroings, HALF,
                 )
                 # The product of the next tile; P V may still run.
                 qk, staged = wait_for_scores(p, bufs, qk, 1, following, keys_of_s, READ_KEYS_EARLY)
@@ -303,7 +317,7 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
                 stage = following
             mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
             pv, zeroings = _issue_value_product(
-                p, bufs, stage, gl.convert_layout(probs.to(dtype), p_layout), acc, staged[0], span, zeroings, HALF,
+                p, bufs, stage, _value_operand(p, probs, dtype, p_layout), acc, staged[0], span, zeroings, HALF,
             )
             acc = warpgroup_mma_wait(0, deps=[pv])
             mbarrier.arrive(bufs.v_empty.index(stage), count=1)
@@ -347,9 +361,10 @@ def _attn_fwd_hopper_kernel(
     # have ``kv_batch`` rows of their own: a cache's rows, or one pool of pages.
     q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
     k_desc = tile_descriptor(K, kv_batch, seqlen_k, num_kv_heads, COLUMNS, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
-    if FP8:  # V transposed (``transposed_values``): [B * Hkv, COLUMNS, Sk], strides of one head and one column
+    if FP8:  # V transposed (``transposed_values``): [B * Hkv, COLUMNS, Sk'], strides of one head and one column
+        # All Sk' = stride_vh keys: the copy's last group of 16 holds keys past Sk in its order (zeros).
         v_desc = tma.make_tensor_descriptor(
-            V, [batch * num_kv_heads, COLUMNS, seqlen_k], [stride_vs, stride_vh, 1], [1, HEAD_DIM, BLOCK_N],
+            V, [batch * num_kv_heads, COLUMNS, stride_vh], [stride_vs, stride_vh, 1], [1, HEAD_DIM, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([1, HEAD_DIM, BLOCK_N], V.dtype.element_ty),
         )
     else:

@@ -4,6 +4,10 @@
 (docs/design-notes.md, "FP8 forward"). Each program copies a tile of keys x columns, read along the
 columns and written along the keys, both coalesced: torch's permuted copy reads a byte per thread
 across rows, several times slower on the H100.
+
+Within each group of 16 keys the copy puts the keys in the order in which the forward's softmax
+holds their probabilities (``key_at_column``), so that P becomes ``P V``'s 8-bit operand
+without moving a byte between threads (as FlashAttention-3 permutes V for its FP8 forward).
 """
 
 from __future__ import annotations
@@ -18,7 +22,17 @@ from flash_dma.backends.triton.layout import tensor_layout
 from flash_dma.integers import cdiv
 
 _BLOCK_K = 64  # keys per program
-KEY_ALIGNMENT = 16  # the copy's rows are padded to it: the TMA's row alignment, in bytes
+KEY_ALIGNMENT = 16  # the copy's rows are padded to it: the TMA's row alignment, in bytes; also a key group's length
+
+
+@triton.jit
+def key_at_column(columns):
+    """The key that each column of the copy holds: its group of 16 keys in place, and within it,
+    at ``4 t + 2 j + e``, key ``8 j + 2 t + e`` (the one thread ``t`` of a quad holds in wgmma's
+    accumulator, register pair ``j``, element ``e``), where wgmma's 8-bit A operand wants thread
+    ``t``'s bytes. ``hopper/forward._value_operand`` permutes P's columns the same way."""
+    n = columns % 16
+    return columns - n + ((n >> 1) & 1) * 8 + ((n >> 2) & 3) * 2 + (n & 1)
 
 
 @triton.jit(do_not_specialize=["seqlen_k", "num_kv_heads", "stride_b", "stride_s", "stride_h", "padded_k"])
@@ -27,15 +41,18 @@ def _transpose_values_kernel(
     seqlen_k, num_kv_heads, stride_b, stride_s, stride_h, padded_k,
     HEAD_DIM: tl.constexpr, COLUMNS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Keys ``[program 0 * BLOCK_K, + BLOCK_K)`` of one (batch, key/value head): ``VT[b, h, d, j] = V[b, j, h, d]``."""
+    """Columns ``[program 0 * BLOCK_K, + BLOCK_K)`` of one (batch, key/value head)'s copy:
+    ``VT[b, h, d, n] = V[b, key_at_column(n), h, d]``, zeros for the keys past Sk. Each row of V is
+    read whole and each column written in one run, both coalesced."""
     head = tl.program_id(1)  # b * Hkv + h
-    keys = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    written = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    keys = key_at_column(written)  # [BLOCK_K]
     columns = tl.arange(0, COLUMNS)  # [COLUMNS]
     inside = (keys[:, None] < seqlen_k) & (columns[None, :] < HEAD_DIM)  # [BLOCK_K, COLUMNS]
     source = V + (head // num_kv_heads).to(tl.int64) * stride_b + (head % num_kv_heads) * stride_h
-    tile = tl.load(source + keys[:, None].to(tl.int64) * stride_s + columns[None, :], mask=inside)  # [BLOCK_K, COLUMNS]
-    target = VT + (head.to(tl.int64) * HEAD_DIM + columns[:, None]) * padded_k + keys[None, :]  # [COLUMNS, BLOCK_K]
-    tl.store(target, tl.trans(tile), mask=tl.trans(inside))
+    tile = tl.load(source + keys[:, None].to(tl.int64) * stride_s + columns[None, :], mask=inside, other=0)  # [BLOCK_K, COLUMNS]
+    target = VT + (head.to(tl.int64) * HEAD_DIM + columns[:, None]) * padded_k + written[None, :]  # [COLUMNS, BLOCK_K]
+    tl.store(target, tl.trans(tile), mask=(columns[:, None] < HEAD_DIM) & (written[None, :] < padded_k))
 
 
 _launcher = Launcher(_transpose_values_kernel, tensors=("V", "VT"), specialized=())
@@ -43,7 +60,9 @@ _launcher = Launcher(_transpose_values_kernel, tensors=("V", "VT"), specialized=
 
 def transposed_values(v: torch.Tensor) -> torch.Tensor:
     """``v`` ``[B, Sk, Hkv, D]`` (8-bit, columns contiguous) as ``[B, Hkv, D, Sk']``, keys
-    contiguous; ``Sk'`` is Sk rounded up to ``KEY_ALIGNMENT``, the columns past Sk unwritten."""
+    contiguous in the order of ``key_at_column``; ``Sk'`` is Sk rounded up to ``KEY_ALIGNMENT``,
+    the keys past Sk zeros (the forward reads whole groups of 16: a zero probability times a NaN
+    would be NaN)."""
     batch, seqlen_k, num_kv_heads, head_dim = v.shape
     if v.stride(3) != 1:
         v = v.contiguous()
