@@ -581,6 +581,7 @@ class _FrontEnds:
         return future
 
     def _holding(self, ticket: int, compile_on_pool: Callable, *args):
+        """``compile_on_pool(*args)`` in a thread of the pool, its front end in ``ticket``'s turn."""
         self._held.ticket = ticket
         try:
             return compile_on_pool(*args)
