@@ -666,8 +666,15 @@ def front_ends_in_turn(kernel, device: int) -> None:
             kernel.ASTSource = _in_turn(kernel.ASTSource)
 
 
-# A forked child has none of its parent's threads: it starts a pool of its own.
-os.register_at_fork(after_in_child=_pool.cache_clear)
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's threads: it starts a pool of its own, and its front
+    ends wait for no ticket of the parent's compilations, which will never run here."""
+    global _FRONT_ENDS
+    _pool.cache_clear()
+    _FRONT_ENDS = _FrontEnds()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextmanager

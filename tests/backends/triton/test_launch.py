@@ -440,6 +440,35 @@ def test_a_compilation_that_never_reaches_its_front_end_holds_no_later_one_up(mo
             front_ends._passed(None)
 
 
+def test_a_forked_child_waits_for_no_ticket_of_its_parents_compilations(monkeypatch):
+    """A compilation in flight when the process forks never runs in the child: the child's own
+    compilations on the pool still get their turns."""
+    import os
+    import threading
+
+    front_ends = launch._FrontEnds()
+    monkeypatch.setattr(launch, "_FRONT_ENDS", front_ends)
+
+    def front_end():
+        with launch._FRONT_ENDS.turn():
+            return "ir"
+
+    started, release = threading.Event(), threading.Event()
+    with ThreadPoolExecutor(1) as threads:
+        front_ends.submit(threads, lambda: started.set() or release.wait(5))  # its ticket is queued at the fork
+        assert started.wait(5)
+        child = os.fork()
+        if child == 0:  # only os._exit leaves the child (joining no thread): no pytest machinery runs in it
+            try:
+                compiled = launch._FRONT_ENDS.submit(ThreadPoolExecutor(1), front_end).result(timeout=5)
+                os._exit(0 if compiled == "ir" else 1)
+            except BaseException:
+                os._exit(2)
+        release.set()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 @pytest.mark.parametrize("not_specialized", [None, ["n"], [2]], ids=["none", "named", "numbered"])
 def test_a_launcher_reads_its_kernel_compiled_or_interpreted(not_specialized):
     """Triton's jit function keeps ``do_not_specialize`` as a list (empty when none) and the
