@@ -844,34 +844,39 @@ def store_rows(p, bufs, q_slot, HALF: gl.constexpr, span, first_row, head, value
     into ``p.Out`` ``[B, Sq, H, D]`` (rows past the entry's end are left alone), then its half of Q
     slot ``q_slot`` released.
 
-    They leave through that half of the Q tile, whose last product is done, and a TMA store:
-    stored from registers, the rows took about 4 us per work item at D = 128, a fifth of a
-    16K keep-1/8 item (docs/design-notes.md, "Hopper forward"). The loader refills the slot once
-    the store has read it. The TMA store clips rows only at the tensor's end: a packed sequence's
-    last rows, which the next sequence follows, are stored from registers.
+    They leave through shared memory and a TMA store: stored from registers, the rows took about
+    4 us per work item at D = 128, a fifth of a 16K keep-1/8 item (docs/design-notes.md, "Hopper
+    forward"). Rows of Q's dtype go through the warpgroup's half of the Q tile, whose last product
+    is done (the loader refills the slot once the store has read it); FP8 inputs' bfloat16 rows,
+    wider than the e4m3 Q tile, through the forward's own output tile (``bufs.out_tile``). The TMA store
+    clips rows only at the tensor's end: a packed sequence's last rows, which the next sequence
+    follows, are stored from registers, as is a float32 dQ (summed over several calls).
     """
     ROWS: gl.constexpr = p.BLOCK_M // 2
-    if p.Out.dtype.element_ty == p.q_desc.dtype:
+    if p.Out.dtype.element_ty == p.q_desc.dtype or p.FP8:
+        if p.FP8:
+            tile = bufs.out_tile  # [1, BLOCK_M, 1, D]
+        else:
+            tile = bufs.q.index(q_slot)  # [1, BLOCK_M, 1, D]
         if p.SEQ == tiles.SEQ_PACKED:
             if first_row + ROWS <= span.seqlen_q:
-                _store_rows_tma(p, bufs, q_slot, HALF, span, first_row, head, values)
+                _store_rows_tma(p, tile, HALF, span, first_row, head, values)
             else:
                 _store_rows_registers(p, span, first_row, head, values)
         else:
-            _store_rows_tma(p, bufs, q_slot, HALF, span, first_row, head, values)
-    else:  # float32 (a dQ summed over several calls), or FP8 inputs' bfloat16: wider than Q's tile
+            _store_rows_tma(p, tile, HALF, span, first_row, head, values)
+    else:
         _store_rows_registers(p, span, first_row, head, values)
     mbarrier.arrive(bufs.q_empty.index(q_slot), count=1)
 
 
 @gluon.jit
-def _store_rows_tma(p, bufs, q_slot, HALF: gl.constexpr, span, first_row, head, values):
-    """``store_rows`` through the warpgroup's half of the Q tile and a TMA store."""
+def _store_rows_tma(p, tile, HALF: gl.constexpr, span, first_row, head, values):
+    """``store_rows`` through the warpgroup's half of ``tile`` ``[1, BLOCK_M, 1, D]`` and a TMA store."""
     ROWS: gl.constexpr = p.BLOCK_M // 2
-    q_tile = bufs.q.index(q_slot)  # [1, BLOCK_M, 1, D]
-    q_tile.reshape([p.BLOCK_M, p.HEAD_DIM]).slice(HALF * ROWS, ROWS).store(values.to(p.q_desc.dtype))
+    tile.reshape([p.BLOCK_M, p.HEAD_DIM]).slice(HALF * ROWS, ROWS).store(values.to(p.o_desc.dtype))
     fence_async_shared()
-    tma_store(p.o_desc, [span.tokens, span.q_start + first_row, head, 0], q_tile.slice(HALF * ROWS, ROWS, dim=1))
+    tma_store(p.o_desc, [span.tokens, span.q_start + first_row, head, 0], tile.slice(HALF * ROWS, ROWS, dim=1))
     tma.store_wait(0)
 
 

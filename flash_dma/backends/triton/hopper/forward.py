@@ -88,7 +88,8 @@ class _Buffers:
     K/V tiles with their BitMask words (or key intervals' row words) and per-pair bias
     (``common.pair_buffers``), the spans and (key lists) positions of their keys, whether their
     pairs are tested and their key scores, the barriers (``zeroed``: a cache's V tile whose rows
-    past the entry's keys the lower warpgroup has zeroed, ``_issue_value_product``)."""
+    past the entry's keys the lower warpgroup has zeroed, ``_issue_value_product``), and with
+    FP8 a bfloat16 output tile (``common.store_rows``; one word otherwise)."""
 
     q: gl.shared_memory_descriptor
     k: gl.shared_memory_descriptor
@@ -107,6 +108,7 @@ class _Buffers:
     k_empty: gl.shared_memory_descriptor
     v_empty: gl.shared_memory_descriptor
     zeroed: gl.shared_memory_descriptor
+    out_tile: gl.shared_memory_descriptor
 
 
 @gluon.jit
@@ -375,6 +377,9 @@ def _attn_fwd_hopper_kernel(
     )
     words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, KV_STAGES, BLOCK_N, BLOCK_M)
     barrier: gl.constexpr = mbarrier.MBarrierLayout()
+    out_tile = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
+    if FP8:
+        out_tile = gl.allocate_shared_memory(o_desc.dtype, [1, BLOCK_M, 1, HEAD_DIM], o_desc.layout)
     bufs = _Buffers(
         gl.allocate_shared_memory(q_desc.dtype, [Q_SLOTS] + q_desc.block_type.shape, q_desc.layout),
         gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout),
@@ -393,6 +398,7 @@ def _attn_fwd_hopper_kernel(
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
+        out_tile,
     )
     init_barriers(bufs, KV_STAGES)
     for i in gl.static_range(KV_STAGES):
