@@ -442,11 +442,12 @@ TARGETS = (
                _host_us(_pick("flash-dma", mode, suite="host", mask="token")), unit="µs")
         for mode, limit in (("fwd", 40.0), ("fwdbwd", 150.0))
     ),
+    # Issue 45: a cold first call in seconds (its kernels compile side by side, launch.py).
     *(
         Target(f"new process, {label}: first fwd+bwd, llm S=4K keep 1/8", "<=", limit,
                _first_call_s(_pick("flash-dma-percall", "fwdbwd", suite="firstcall", kind="prefill", cache=cache)),
                unit="s")
-        for cache, label, limit in (("warm", "warm cache", 10.0), ("cold", "cold caches", 10.0))
+        for cache, label, limit in (("warm", "warm cache", 10.0), ("cold", "cold caches", 5.0))
     ),
     Target("new process, warm cache: Llama first generate", "<=", 5.0,
            _first_call_s(_pick("llama-flash-dma", "fwd", suite="firstcall", kind="generate")), unit="s"),

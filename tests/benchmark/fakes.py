@@ -91,7 +91,7 @@ def passing_results() -> list[Result]:
     host = case("host", "host", 128, mask="token")
     rows += [row(host, "flash-dma", "fwd", ms=0.02, cpu_ms=0.018, **no_work),
              row(host, "flash-dma", "fwdbwd", ms=0.1, cpu_ms=0.09, **no_work)]
-    for cache, seconds in (("warm", 5.0), ("cold", 8.0)):
+    for cache, seconds in (("warm", 5.0), ("cold", 4.0)):
         first = case("firstcall", "prefill", 4096, 1 / 8, methods=("flash-dma-percall",), cache=cache)
         rows.append(row(first, "flash-dma-percall", "fwdbwd", ms=seconds * 1e3, setup_s=3.0, **no_work))
     generate = case("firstcall", "generate", 128, methods=("llama-flash-dma",), mask="none", bias="none",

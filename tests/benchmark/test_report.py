@@ -126,7 +126,7 @@ def test_markdown_tables_show_the_columns_their_rows_have():
     assert "| S=16384 train step | all | llama-sdpa | 60.0 | 1 | 1.20x | 0.5 |  |" in llama
     first = _section(text, "firstcall · prefill · forward + backward")
     assert "| case | kept | method | first call s | setup s | note |" in first
-    assert "| S=4096 keep=1/8, new process, cold caches | 4/32 | flash-dma-percall | 8 | 3.0 |  |" in first
+    assert "| S=4096 keep=1/8, new process, cold caches | 4/32 | flash-dma-percall | 4 | 3.0 |  |" in first
     assert "| prompt=128 generate 8, new process, warm cache | all | llama-flash-dma | 3 | 6.0 |  |" in text
 
 
