@@ -511,7 +511,7 @@ class _QuickHandOffs:
     def __init__(self):
         self._lock = threading.Lock()
         self._running = 0
-        self._previous = sys.getswitchinterval()
+        self._previous = self._ours = sys.getswitchinterval()
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -519,13 +519,14 @@ class _QuickHandOffs:
             if self._running == 0:
                 self._previous = sys.getswitchinterval()
                 sys.setswitchinterval(self.INTERVAL_S)
+                self._ours = sys.getswitchinterval()  # as the interpreter keeps it: whole microseconds, not INTERVAL_S
             self._running += 1
         try:
             yield
         finally:
             with self._lock:
                 self._running -= 1
-                if self._running == 0 and sys.getswitchinterval() == self.INTERVAL_S:
+                if self._running == 0 and sys.getswitchinterval() == self._ours:
                     sys.setswitchinterval(self._previous)
 
 

@@ -562,6 +562,34 @@ def test_compiling_ahead_is_on_unless_turned_off_or_autotuning(monkeypatch):
     assert not configs.compile_ahead_enabled()
 
 
+class _Interpreter:
+    """``sys``'s switch interval as CPython keeps it, in whole microseconds (1e-4 reads back as
+    9.999...e-05), apart from the process's own: compilations on other threads change that."""
+
+    def __init__(self):
+        self.microseconds = 5000
+
+    def getswitchinterval(self) -> float:
+        return self.microseconds * 1e-6
+
+    def setswitchinterval(self, seconds: float) -> None:
+        self.microseconds = int(1e6 * seconds)
+
+
+def test_the_switch_interval_is_set_back_when_the_last_compilation_ends(monkeypatch):
+    interpreter = _Interpreter()
+    monkeypatch.setattr(launch, "sys", interpreter)
+    hand_offs = launch._QuickHandOffs()
+    with hand_offs.held():
+        with hand_offs.held():
+            assert interpreter.microseconds == 100
+        assert interpreter.microseconds == 100
+    assert interpreter.microseconds == 5000
+    with hand_offs.held():
+        interpreter.setswitchinterval(0.002)  # someone else's choice, made meanwhile, is kept
+    assert interpreter.microseconds == 2000
+
+
 @pytest.mark.parametrize("ahead", [True, False], ids=["compiling-ahead", "not-compiling-ahead"])
 def test_the_warm_up_runs_on_a_thread_of_its_own_that_a_fork_and_the_driver_wait_for(ahead, monkeypatch):
     done = []
