@@ -30,6 +30,7 @@ import triton.language as tl
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import broadcast_strides, kernel_view, tensor_layout
+from flash_dma.integers import cdiv
 
 _CHUNK = 1024  # keys per program
 _MAX_CHUNKS = 1024  # chunks per row that the list kernel sums over in one step
@@ -147,8 +148,8 @@ def build_key_list(mask: torch.Tensor, seqlen_k: int) -> torch.Tensor:
         ``[Bm, Hm, 2, Sk + 1]`` int32 (see the module docstring).
     """
     batch, heads = mask.shape[:2]
-    chunk = max(_CHUNK, configs.next_power_of_2(triton.cdiv(seqlen_k, _MAX_CHUNKS)))
-    num_chunks = triton.cdiv(seqlen_k, chunk)
+    chunk = max(_CHUNK, configs.next_power_of_2(cdiv(seqlen_k, _MAX_CHUNKS)))
+    num_chunks = cdiv(seqlen_k, chunk)
     chunks_block = configs.next_power_of_2(num_chunks)
     key_list = torch.empty(batch, heads, 2, seqlen_k + 1, dtype=torch.int32, device=mask.device)
     counts = torch.empty(batch * heads, num_chunks, dtype=torch.int32, device=mask.device)
@@ -198,6 +199,6 @@ def gather_kept_keys(
 
     gather_launcher.launch(
         (tensor_layout(k), tensor_layout(v), tensor_layout(key_list), lengths is None), tensors, build, configs.single_program_config,
-        lambda meta: (triton.cdiv(seqlen_k, GATHER_BLOCK), batch * num_kv_heads),
+        lambda meta: (cdiv(seqlen_k, GATHER_BLOCK), batch * num_kv_heads),
     )
     return kept_k, kept_v

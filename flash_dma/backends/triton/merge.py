@@ -14,6 +14,7 @@ import triton.language as tl
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import tensor_layout
+from flash_dma.integers import cdiv
 
 _BLOCK_M = 32  # rows per program: 32 x 128 elements of one head, one tile of loads
 
@@ -92,5 +93,5 @@ def merge_partial(
 
     merge_launcher.launch(
         tuple(map(tensor_layout, tensors)), tensors, build, configs.single_program_config,
-        lambda meta: (triton.cdiv(rows, _BLOCK_M), batch * num_heads),
+        lambda meta: (cdiv(rows, _BLOCK_M), batch * num_heads),
     )

@@ -21,13 +21,12 @@ warpgroups of 64 rows (or keys) each do the math. What they share lives here:
 import inspect
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 from triton.language.core import _aggregate as aggregate
 
-from flash_dma.backends.triton import tiles
+from flash_dma.backends.triton import configs, tiles
 from flash_dma.backends.triton.key_list import gather_kept_keys
 from flash_dma.backends.triton.layout import (
     SEQ_CACHE,
@@ -75,7 +74,7 @@ def head_dim_tile(head_dim: int) -> int:
     """The head dim of the kernels' tiles (their HEAD_DIM): ``head_dim`` rounded up to a power of
     two. The TMA copies fill the columns past ``head_dim`` with zeros, which add nothing to the
     products, and leave them out of the stores."""
-    return triton.next_power_of_2(head_dim)
+    return configs.next_power_of_2(head_dim)
 
 # (query rows, keys) per tile of each pass: 64 per math warpgroup along the axis the pass owns.
 TILES = {"forward": (128, 128), "dq": (128, 64), "dkdv": (64, 128)}

@@ -73,7 +73,7 @@ def transposed_values(v: torch.Tensor) -> torch.Tensor:
     _launcher.launch(
         (tensor_layout(v),), tensors,
         lambda: ([*tensors, seqlen_k, num_kv_heads, v.stride(0), v.stride(1), v.stride(2), padded_k,
-                  head_dim, triton.next_power_of_2(head_dim), _BLOCK_K], ()),
+                  head_dim, configs.next_power_of_2(head_dim), _BLOCK_K], ()),
         configs.single_program_config, lambda meta: (cdiv(seqlen_k, _BLOCK_K), batch * num_kv_heads),
     )
     return vt

@@ -48,6 +48,7 @@ from flash_dma.backends.triton.topk.tiles import (
     topk_scores,
     union_size,
 )
+from flash_dma.integers import cdiv
 
 # Rows of a program's tiles (queries x the group's heads): wgmma's least M. A block's membership
 # words are int32, so a block holds at most 16 queries (bit 31 stays clear).
@@ -166,7 +167,7 @@ def union_lists(call: TopkCall, queries: int, limit: int | None = None) -> tuple
     ``limit``. No host synchronisation; the order of keys within a row is the order the entries
     reached them."""
     batch, seqlen_q, num_kv_heads, width = call.indices.shape
-    blocks = triton.cdiv(seqlen_q, queries)
+    blocks = cdiv(seqlen_q, queries)
     lengths = torch.empty(batch * num_kv_heads * blocks, 2, dtype=torch.int32, device=call.indices.device)
     limit = queries * width if limit is None else limit
     keys, words = _build_group(call, queries, limit, lengths, _scratch(call, blocks), 0, blocks)
@@ -206,7 +207,7 @@ def _build_group(
     band_lo, band_hi = band(call.window_left, call.window_right, seqlen_q, seqlen_k)
     tensors = [indices, keys, words, lengths, scratch]
     args = [
-        *tensors, *indices.stride(), seqlen_q, seqlen_k, num_kv_heads, width, band_lo, band_hi, triton.cdiv(seqlen_q, queries),
+        *tensors, *indices.stride(), seqlen_q, seqlen_k, num_kv_heads, width, band_lo, band_hi, cdiv(seqlen_q, queries),
         block_start, group_blocks, rows, capacity, key_range, limit, queries,
     ]
     BUILD_LAUNCHER.launch(
@@ -337,7 +338,7 @@ def union_split(call: TopkCall) -> UnionSplit:
     """The backward's split of ``call`` (its lengths not yet built)."""
     batch, seqlen_q, num_kv_heads, width = call.indices.shape
     queries = union_queries(call.q.shape[2] // num_kv_heads)
-    blocks = triton.cdiv(seqlen_q, queries)
+    blocks = cdiv(seqlen_q, queries)
     lengths = torch.empty(batch * num_kv_heads * blocks, 2, dtype=torch.int32, device=call.q.device)
     return UnionSplit(lengths, queries, blocks, int(UNION_SHARE * queries * width))
 
