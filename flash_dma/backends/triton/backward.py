@@ -38,6 +38,7 @@ from flash_dma.backends.triton.layout import (
     DBIAS_FULL,
     DBIAS_NONE,
     DBIAS_PER_KEY,
+    NOT_SPECIALIZED,
     SPECIALIZED,
     Call,
     broadcast_strides,
@@ -201,9 +202,7 @@ def _flush_key_gradient(dbias_head, keys, key_real, stride_dbk, values, ATOMIC: 
 
 
 @triton.jit(do_not_specialize=[
-    "stride_wb", "stride_wh", "stride_wr", "walk_width", "num_heads", "num_kv_heads",
-    "mask_head_div", "bias_head_div", "walk_head_div", "list_block_q", "list_block_k", "band_lo", "band_hi",
-    "stride_dbc", "stride_dbb", "stride_dbh", "stride_dbq", "stride_dbk", "dbias_head_div",
+    *NOT_SPECIALIZED, "stride_dbc", "stride_dbb", "stride_dbh", "stride_dbq", "stride_dbk", "dbias_head_div",
 ])
 def _dkdv_kernel(
     Q, K, V, Mask, Bias, Walk, SeqQ, SeqK,
@@ -404,10 +403,7 @@ def _dq_tiles(
     return dq
 
 
-@triton.jit(do_not_specialize=[
-    "stride_wb", "stride_wh", "stride_wr", "walk_width", "num_heads", "num_kv_heads",
-    "mask_head_div", "bias_head_div", "walk_head_div", "list_block_q", "list_block_k", "band_lo", "band_hi",
-])
+@triton.jit(do_not_specialize=NOT_SPECIALIZED)
 def _dq_kernel(
     Q, K, V, Mask, Bias, Walk, SeqQ, SeqK,
     stride_qb, stride_qs, stride_qh,

@@ -26,7 +26,7 @@ from flash_dma.backends.triton.dispatch import HOPPER, device_kind, form_of, rou
 from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import (
-    SEQ_PACKED,
+    NOT_SPECIALIZED,
     SPECIALIZED,
     CachePages,
     Call,
@@ -113,9 +113,7 @@ def _attn_fwd_tiles(
 
 
 @triton.jit(do_not_specialize=[
-    "stride_wb", "stride_wh", "stride_wr", "walk_width", "num_heads", "num_kv_heads",
-    "mask_head_div", "bias_head_div", "walk_head_div", "list_block_q", "list_block_k", "band_lo", "band_hi",
-    "stride_lse_split", "stride_lse_b", "stride_lse_h", "stride_lse_q",
+    *NOT_SPECIALIZED, "stride_lse_split", "stride_lse_b", "stride_lse_h", "stride_lse_q",
     "stride_table", "page_size", "cache_rows_given", "cache_last",
 ])
 def _attn_fwd_kernel(

@@ -40,6 +40,12 @@ SPECIALIZED = (
     "stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_bb", "stride_bh", "stride_bq", "stride_bk",
     "seqlen_q", "seqlen_k", "head_dim",
 )
+# The shared int parameters that never change the kernel (the walk's strides and width, head counts
+# and divisors, the lists' block sizes, the band): each Triton kernel's ``do_not_specialize`` starts with them.
+NOT_SPECIALIZED = (
+    "stride_wb", "stride_wh", "stride_wr", "walk_width", "num_heads", "num_kv_heads",
+    "mask_head_div", "bias_head_div", "walk_head_div", "list_block_q", "list_block_k", "band_lo", "band_hi",
+)
 
 
 @functools.lru_cache(maxsize=None)
