@@ -125,6 +125,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
 
 
+
+_GROUPS_LOST = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session):
+    """Under ``--dist loadgroup`` (the README's command) an xdist worker's tests of a group carry
+    the group in their node id, which is how the controller keeps them on one worker. Where this
+    pytest and pytest-xdist no longer agree on how (pytest 9.2's node ids and xdist 3.8,
+    pytest-dev/pytest-xdist#1386), the groups would be spread over the workers, each starting its
+    own process groups: those tests fail instead, saying why (``pytest_runtest_setup``)."""
+    config = session.config
+    if not (hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False)):
+        return
+    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid.rpartition("]")[2]]
+    if lost:
+        config.stash[_GROUPS_LOST] = (
+            f"--dist loadgroup: the {len(lost)} tests marked xdist_group carry no group in their node id, so they are not kept "
+            "on one worker (pytest-dev/pytest-xdist#1386, pytest >= 9.2 with pytest-xdist 3.8): install the test extra's pytest"
+        )
+
+
+def pytest_runtest_setup(item):
+    lost = item.config.stash.get(_GROUPS_LOST, None)
+    if lost and item.get_closest_marker("xdist_group"):
+        pytest.fail(lost, pytrace=False)
+
 @pytest.fixture
 def poison_outputs(monkeypatch):
     """Kernels' output buffers start as NaN, so an element a kernel fails to write shows up."""
