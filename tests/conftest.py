@@ -125,7 +125,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
 
 
-
 _GROUPS_LOST = pytest.StashKey[str]()
 
 
@@ -150,6 +149,7 @@ def pytest_runtest_setup(item):
     lost = item.config.stash.get(_GROUPS_LOST, None)
     if lost and item.get_closest_marker("xdist_group"):
         pytest.fail(lost, pytrace=False)
+
 
 @pytest.fixture
 def poison_outputs(monkeypatch):
