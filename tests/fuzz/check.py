@@ -24,12 +24,11 @@ import torch
 import flash_dma
 from flash_dma import BitMask, BlockMask, KeyIntervals, build_block_mask, causal_topk_intervals, interval_mask, pack_mask
 from flash_dma.backends.reference import reference_attention, reference_topk_attention, valid_indices, visible_positions
-from flash_dma.backends.triton import backward as triton_backward
+from flash_dma.backends.triton.backward import forced_query_chunks
 from flash_dma.backends.triton.topk import union
 from flash_dma.block_mask import effective_mask_rows
 from flash_dma.inputs import FP8_DTYPE, FP8_OUT_DTYPE, dequantize, head_descale, output_dtype
 from flash_dma.masks import topk_block_mask
-from flash_dma.memo import forget_memos
 from tests.fuzz.configs import INDICES, INTERVALS, Trial
 from tests.helpers import Case, assert_close, poisoned_empty, reference_outputs, topk_reference_outputs, triton_call
 
@@ -203,22 +202,6 @@ def _forced_union_share(share: float | None):
         yield
     finally:
         union.UNION_SHARE = real
-
-
-@contextlib.contextmanager
-def _forced_query_chunks(chunks: int):
-    """dK/dV programs split each key tile's queries into ``chunks`` parts (on long sequences, by
-    default), added in a fixed order or by atomics; forcing it runs that path on short sequences."""
-    real = triton_backward.query_chunks
-    if chunks > 1:
-        triton_backward.query_chunks = lambda *problem: chunks
-        forget_memos()  # the chunks of a layout seen before are remembered
-    try:
-        yield
-    finally:
-        triton_backward.query_chunks = real
-        if chunks > 1:
-            forget_memos()
 
 
 @contextlib.contextmanager
@@ -472,7 +455,7 @@ def run_trial(trial: Trial, device) -> Outcome:
     stage = "inputs"
     try:
         # Poisoned from here on: block summaries built on the GPU included.
-        with _poisoned_outputs(), _forced_query_chunks(trial.query_chunks), _forced_union_share(trial.union_share):
+        with _poisoned_outputs(), forced_query_chunks(trial.query_chunks if trial.query_chunks > 1 else None), _forced_union_share(trial.union_share):
             inputs, block_mask, dout = make_inputs(trial, device)
             before = _snapshot(inputs, block_mask) if trial.check_inputs else None
             leaves = [name for name in _GRADIENTS if inputs[name] is not None and inputs[name].requires_grad]

@@ -22,6 +22,7 @@ On sm90, launches 2 and 3 run the Gluon kernels of ``hopper/`` where ``dispatch.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -78,7 +79,7 @@ from flash_dma.backends.triton.tiles import (
     walk_position,
 )
 from flash_dma.integers import cdiv
-from flash_dma.memo import Memo
+from flash_dma.memo import Memo, forget_memos
 
 MAX_QUERY_CHUNKS = 8
 _QUERIES_PER_CHUNK = 2048
@@ -606,6 +607,31 @@ def query_chunks(
     return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_ATOMIC_CHUNK, wanted))
 
 
+_forced_chunks: int | None = None  # set by forced_query_chunks
+
+
+@contextlib.contextmanager
+def forced_query_chunks(chunks: int | None):
+    """Inside, every backward splits each key tile's queries into ``chunks`` parts, whatever
+    :func:`query_chunks` would choose (None: leave it the choice). For the tests and fuzz trials
+    that take the chunks' path on short sequences, and the chunk sweeps of
+    ``tools/kernel_times.py``. Process-wide: not for calls running in other threads."""
+    global _forced_chunks
+    if chunks is not None and chunks < 1:
+        raise ValueError(f"chunks: expected None or a count >= 1, got {chunks}")
+    outer = _forced_chunks
+    changed = chunks != outer
+    _forced_chunks = chunks
+    if changed:
+        forget_memos()  # the chunks of a layout seen before are remembered
+    try:
+        yield
+    finally:
+        _forced_chunks = outer
+        if changed:
+            forget_memos()
+
+
 def _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, in_order, sequences, signature):
     """The dK/dV launch of ``attention_backward``, with its fp32 scratch for query chunks (added
     up in chunk order when ``in_order``, else by atomics). ``signature``: the layouts of the call,
@@ -769,7 +795,7 @@ def _plan(call: Call, dout: torch.Tensor, bias_requires_grad: bool, num_query_ch
     hopper_dq = route("dq", form_of("dq", call, sequences, dout=dout)) == HOPPER
     masked = call.mask is not None or call.q_lists is not None or call.key_list is not None
     # The Hopper kernel's chunks run side by side whether or not they add up in order.
-    chunks = num_query_chunks or query_chunks(
+    chunks = num_query_chunks or _forced_chunks or query_chunks(
         seqlen_q, seqlen_k, batch * num_kv_heads, call.deterministic and not hopper_dkdv, call.q.device, hopper_dkdv, masked,
     )
     gradient = None

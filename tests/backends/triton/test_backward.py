@@ -115,6 +115,32 @@ def test_long_sequence_gradients(case, poison_outputs):
     assert_gradients_close(inputs, oracle, baseline)
 
 
+def test_forced_query_chunks_reach_the_plan_and_are_undone():
+    """``forced_query_chunks`` (the fuzz trials' and ``tools/kernel_times.py``'s): inside, a backward
+    splits each key tile's queries into the forced count, or into ``query_chunks``' own under a
+    nested None; after, into ``query_chunks``' own again. A count below 1 is refused."""
+    from flash_dma.backends.triton import backward
+
+    case = Case(seqlen_q=70, seqlen_k=40, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,1,1,Sk", causal=True, block_size=BLOCKS)
+    inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
+    call = kernel_call(inputs, build_block_mask(inputs["attn_mask"], block_size=BLOCKS), softmax_scale=0.25)
+    dout = torch.randn(case.batch, case.seqlen_q, case.heads, case.head_dim).to(inputs["query"])
+
+    def planned() -> int:
+        return backward._plan(call, dout, True, None).chunks
+
+    assert planned() == 1  # a short sequence
+    with backward.forced_query_chunks(3):
+        assert planned() == 3
+        with backward.forced_query_chunks(None):
+            assert planned() == 1
+        assert planned() == 3
+    assert planned() == 1
+    with pytest.raises(ValueError, match="chunks: expected None or a count >= 1, got 0"):
+        with backward.forced_query_chunks(0):
+            pass
+
+
 @pytest.mark.parametrize("deterministic", [True, False], ids=["in-order", "atomic"])
 @pytest.mark.parametrize("chunks", [2, 3], ids=lambda c: f"chunks{c}")
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import torch
 
 from flash_dma import memo
 from flash_dma.backends.triton import backward as backward_module
-from flash_dma.backends.triton.backward import attention_backward
+from flash_dma.backends.triton.backward import attention_backward, forced_query_chunks
 from flash_dma.backends.triton.forward import attention_forward
 from flash_dma.block_mask import FULL
 from flash_dma.masks import topk_block_mask
@@ -102,16 +102,15 @@ def hopper_calls(monkeypatch):
 )
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", CASES + PAIR_CASES, ids=str)
-def test_hopper_gradients_match_reference(case, dtype, chunks, deterministic, hopper_calls, monkeypatch, poison_outputs):
+def test_hopper_gradients_match_reference(case, dtype, chunks, deterministic, hopper_calls, poison_outputs):
     """Written directly (one chunk) or added up in fp32 scratch (three chunks of each key tile's
     queries): by atomics, or deterministic, in slices of their own, summed in chunk order."""
-    monkeypatch.setattr(backward_module, "query_chunks", lambda *args: chunks)
-    memo.forget_memos()  # the chunks of a layout seen before are remembered
     inputs = make_inputs(case, dtype, requires_grad=True)
     before = {name: t.detach().clone() for name, t in inputs.items() if t is not None}
-    out = triton_call(case, inputs, deterministic=deterministic)
-    dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
-    out.backward(dout)
+    with forced_query_chunks(chunks):
+        out = triton_call(case, inputs, deterministic=deterministic)
+        dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
+        out.backward(dout)
     assert hopper_calls == _hopper_kernels(case)
     _, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
     _, _, baseline = reference_outputs(case, inputs, dout, dtype)
@@ -195,12 +194,10 @@ DETERMINISTIC_CASES = [
 
 
 @pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=str)
-def test_deterministic_gradients_are_bit_identical(case, hopper_calls, monkeypatch):
+def test_deterministic_gradients_are_bit_identical(case, hopper_calls):
     """deterministic=True: the Hopper dK/dV writes each query chunk's part to a slice of its own,
     summed in chunk order, and the bias gradient's shared rows are summed after the kernel, so
     two runs agree bit for bit."""
-    monkeypatch.setattr(backward_module, "query_chunks", lambda *args: 5)
-    memo.forget_memos()
     inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
     summary = None
     if case.bias.startswith("B,Hkv,Sq"):  # a per-query-head walk: the summary's rows differ per query head
@@ -208,13 +205,14 @@ def test_deterministic_gradients_are_bit_identical(case, hopper_calls, monkeypat
         summary = topk_block_mask(scores, 256, block_size=(128, 128), query_len=case.seqlen_q, is_causal=True)
     dout = torch.randn(case.batch, case.seqlen_q, case.heads, case.head_dim, generator=case.generator("dout")).to(inputs["query"])
     runs = []
-    for _ in range(3):
-        for t in inputs.values():
-            if t is not None and t.requires_grad:
-                t.grad = None
-        out = triton_call(case, inputs, deterministic=True, **({} if summary is None else {"block_mask": summary}))
-        out.backward(dout)
-        runs.append([inputs[n].grad.clone() for n in ("query", "key", "value", "attn_bias")])
+    with forced_query_chunks(5):
+        for _ in range(3):
+            for t in inputs.values():
+                if t is not None and t.requires_grad:
+                    t.grad = None
+            out = triton_call(case, inputs, deterministic=True, **({} if summary is None else {"block_mask": summary}))
+            out.backward(dout)
+            runs.append([inputs[n].grad.clone() for n in ("query", "key", "value", "attn_bias")])
     assert hopper_calls == ["dkdv", "dq"] * 3
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run))

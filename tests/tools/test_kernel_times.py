@@ -1,0 +1,62 @@
+"""tools/kernel_times.py: each kernel's GPU time per step, by query chunk count on the GPU; on the
+CPU, its table from profiler events and its refusal to run."""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from torch.autograd import DeviceType
+
+from tests.helpers import ON_GPU
+from tools.kernel_times import KernelTime, chunk_counts, kernel_table
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "tools/kernel_times.py", *args], cwd=REPO, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+def test_kernel_table_adds_each_kernels_launches_per_step_longest_first():
+    def event(name, us, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_time=us, device_type=device)
+
+    events = [event("dq", 30.0), event("fill", 1.0), event("dq", 34.0), event("fill", 3.0), event("dkdv", 80.0),
+              event("aten::add", 500.0, DeviceType.CPU)]
+    assert kernel_table(events, steps=2) == [KernelTime("dkdv", 40.0, 0.5), KernelTime("dq", 32.0, 1.0), KernelTime("fill", 2.0, 1.0)]
+
+
+def test_chunk_counts_take_counts_of_at_least_one():
+    assert chunk_counts("2,4,8") == (2, 4, 8)
+    for text in ("0,2", "two", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected comma-separated counts >= 1"):
+            chunk_counts(text)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the refusal of a machine without a GPU")
+def test_it_refuses_to_run_without_a_gpu():
+    run = _run("--lengths", "4K", "--keeps", "1/8")
+    assert run.returncode == 2 and "a CUDA device is needed" in run.stderr
+
+
+@pytest.mark.gpu_only
+def test_it_times_the_dkdv_kernel_for_each_forced_chunk_count():
+    run = _run("--lengths", "4K", "--keeps", "1/8", "--chunks", "1,2", "--steps", "2")
+    assert run.returncode == 0, run.stderr
+    headers = re.findall(r"== llm prefill (.+) fwdbwd, flash-dma, dK/dV query chunks: (\d+)", run.stdout)
+    labels = ("S=4096 keep=1/8", "S=4096 keep=1/8 bias[1,16,Sq,Sk]")  # per-key bias, per-pair bias
+    assert headers == [(label, chunks) for label in labels for chunks in ("1", "2")]
+    tables = run.stdout.split("\n== ")[1:]
+    for table in tables:
+        total = float(re.search(r"total ([\d.]+) us per step", table).group(1))
+        times = [float(t) for t in re.findall(r"^\s+([\d.]+) us  x", table, re.MULTILINE)]
+        assert total > 0 and abs(sum(times) - total) <= 0.1 * len(times)
+        assert re.search(r"us  x1  _dkdv\w*_kernel", table), table
