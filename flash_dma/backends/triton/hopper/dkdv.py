@@ -484,7 +484,29 @@ def _store_gradient(p, target, scratch, chunk, offsets, values, ok):
         slice_offset = chunk.to(gl.int64) * p.batch * p.seqlen_k * p.num_kv_heads * p.COLUMNS
         gl.store(scratch + slice_offset + offsets, values, mask=ok)
     else:
-        gl.atomic_add(scratch + offsets, values, mask=ok, sem="relaxed")
+        _add_pairs(scratch + offsets, values, ok)
+
+
+@gluon.jit
+def _add_pairs(ptrs, values, mask):
+    """``*ptrs += values`` where ``mask``, by relaxed fp32 atomics two elements at a time
+    (``red.global.add.v2.f32``, sm_90): one L2 operation where ``gl.atomic_add`` makes two. The
+    pairs are each thread's consecutive elements, which a wgmma accumulator's layout makes two
+    neighbouring columns: 8-byte aligned in the contiguous scratch, as every head dim is even
+    (``common.HEAD_DIMS``), and masked alike. The L2's atomics set the pace of the chunks'
+    additions (docs/design-notes.md, "dK/dV: the chunks' additions, two columns at a time")."""
+    gl.inline_asm_elementwise(
+        """{
+        .reg .b32 both;
+        .reg .pred add;
+        and.b32 both, $6, $7;
+        setp.ne.b32 add, both, 0;
+        @add red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5};
+        mov.b32 $0, 0;
+        mov.b32 $1, 0;
+        }""",
+        "=r,=r,l,l,r,r,r,r", [ptrs.to(gl.int64, bitcast=True), values, mask.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=2,
+    )
 
 
 @gluon.jit
