@@ -98,6 +98,8 @@ def main() -> int:
                         help="comma-separated dK/dV query chunk counts, one table each (default: the library's choice)")
     parser.add_argument("--steps", type=int, default=20, help="profiled steps per table (default: 20)")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps: expected a count >= 1, got {args.steps}")
     if not torch.cuda.is_available():
         parser.error("a CUDA device is needed: the kernels' times are the GPU's")
     cases = [

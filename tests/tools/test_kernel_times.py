@@ -41,6 +41,11 @@ def test_chunk_counts_take_counts_of_at_least_one():
             chunk_counts(text)
 
 
+def test_it_refuses_fewer_than_one_step():
+    run = _run("--steps", "0")
+    assert run.returncode == 2 and "--steps: expected a count >= 1, got 0" in run.stderr
+
+
 @pytest.mark.skipif(ON_GPU, reason="the refusal of a machine without a GPU")
 def test_it_refuses_to_run_without_a_gpu():
     run = _run("--lengths", "4K", "--keeps", "1/8")
