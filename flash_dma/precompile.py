@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from flash_dma.benchmark.cli import HELP_WIDTH, NO_CUDA_EXIT_CODE, length_list
+from flash_dma.argument_types import HELP_WIDTH, NO_CUDA_EXIT_CODE, length_list
 from flash_dma.benchmark.suites import DOGE_SHAPE, LLM_SHAPE, SEED_SHAPE
 
 # Named head layouts (query heads, key/value heads, head dim): the benchmark's.

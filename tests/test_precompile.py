@@ -9,7 +9,7 @@ import torch
 
 from flash_dma import flash_dma_func, precompile
 from flash_dma.backends.triton import launch
-from flash_dma.benchmark.cli import NO_CUDA_EXIT_CODE
+from flash_dma.argument_types import NO_CUDA_EXIT_CODE
 from flash_dma.precompile import CompileRecord, Problem
 
 

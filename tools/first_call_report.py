@@ -17,7 +17,7 @@ import tempfile
 from collections import Counter
 from dataclasses import replace
 
-from flash_dma.benchmark.cli import one_length
+from flash_dma.argument_types import one_length
 from flash_dma.benchmark.first_call import ChildTimes, child_request, fresh_cache_environment, run_child
 from flash_dma.benchmark.suites import first_call_cases
 

@@ -25,7 +25,7 @@ import torch
 from flash_dma import flash_dma_func
 from flash_dma.backends.reference import reference_attention
 from flash_dma.benchmark.methods import quantized_fp8
-from flash_dma.inputs import FP8_DTYPE, FP8_OUT_DTYPE, dequantize
+from flash_dma.inputs import FP8_OUT_DTYPE, dequantize
 
 WINDOWS = {"full": (-1, -1), "causal": (-1, 0)}
 

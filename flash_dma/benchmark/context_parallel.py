@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flash_dma import flash_dma_func
-from flash_dma.benchmark.cli import NO_CUDA_EXIT_CODE
+from flash_dma.argument_types import NO_CUDA_EXIT_CODE
 from flash_dma.benchmark.inputs import block_topk_mask
 from flash_dma.benchmark.metrics import active_pairs
 from flash_dma.benchmark.report import checks_markdown
