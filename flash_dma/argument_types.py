@@ -63,4 +63,17 @@ def fraction_list(text: str) -> tuple[float, ...]:
     return _comma_list(text, _fraction, "comma-separated fractions in (0, 1] such as 1/8,0.5,1")
 
 
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def count_list(text: str) -> tuple[int, ...]:
+    """Comma-separated counts, each at least 1: a tool's ``--chunks``."""
+    return _comma_list(text, _count, "comma-separated counts >= 1 such as 2,4,8")
+
+
 HELP_WIDTH = 100  # columns of the subcommands' help text

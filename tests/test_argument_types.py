@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from flash_dma.argument_types import fraction_list, length_list, one_length
+from flash_dma.argument_types import count_list, fraction_list, length_list, one_length
 
 
 def test_lengths_take_k_and_m_suffixes_in_either_case():
@@ -30,3 +30,10 @@ def test_fractions_take_ratios_and_decimals_in_zero_to_one():
 def test_bad_values_are_refused_saying_what_was_expected(parse, text, expected):
     with pytest.raises(argparse.ArgumentTypeError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         parse(text)
+
+
+def test_chunk_counts_take_counts_of_at_least_one():
+    assert count_list("2,4,8") == (2, 4, 8)
+    for text in ("0,2", "two", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected comma-separated counts >= 1"):
+            count_list(text)

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import flash_dma
 from flash_dma.backends.triton.backward import forced_query_chunks
-from flash_dma.argument_types import fraction_list, length_list
+from flash_dma.argument_types import count_list, fraction_list, length_list
 from flash_dma.benchmark.inputs import make_inputs
 from flash_dma.benchmark.measure import make_step
 from flash_dma.benchmark.methods import METHODS
@@ -31,17 +31,6 @@ from flash_dma.benchmark.suites import MODES, SUITES, build_cases
 
 WARMUP_STEPS = 3
 NAME_WIDTH = 100  # characters of a kernel's name shown (templated CUDA kernels run to hundreds)
-
-
-def chunk_counts(text: str) -> tuple[int, ...]:
-    """``--chunks``: comma-separated counts, each at least 1."""
-    try:
-        counts = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        counts = ()
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated counts >= 1 such as 2,4,8, got {text!r}")
-    return counts
 
 
 class KernelTime(NamedTuple):
@@ -94,7 +83,7 @@ def main() -> int:
     parser.add_argument("--keeps", type=fraction_list, default=None, help="only the cases keeping these fractions (e.g. 1/8,1)")
     parser.add_argument("--mode", choices=MODES, default="fwdbwd", help="forward only, or forward and backward (default)")
     parser.add_argument("--method", choices=tuple(METHODS), default="flash-dma", help="the benchmark method run (default: flash-dma)")
-    parser.add_argument("--chunks", type=chunk_counts, default=(None,),
+    parser.add_argument("--chunks", type=count_list, default=(None,),
                         help="comma-separated dK/dV query chunk counts, one table each (default: the library's choice)")
     parser.add_argument("--steps", type=int, default=20, help="profiled steps per table (default: 20)")
     args = parser.parse_args()

@@ -1,7 +1,6 @@
 """tools/kernel_times.py: each kernel's GPU time per step, by query chunk count on the GPU; on the
 CPU, its table from profiler events and its refusal to run."""
 
-import argparse
 import os
 import re
 import subprocess
@@ -13,7 +12,7 @@ import pytest
 from torch.autograd import DeviceType
 
 from tests.helpers import ON_GPU
-from tools.kernel_times import KernelTime, chunk_counts, kernel_table
+from tools.kernel_times import KernelTime, kernel_table
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,13 +31,6 @@ def test_kernel_table_adds_each_kernels_launches_per_step_longest_first():
     events = [event("dq", 30.0), event("fill", 1.0), event("dq", 34.0), event("fill", 3.0), event("dkdv", 80.0),
               event("aten::add", 500.0, DeviceType.CPU)]
     assert kernel_table(events, steps=2) == [KernelTime("dkdv", 40.0, 0.5), KernelTime("dq", 32.0, 1.0), KernelTime("fill", 2.0, 1.0)]
-
-
-def test_chunk_counts_take_counts_of_at_least_one():
-    assert chunk_counts("2,4,8") == (2, 4, 8)
-    for text in ("0,2", "two", ""):
-        with pytest.raises(argparse.ArgumentTypeError, match="expected comma-separated counts >= 1"):
-            chunk_counts(text)
 
 
 def test_it_refuses_fewer_than_one_step():
