@@ -119,18 +119,19 @@ def _cumulative(target: Target, lengths: tuple[int, ...]) -> torch.Tensor:
     return target.ints(torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32))
 
 
-def _walk(listed: bool, query_chunks: int = 0) -> ExitStack:
+def _walk(listed: bool, query_chunks: int = 0, counted: bool = False) -> ExitStack:
     """Patches that make small problems take the kernels' large-problem paths.
 
     ``listed``: a mask alone is walked through a key list or a summary built in the call, not
     read element-wise (SMALL_PROBLEM). ``query_chunks``: the dK/dV kernel splits each key tile's
-    queries into that many programs, which add their parts in turn (normally from 4096 queries).
+    queries into that many programs, which add their parts up (normally from 1024 queries);
+    ``counted``: into at most that many, as the Hopper kernel counts its columns' work.
     """
     stack = ExitStack()
     if listed:
         stack.enter_context(mock.patch.object(triton_backend, "SMALL_PROBLEM", 0))
     if query_chunks:
-        stack.enter_context(mock.patch.object(triton_backward, "query_chunks", lambda *args: query_chunks))
+        stack.enter_context(triton_backward.forced_query_chunks(query_chunks, counted))
     return stack
 
 
@@ -192,6 +193,7 @@ class Attention:
     block_size: tuple[int, int] = (16, 32)
     deterministic: bool = False
     query_chunks: int = 0
+    counted: bool = False
 
     def run(self, target: Target, gen: torch.Generator) -> Results:
         shape_q = (self.batch, self.seqlen_q, self.heads, self.head_dim)
@@ -212,7 +214,7 @@ class Attention:
             scores = target.floats(torch.randn(self.batch, self.kv_heads, self.seqlen_k, generator=gen))
             padding = None if mask is None else mask[:, 0, 0]
             mask = causal_topk_intervals(scores, self.seqlen_k // 4, padding, query_len=self.seqlen_q, block_size=self.block_size)
-        with _walk(self.walk == "listed", self.query_chunks):  # the backward too: query_chunks is the dK/dV launch's
+        with _walk(self.walk == "listed", self.query_chunks, self.counted):  # the backward too: query_chunks is the dK/dV launch's
             out, lse = flash_dma_func(
                 **leaves, attn_mask=mask, is_causal=self.causal, window_size=self.window, softcap=self.softcap,
                 block_mask=block_mask, deterministic=self.deterministic, return_lse=True, backend=target.backend,
@@ -690,6 +692,10 @@ CASES = {
         _attention("attn-summary-d128-deterministic-chunks", batch=2, seqlen_q=600, seqlen_k=600, heads=4, kv_heads=2,
                    head_dim=128, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,Hkv,1,Sk", causal=True,
                    walk="summary", block_size=(128, 128), deterministic=True, query_chunks=3),
+        # The Hopper dK/dV's chunks as its columns' work wants (``column_work`` counts it first), up to 4.
+        _attention("attn-summary-d128-counted-chunks", batch=2, seqlen_q=600, seqlen_k=600, heads=4, kv_heads=2,
+                   head_dim=128, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True,
+                   walk="summary", block_size=(128, 128), query_chunks=4, counted=True),
         # FP8 inputs: the Hopper forward (V copied transposed, P rounded to e4m3), D = 64 and 256.
         _fp8("fp8-summary-d64-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=64,
              mask="B,Hkv,1,Sk", bias="B,H,Sq,Sk", causal=True, walk="summary"),

@@ -455,7 +455,7 @@ def run_trial(trial: Trial, device) -> Outcome:
     stage = "inputs"
     try:
         # Poisoned from here on: block summaries built on the GPU included.
-        with _poisoned_outputs(), forced_query_chunks(trial.query_chunks if trial.query_chunks > 1 else None), _forced_union_share(trial.union_share):
+        with _poisoned_outputs(), forced_query_chunks(trial.query_chunks if trial.query_chunks > 1 else None, trial.counted), _forced_union_share(trial.union_share):
             inputs, block_mask, dout = make_inputs(trial, device)
             before = _snapshot(inputs, block_mask) if trial.check_inputs else None
             leaves = [name for name in _GRADIENTS if inputs[name] is not None and inputs[name].requires_grad]

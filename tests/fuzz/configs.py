@@ -163,6 +163,7 @@ class Trial:
     width: int = 0  # indices walk: W, the keys listed per query
     union_share: float | None = None  # indices walk: the backward's union share forced (-1: no block, 1: every block)
     intervals: dict | None = None  # intervals walk: kind, keep, ties, start (class docstring)
+    counted: bool = False  # with query_chunks > 1: at most that many, as the Hopper dK/dV kernel counts its columns' work
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -208,7 +209,7 @@ class Trial:
             parts.append(f"scale{self.softmax_scale:.3g}")
         flags = [n for n in ("deterministic", "padded") if getattr(self, n)] + ([] if self.grad_qkv else ["bias-grad-only"])
         if self.query_chunks > 1:
-            flags.append(f"chunks{self.query_chunks}")
+            flags.append(f"chunks{'<=' if self.counted else ''}{self.query_chunks}")
         if self.union_share is not None:
             flags.append({-1.0: "per-query-backward", 1.0: "union-backward"}[self.union_share])
         return " ".join(parts + flags)
@@ -377,6 +378,7 @@ def sample_trial(space: Space, seed: int, index: int) -> Trial:
         width=rng.choice(WIDTHS) if family.walk == INDICES else 0,
         union_share=rng.choice((None, -1.0, 1.0)) if family.walk == INDICES else None,
         intervals=_intervals(rng, seqlen_k) if family.walk == INTERVALS else None,
+        counted=rng.random() < 0.5,
     )
 
 

@@ -563,6 +563,7 @@ def sum_bias_gradient(acc: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 def query_chunks(
     seqlen_q: int, seqlen_k: int, kv_entries: int, in_order: bool, device: torch.device, queued: bool = False, masked: bool = True,
+    counted: bool = False,
 ) -> int:
     """Parts the query range of each key tile is split into for dK/dV.
 
@@ -595,7 +596,13 @@ def query_chunks(
       | 32K keep 1/8 | 3.26 | **1.81** | 1.95 | 2.04 | 2.35 |
       | 16K no mask | **3.40** | 3.77 | 3.85 | 4.31 | 4.89 |
       | 16K topkq | 1.70 | 1.00 | **0.96** | 1.12 | 1.30 |
+
+    - ``counted``: the Hopper kernel walking a block summary counts the work of every column
+      itself (``hopper/dkdv._counted_chunks``), so the mask's real density, not an assumed 1/8,
+      picks the chunks; this gives the most it may take.
     """
+    if counted:
+        return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_ATOMIC_CHUNK))
     if in_order:
         return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_CHUNK))
     columns = max(kv_entries * cdiv(seqlen_k, _COLUMN_KEYS), 1)
@@ -607,27 +614,29 @@ def query_chunks(
     return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_ATOMIC_CHUNK, wanted))
 
 
-_forced_chunks: int | None = None  # set by forced_query_chunks
+_forced: tuple[int, bool] | None = None  # (chunks, counted), set by forced_query_chunks
 
 
 @contextlib.contextmanager
-def forced_query_chunks(chunks: int | None):
+def forced_query_chunks(chunks: int | None, counted: bool = False):
     """Inside, every backward splits each key tile's queries into ``chunks`` parts, whatever
-    :func:`query_chunks` would choose (None: leave it the choice). For the tests and fuzz trials
-    that take the chunks' path on short sequences, and the chunk sweeps of
-    ``tools/kernel_times.py``. Process-wide: not for calls running in other threads."""
-    global _forced_chunks
+    :func:`query_chunks` would choose (None: leave it the choice); ``counted``: into at most
+    ``chunks``, where the Hopper kernel counts its columns' work (``hopper/dkdv.column_work``) as it
+    does unforced. For the tests and fuzz trials that take the chunks' path on short sequences,
+    and the chunk sweeps of ``tools/kernel_times.py``. Process-wide: not for calls running in
+    other threads."""
+    global _forced
     if chunks is not None and chunks < 1:
         raise ValueError(f"chunks: expected None or a count >= 1, got {chunks}")
-    outer = _forced_chunks
-    changed = chunks != outer
-    _forced_chunks = chunks
+    outer = _forced
+    _forced = None if chunks is None else (chunks, counted)
+    changed = _forced != outer
     if changed:
         forget_memos()  # the chunks of a layout seen before are remembered
     try:
         yield
     finally:
-        _forced_chunks = outer
+        _forced = outer
         if changed:
             forget_memos()
 
@@ -757,7 +766,7 @@ def attention_backward(
     dbias_acc = None if gradient is None else torch.zeros(gradient.shape, dtype=gradient.dtype, device=device)
     dbias_flags = (DBIAS_NONE, False, False) if gradient is None else (gradient.kind, gradient.atomic, gradient.head_shared)
     if plan.hopper_dkdv:
-        hopper_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, signature, sequences)
+        hopper_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, plan.counted, signature, sequences)
     else:
         _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, call.deterministic, sequences, signature)
     # dQ is allocated once the dK/dV scratch is released, so the two never add up in the peak.
@@ -781,6 +790,7 @@ class _Plan(NamedTuple):
     hopper_dkdv: bool  # the Gluon kernels of ``hopper/`` serve dK/dV, and dQ (``dispatch.py``)
     hopper_dq: bool
     chunks: int  # query chunks of dK/dV (``query_chunks``)
+    counted: bool  # the Hopper dK/dV kernel takes at most ``chunks``, as its columns' work wants
     bias_gradient: BiasGradient | None  # None when not asked for, or zero
 
 
@@ -794,14 +804,23 @@ def _plan(call: Call, dout: torch.Tensor, bias_requires_grad: bool, num_query_ch
     hopper_dkdv = route("dkdv", form_of("dkdv", call, sequences, dout=dout)) == HOPPER
     hopper_dq = route("dq", form_of("dq", call, sequences, dout=dout)) == HOPPER
     masked = call.mask is not None or call.q_lists is not None or call.key_list is not None
-    # The Hopper kernel's chunks run side by side whether or not they add up in order.
-    chunks = num_query_chunks or _forced_chunks or query_chunks(
-        seqlen_q, seqlen_k, batch * num_kv_heads, call.deterministic and not hopper_dkdv, call.q.device, hopper_dkdv, masked,
+    forced, may_count = (num_query_chunks, False) if num_query_chunks else (_forced or (None, True))
+    # The Hopper kernel counts the columns' work where it walks a block summary over fixed
+    # sequences and the chunks add up by atomics (deterministic ones keep a slice each).
+    counted = (
+        may_count and hopper_dkdv and call.q_lists is not None and call.key_list is None and sequences is None
+        and not call.deterministic
     )
+    # The Hopper kernel's chunks run side by side whether or not they add up in order.
+    chunks = forced or query_chunks(
+        seqlen_q, seqlen_k, batch * num_kv_heads, call.deterministic and not hopper_dkdv, call.q.device, hopper_dkdv, masked,
+        counted,
+    )
+    counted = counted and chunks > 1
     gradient = None
     if bias_requires_grad:
         per_head_walk = call.q_lists is not None and call.q_lists.shape[1] == num_heads and num_heads > num_kv_heads
         gradient = bias_gradient(
             call.bias, batch, num_heads, num_kv_heads, seqlen_k, call.deterministic, chunks, hopper_dkdv, per_head_walk,
         )
-    return _Plan(hopper_dkdv, hopper_dq, chunks, gradient)
+    return _Plan(hopper_dkdv, hopper_dq, chunks, counted, gradient)

@@ -420,6 +420,22 @@ def key_walk(
 
 
 @triton.jit
+def query_walk(
+    walk, walk_width, stride_wr, key_tile, k_first, k_last, seqlen_q, seqlen_k, band_lo, band_hi,
+    list_block_q, list_block_k, split, num_splits, WALK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """``key_walk`` along the query axis, for the dK/dV kernels: the query tiles that see keys
+    ``[k_first, k_last]`` of key tile ``key_tile`` (``key - query`` in the band: ``query - key``
+    in its negation), in the transposed summary's row of that tile (``walk`` points at the
+    (batch, head)'s rows, ``stride_wr`` apart)."""
+    row_offset = summary_row(key_tile, list_block_k, BLOCK_N).to(tl.int64) * stride_wr
+    return key_walk(
+        walk, walk_width, row_offset, seqlen_q, k_first, tl.minimum(k_last, seqlen_k - 1), -band_hi, -band_lo,
+        list_block_q, split, num_splits, WALK, BLOCK_M,
+    )
+
+
+@triton.jit
 def row_tile_scores(
     q, q_idx, k_source, first_key, keys, kv_rows, key_ok, stride_ks, head_dim, band_lo, band_hi,
     bias_rows, stride_bk, mask_rows, stride_mk, scale_log2, softcap_log2, scale_over_cap,

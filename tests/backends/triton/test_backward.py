@@ -141,6 +141,15 @@ def test_forced_query_chunks_reach_the_plan_and_are_undone():
             pass
 
 
+@pytest.mark.parametrize("seqlen, cap", [(300, 1), (1024, 2), (2048, 4), (16384, 8), (131072, 8)])
+def test_counted_query_chunks_are_capped_by_the_queries(seqlen, cap):
+    """Where the Hopper dK/dV kernel counts its columns' work, the host gives only the most chunks
+    it may take: one per 512 queries, at most 8, whatever the keys and the device."""
+    from flash_dma.backends.triton.backward import query_chunks
+
+    assert query_chunks(seqlen, 64, 4, False, torch.device("cpu"), True, True, counted=True) == cap
+
+
 @pytest.mark.parametrize("deterministic", [True, False], ids=["in-order", "atomic"])
 @pytest.mark.parametrize("chunks", [2, 3], ids=lambda c: f"chunks{c}")
 @pytest.mark.parametrize(

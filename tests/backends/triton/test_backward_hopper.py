@@ -98,16 +98,18 @@ def hopper_calls(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "chunks, deterministic", [(1, False), (3, False), (3, True)], ids=["chunks1", "chunks3", "chunks3-deterministic"],
+    "chunks, counted, deterministic", [(1, False, False), (3, False, False), (8, True, False), (3, False, True)],
+    ids=["chunks1", "chunks3", "counted-up-to-8", "chunks3-deterministic"],
 )
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", CASES + PAIR_CASES, ids=str)
-def test_hopper_gradients_match_reference(case, dtype, chunks, deterministic, hopper_calls, poison_outputs):
+def test_hopper_gradients_match_reference(case, dtype, chunks, counted, deterministic, hopper_calls, poison_outputs):
     """Written directly (one chunk) or added up in fp32 scratch (three chunks of each key tile's
-    queries): by atomics, or deterministic, in slices of their own, summed in chunk order."""
+    queries, or as many up to 8 as the columns' work counted by the kernel wants): by atomics, or
+    deterministic, in slices of their own, summed in chunk order."""
     inputs = make_inputs(case, dtype, requires_grad=True)
     before = {name: t.detach().clone() for name, t in inputs.items() if t is not None}
-    with forced_query_chunks(chunks):
+    with forced_query_chunks(chunks, counted):
         out = triton_call(case, inputs, deterministic=deterministic)
         dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
         out.backward(dout)

@@ -48,6 +48,7 @@ from flash_dma.integers import cdiv
 
 # The walk's index arithmetic is shared with the Triton kernels: scalar code runs as Gluon as is.
 key_walk = gluon.jit(tiles.key_walk.fn)
+query_walk = gluon.jit(tiles.query_walk.fn)
 sequence_span = gluon.jit(tiles.sequence_span.fn)
 summary_row = gluon.jit(tiles.summary_row.fn)
 _summary_list = gluon.jit(tiles.summary_list.fn)
@@ -165,7 +166,7 @@ def hopper_arguments(
     ``runtime`` are their strides (mask and bias as ``b, h, q, k``, zero where broadcast), the
     rows (all but the last axis) and columns of mask and bias,
     ``batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group``, the head divisors of mask,
-    bias and walk, the summary's block sizes, the band (``_launch_band``: ``seq`` is the kernel's SEQ) and
+    bias and walk, the summary's block sizes, the band (``launch_band``: ``seq`` is the kernel's SEQ) and
     ``scale, scale_log2``; ``constexprs`` ``MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP``.
     """
     q, mask, bias = call.q, call.mask, call.bias
@@ -178,7 +179,7 @@ def hopper_arguments(
         *((0, 0) if bias is None else (bias.numel() // bias.shape[-1], bias.shape[-1])),
         batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, num_heads // num_kv_heads,
         head_divisor(mask, num_heads), head_divisor(bias, num_heads), head_divisor(walk, num_heads),
-        call.list_block_q, call.list_block_k, *_launch_band(call, seqlen_q, seqlen_k, seq),
+        call.list_block_q, call.list_block_k, *launch_band(call, seqlen_q, seqlen_k, seq),
         call.softmax_scale, call.softmax_scale * tiles.LOG2E.value,
         call.softcap * tiles.LOG2E.value, call.softmax_scale / call.softcap if call.softcap > 0 else 0.0,
     ]
@@ -189,7 +190,7 @@ def hopper_arguments(
     return runtime, constexprs
 
 
-def _launch_band(call: Call, seqlen_q: int, seqlen_k: int, seq: int) -> tuple[int, int]:
+def launch_band(call: Call, seqlen_q: int, seqlen_k: int, seq: int) -> tuple[int, int]:
     """The band the kernels get: on the bottom-right diagonal of the whole tensors, or where each
     entry has lengths of its own (packed sequences, a KV cache's entries) on none (each entry
     moves it onto its own: ``entry_span``), its unbounded sides out of the longest entries' reach."""
@@ -329,7 +330,7 @@ class Span:
 def entry_span(p, batch):
     """The :class:`Span` of batch entry ``batch``: the whole tensors, one packed sequence, or a KV
     cache's entry (its keys in cache row ``batch``, as many as its length says), whose band the
-    kernel moves onto its own diagonal (the launch's is on none: ``_launch_band``)."""
+    kernel moves onto its own diagonal (the launch's is on none: ``launch_band``)."""
     tokens, q_start, seqlen_q, k_start, seqlen_k = sequence_span(p.SeqQ, p.SeqK, batch, p.seqlen_q, p.seqlen_k, p.SEQ)
     band_lo = p.band_lo
     band_hi = p.band_hi

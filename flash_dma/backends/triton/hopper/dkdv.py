@@ -20,7 +20,10 @@ group, so K and V are read once per item. Items are taken first key tiles first 
 band they see the most queries). With one query chunk, dK and dV are written directly. With
 several, their parts add up in fp32 scratch: by atomics into zeroed scratch, which the caller
 converts, or, deterministic (SLICES), each chunk into a slice of its own, which the caller sums
-in chunk order. (Chunks that waited for their turn to add, as the Triton kernel's do, made the
+in chunk order. Walking a block summary, the chunks follow the mask's real density: a small
+Triton kernel first counts every column's query tiles (``column_work``), and the loader takes as
+many chunks as make the longest column's items no larger than a program's share
+(``_counted_chunks``), up to the host's count. (Chunks that waited for their turn to add, as the Triton kernel's do, made the
 step 2.9x slower: a chunk's program can be two items behind its neighbours'.)
 
 With a key list (a per-key mask's kept keys, ``key_list.py``) an item's keys are slots of the
@@ -39,6 +42,7 @@ batch or the key/value heads, or a walk that differs per head) it is added by fp
 # No `from __future__ import annotations`: the records below need their field types as objects.
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -70,7 +74,7 @@ from flash_dma.backends.triton.hopper.common import (
     interval_rows,
     jit_with_runtime_scalars,
     kept_by_bits,
-    key_walk,
+    launch_band,
     log2_scores,
     pair_bias,
     pair_buffers,
@@ -78,11 +82,11 @@ from flash_dma.backends.triton.hopper.common import (
     pair_inside,
     pair_offsets,
     put,
+    query_walk,
     record,
     row_statistics,
     softcap_slope,
     staged_pair_row,
-    summary_row,
     tile_at,
     tile_count,
     tile_descriptor,
@@ -166,8 +170,9 @@ class _Problem:
     num_heads: gl.tensor
     num_kv_heads: gl.tensor
     group: gl.tensor
-    chunks: gl.tensor
+    chunks: gl.tensor  # per column in ``items``; with ``counted``, the most the loader's queue takes
     items: gl.tensor
+    counted: gl.tensor  # whether ``column_work`` counted the columns' work (``_counted_chunks``)
     entries: gl.tensor  # packed sequences: how many (``batch`` is then the token tensors', 1)
     mask_head_div: gl.tensor
     bias_head_div: gl.tensor
@@ -232,17 +237,43 @@ class _Buffers:
 
 
 @gluon.jit
-def _column_position(p, index):
-    """``(key_tile, chunk, batch, kv_head)`` of work item ``index``: key tiles from the first,
-    then the chunks of one column side by side (``batch``: the entry, a sequence when packed)."""
+def _entries(p):
+    """Batch entries the work items span: sequences when packed."""
     if p.SEQ == tiles.SEQ_PACKED:
-        entries = p.entries
+        return p.entries
     else:
-        entries = p.batch
-    per_tile = p.chunks * entries * p.num_kv_heads
+        return p.batch
+
+
+@gluon.jit
+def _column_position(p, index, chunks):
+    """``(key_tile, chunk, batch, kv_head)`` of work item ``index`` of a queue of ``chunks``
+    chunks per column: key tiles from the first, then the chunks of one column side by side
+    (``batch``: the entry, a sequence when packed)."""
+    per_tile = chunks * _entries(p) * p.num_kv_heads
     rest = index % per_tile
-    batch_head = rest // p.chunks
-    return index // per_tile, rest % p.chunks, batch_head // p.num_kv_heads, batch_head % p.num_kv_heads
+    batch_head = rest // chunks
+    return index // per_tile, rest % chunks, batch_head // p.num_kv_heads, batch_head % p.num_kv_heads
+
+
+@gluon.jit
+def _item_index(p, key_tile, chunk, batch, kv_head):
+    """The index of a work item in a queue of ``p.chunks`` chunks per column (``_column_position``'s
+    inverse): how the loader names the items it hands on, whatever chunks its queue has."""
+    return ((key_tile * _entries(p) + batch) * p.num_kv_heads + kv_head) * p.chunks + chunk
+
+
+@gluon.jit
+def _counted_chunks(p):
+    """Query chunks for the columns' work that ``column_work`` counted (``p.Queue[1:3]``): the
+    longest column's query tiles over the mean per program, rounded, so that no item outweighs
+    a program's share, at least 1 and at most the host's ``p.chunks``. ``backward.query_chunks``
+    alone can only assume how much of a mask is kept (1/8): a sparser mask left most SMs without
+    items, a denser one paid for chunks' additions it did not need."""
+    longest = gl.load(p.Queue + 1)
+    total = gl.maximum(gl.load(p.Queue + 2), 1)
+    wanted = (2 * longest * gl.num_programs(0) + total) // (2 * total)
+    return gl.minimum(gl.maximum(wanted, 1), p.chunks)
 
 
 @gluon.jit
@@ -279,18 +310,15 @@ def _slots_below(first_slot, limit, KEYS: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _head_walk(p, key_tile, chunk, batch, head, span, k_first, k_last):
+def _head_walk(p, key_tile, chunk, chunks, batch, head, span, k_first, k_last):
     """The query tiles that see the keys ``[k_first, k_last]`` of key tile ``key_tile`` for query
-    head ``head``, chunk ``chunk`` of them: ``tiles.key_walk`` along the other axis (``key -
-    query`` in the band: ``query - key`` in its negation), over the transposed summary (or densely
-    under a key list), within the entry's ``span``."""
+    head ``head``, chunk ``chunk`` of ``chunks``: ``tiles.query_walk``, over the transposed
+    summary (or densely under a key list), within the entry's ``span``."""
     QUERY_WALK: gl.constexpr = tiles.WALK_DENSE if p.WALK == tiles.WALK_KEYS else p.WALK
     walk = input_base(p.Walk, p.stride_wb, p.stride_wh, p.walk_head_div, batch, head)
-    row_offset = summary_row(key_tile, p.list_block_k, p.BLOCK_N).to(gl.int64) * p.stride_wr
-    k_last = gl.minimum(k_last, span.seqlen_k - 1)
-    lists, tiles_per_block, query_limit, partial_lo, partial_hi, lo, _, _, hi = key_walk(
-        walk, p.walk_width, row_offset, span.seqlen_q, k_first, k_last,
-        -span.band_hi, -span.band_lo, p.list_block_q, chunk, p.chunks, QUERY_WALK, p.BLOCK_M,
+    lists, tiles_per_block, query_limit, partial_lo, partial_hi, lo, _, _, hi = query_walk(
+        walk, p.walk_width, p.stride_wr, key_tile, k_first, k_last, span.seqlen_q, span.seqlen_k, span.band_lo, span.band_hi,
+        p.list_block_q, p.list_block_k, chunk, chunks, QUERY_WALK, p.BLOCK_M, p.BLOCK_N,
     )
     if (p.SEQ == tiles.SEQ_PACKED) or (p.WALK == tiles.WALK_KEYS):
         # A key tile past its sequence's keys (the items span the longest), or of dropped keys only: no tiles.
@@ -301,11 +329,11 @@ def _head_walk(p, key_tile, chunk, batch, head, span, k_first, k_last):
 
 
 @gluon.jit
-def _item_tiles(p, key_tile, chunk, batch, kv_head, span, k_first, k_last):
+def _item_tiles(p, key_tile, chunk, chunks, batch, kv_head, span, k_first, k_last):
     """Query tiles of a work item over the group's heads."""
     count = 0
     for g in range(p.group):
-        count += tile_count(_head_walk(p, key_tile, chunk, batch, kv_head * p.group + g, span, k_first, k_last))
+        count += tile_count(_head_walk(p, key_tile, chunk, chunks, batch, kv_head * p.group + g, span, k_first, k_last))
     return count
 
 
@@ -375,14 +403,18 @@ def _load_columns(p, bufs):
     published = 0
     kv_loaded = 0
     loaded = 0  # Q/dO tiles so far: the ring position
+    chunks = p.chunks
+    if p.counted != 0:
+        chunks = _counted_chunks(p)
+    items = p.items // p.chunks * chunks
     index = gl.atomic_add(p.Queue, 1)
-    while index < p.items:
-        key_tile, chunk, batch, kv_head = _column_position(p, index)
+    while index < items:
+        key_tile, chunk, batch, kv_head = _column_position(p, index, chunks)
         span = entry_span(p, batch)
         _, _, k_first, k_last = _column_keys(p, key_tile * p.BLOCK_N, batch, kv_head, span, p.BLOCK_N, key_layout)
-        count = _item_tiles(p, key_tile, chunk, batch, kv_head, span, k_first, k_last)
+        count = _item_tiles(p, key_tile, chunk, chunks, batch, kv_head, span, k_first, k_last)
         if (count > 0) | (p.chunks == 1) | p.SLICES:
-            _publish(bufs, published, index, count)
+            _publish(bufs, published, _item_index(p, key_tile, chunk, batch, kv_head), count)
             published += 1
         if count > 0:
             kv = kv_loaded % p.KV_BUFFERS
@@ -394,7 +426,7 @@ def _load_columns(p, bufs):
             kv_loaded += 1
             first_head = kv_head * p.group
             if p.HEADS_INNER:
-                it = _head_walk(p, key_tile, chunk, batch, first_head, span, k_first, k_last)
+                it = _head_walk(p, key_tile, chunk, chunks, batch, first_head, span, k_first, k_last)
                 for j in range(tile_count(it)):
                     tile, partial = tile_at(p, it, j)
                     for g in range(p.group):
@@ -402,7 +434,7 @@ def _load_columns(p, bufs):
                         loaded += 1
             else:
                 for g in range(p.group):
-                    it = _head_walk(p, key_tile, chunk, batch, first_head + g, span, k_first, k_last)
+                    it = _head_walk(p, key_tile, chunk, chunks, batch, first_head + g, span, k_first, k_last)
                     for j in range(tile_count(it)):
                         tile, partial = tile_at(p, it, j)
                         _load_query_tile(p, bufs, loaded, batch, first_head + g, g, key_tile, tile, partial, span, row_layout)
@@ -532,7 +564,7 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
     index, count = _take(bufs, taken)
     while index >= 0:
         taken += 1
-        key_tile, chunk, batch, kv_head = _column_position(p, index)
+        key_tile, chunk, batch, kv_head = _column_position(p, index, p.chunks)
         span = entry_span(p, batch)
         first_key = key_tile * p.BLOCK_N + FIRST  # the first slot (a key, unless a key list is walked)
         keys, kept, k_first, k_last = _column_keys(p, first_key, batch, kv_head, span, KEYS, keys_of_s)  # [KEYS]
@@ -666,7 +698,7 @@ def _dkdv_hopper_kernel(
     SOFTCAP: gl.constexpr,
     DO, Lse, Delta, DK, DV, ScratchK, ScratchV, DBias, Queue,
     stride_dob, stride_dos, stride_doh, stride_gb, stride_gs, stride_gh,
-    stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk, dbias_head_div, dbias_rows, chunks, items, entries,
+    stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk, dbias_head_div, dbias_rows, chunks, items, counted, entries,
     DBIAS: gl.constexpr, DBIAS_ATOMIC: gl.constexpr, DBIAS_HEAD_SHARED: gl.constexpr, SLICES: gl.constexpr,
     Q_STAGES: gl.constexpr, KV_BUFFERS: gl.constexpr, ROLES: gl.constexpr, SEQ: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -732,7 +764,7 @@ def _dkdv_hopper_kernel(
         stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
         stride_wb, stride_wh, stride_wr, walk_width,
         stride_gb, stride_gs, stride_gh, stride_dbc, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
-        batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group, chunks, items, entries,
+        batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group, chunks, items, counted, entries,
         mask_head_div, bias_head_div, walk_head_div, dbias_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
         MASK, BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEADS_INNER, HEAD_DIM, COLUMNS, STAGED_BIAS, STAGED_DBIAS, SOFTCAP, SLICES, Q_STAGES,
@@ -751,9 +783,80 @@ hopper_dkdv_launcher = Launcher(
 )
 
 
+_WORK_COLUMNS = 1024  # columns per program of ``_column_work_kernel``
+
+
+@triton.jit(do_not_specialize=[
+    "stride_wb", "stride_wh", "stride_wr", "walk_width", "walk_head_div", "batch", "seqlen_q", "seqlen_k",
+    "num_kv_heads", "group", "list_block_q", "list_block_k", "band_lo", "band_hi",
+])
+def _column_work_kernel(
+    Walk, Work,
+    stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_q, seqlen_k, num_kv_heads, group,
+    list_block_q, list_block_k, band_lo, band_hi,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLUMNS: tl.constexpr,
+):
+    """The work of the columns (key tile, batch entry, key/value head) of a dK/dV call that walks
+    a block summary over fixed sequences, for ``_counted_chunks``: the most query tiles (over the
+    group's heads) a column has, atomically maxed into ``Work[1]``, and their sum, added into
+    ``Work[2]`` (zeroed). Each program counts ``COLUMNS`` columns' walks (``tiles.query_walk``)."""
+    key_tiles = tl.cdiv(seqlen_k, BLOCK_N)
+    columns = batch * num_kv_heads * key_tiles
+    index = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)  # [COLUMNS]
+    inside = index < columns
+    index = tl.minimum(index, columns - 1)
+    key_tile = index % key_tiles
+    batch_head = index // key_tiles
+    first_head = (batch_head % num_kv_heads) * group
+    first_key = key_tile * BLOCK_N
+    base = Walk + (batch_head // num_kv_heads).to(tl.int64) * stride_wb
+    # The group's heads share one walk under a summary per key/value head (or broadcast): count it once.
+    heads = tl.where((stride_wh == 0) | (walk_head_div % group == 0), 1, group)
+    work = tl.zeros([COLUMNS], tl.int32)
+    for g in range(0, heads):
+        walk = base + ((first_head + g) // walk_head_div).to(tl.int64) * stride_wh
+        _, _, _, partial_lo, partial_hi, lo, _, _, hi = tiles.query_walk(
+            walk, walk_width, stride_wr, key_tile, first_key, first_key + BLOCK_N - 1, seqlen_q, seqlen_k, band_lo, band_hi,
+            list_block_q, list_block_k, 0, 1, tiles.WALK_BLOCKS, BLOCK_M, BLOCK_N,
+        )
+        work += (partial_hi - partial_lo) + (hi - lo)
+    work = tl.where(inside, work * (group // heads), 0)
+    tl.atomic_max(Work + 1, tl.max(work, 0))
+    tl.atomic_add(Work + 2, tl.sum(work, 0))
+
+
+_column_work_launcher = Launcher(_column_work_kernel, tensors=("Walk", "Work"), specialized=())
+
+
+def column_work(call: Call, walk: torch.Tensor, work: torch.Tensor, tile: triton.Config, signature: tuple) -> None:
+    """Count the work of ``call``'s dK/dV columns into ``work[1:3]`` (``_column_work_kernel``):
+    ``walk`` is its transposed block summary ``[Bm, Hm, NKB, 2, 2, NQB + 1]``, ``tile`` the
+    kernel's configuration, ``signature`` the call's layouts (``hopper_dkdv``'s)."""
+    q, k = call.q, call.k
+    batch, seqlen_q, num_heads = q.shape[:3]
+    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+    block_m, block_n = tile.kwargs["BLOCK_M"], tile.kwargs["BLOCK_N"]
+
+    def build():
+        args = [
+            walk, work, *broadcast_strides(walk)[:3], walk.shape[-1], head_divisor(walk, num_heads), batch, seqlen_q, seqlen_k,
+            num_kv_heads, num_heads // num_kv_heads, call.list_block_q, call.list_block_k,
+            *launch_band(call, seqlen_q, seqlen_k, tiles.SEQ_FIXED), block_m, block_n, _WORK_COLUMNS,
+        ]
+        return args, (block_m, block_n)
+
+    columns = batch * num_kv_heads * cdiv(seqlen_k, block_n)
+    if columns == 0:
+        return
+    _column_work_launcher.launch(
+        signature, [walk, work], build, configs.single_program_config, lambda meta: (cdiv(columns, _WORK_COLUMNS),),
+    )
+
+
 def hopper_dkdv(
     call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-    dbias_acc: torch.Tensor | None, dbias_flags: tuple, chunks: int, signature: tuple, sequences: Sequences | None = None,
+    dbias_acc: torch.Tensor | None, dbias_flags: tuple, chunks: int, counted: bool, signature: tuple,
+    sequences: Sequences | None = None,
 ) -> None:
     """Write ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` of ``call`` (and the bias gradient into
     ``dbias_acc``, zeroed: ``[chunks, Bd, Hd, 1, Sk]`` float32 per key, ``[1, Bd, Hd, Sq, Sk]``
@@ -763,7 +866,8 @@ def hopper_dkdv(
 
     ``dout`` ``[B, Sq, H, D]``; ``lse``, ``delta`` ``[B, H, Sq]`` float32, contiguous;
     ``dbias_flags`` is ``(kind, atomic, head_shared)`` of ``backward.bias_gradient``;
-    ``chunks`` splits each key tile's queries; a deterministic call's parts go to fp32 slices
+    ``chunks`` splits each key tile's queries (``counted``: into at most ``chunks``, as many as
+    the columns' work wants, ``column_work``); a deterministic call's parts go to fp32 slices
     (``chunks`` times dK and dV in memory), summed in chunk order. ``signature`` holds the layouts of the call, of
     ``dout`` and of the gradients (``backward.attention_backward``'s): the launch is prepared
     once per signature.
@@ -787,8 +891,11 @@ def hopper_dkdv(
         scratch_k = torch.zeros(dk.shape, dtype=torch.float32, device=device)
         scratch_v = torch.zeros(dv.shape, dtype=torch.float32, device=device)
     dbias_target = placeholder(device, torch.float32) if dbias_acc is None else dbias_acc
-    queue = torch.zeros(1, dtype=torch.int32, device=device)
+    # The queue's counter; counted, then the longest column's work and their sum (``column_work``).
+    queue = torch.zeros(3 if counted else 1, dtype=torch.int32, device=device)
     k, v, walk, walk_flag = walked_keys(call, call.q_lists)
+    if counted:
+        column_work(call, walk, queue, tile, signature)
     tensors = hopper_tensors(call, k, v, walk)
     own_tensors = [dout, lse, delta, dk, dv, scratch_k, scratch_v, dbias_target, queue]
 
@@ -799,12 +906,12 @@ def hopper_dkdv(
             *dout.stride()[:3], *dk.stride()[:3],
             0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0), *broadcast_strides(dbias_slice),
             head_divisor(dbias_slice, num_heads), 0 if dbias_slice is None else dbias_slice.numel() // seqlen_k,
-            chunks, items, entries, *dbias_flags, slices, Q_STAGES[head_dim_tile(head_dim)], 1 if wide else 2, wide, seq,
+            chunks, items, int(counted), entries, *dbias_flags, slices, Q_STAGES[head_dim_tile(head_dim)], 1 if wide else 2, wide, seq,
         ]
         return [*tensors, *seq_tables, *runtime, *flags, *own_tensors, *own], (q.dtype, dk.dtype, *flags, *dbias_flags, slices)
 
     hopper_dkdv_launcher.launch(
-        (signature, chunks, dbias_flags), [*tensors, *seq_tables, *own_tensors], build, lambda: [tile],
+        (signature, chunks, counted, dbias_flags), [*tensors, *seq_tables, *own_tensors], build, lambda: [tile],
         lambda meta: (min(items, configs.multiprocessor_count(device)),),
     )
     if slices:  # summed in chunk order: the same bits on every run
