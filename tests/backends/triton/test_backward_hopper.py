@@ -124,11 +124,16 @@ def test_hopper_gradients_match_reference(case, dtype, chunks, counted, determin
 def test_hopper_walks_a_per_query_block_summary(dtype, hopper_calls, monkeypatch, poison_outputs):
     """A per-query-block top-k (``topk_block_mask(query_len=...)``) with no element-wise mask:
     both kernels walk its lists, and dK/dV counts it as a mask when choosing query chunks (its
-    columns are sparse; the sink column is seen by every query)."""
+    columns are sparse; the sink column is seen by every query), and counts its columns' work."""
     case = Case(seqlen_q=1000, seqlen_k=1000, heads=4, kv_heads=2, head_dim=128, bias=PER_KEY, causal=True)
     masked = []
     real = backward_module.query_chunks
-    monkeypatch.setattr(backward_module, "query_chunks", lambda *args: (masked.append(args[-1]), real(*args))[1])
+
+    def recorded(seqlen_q, seqlen_k, kv_entries, in_order, device, queued, is_masked, counted):
+        masked.append((is_masked, counted))
+        return real(seqlen_q, seqlen_k, kv_entries, in_order, device, queued, is_masked, counted)
+
+    monkeypatch.setattr(backward_module, "query_chunks", recorded)
     memo.forget_memos()  # the chunks of a layout seen before are remembered
     inputs = make_inputs(case, dtype, requires_grad=True)
     summary = topk_block_mask(
@@ -138,7 +143,7 @@ def test_hopper_walks_a_per_query_block_summary(dtype, hopper_calls, monkeypatch
     out = triton_call(case, inputs, block_mask=summary)
     dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
     out.backward(dout)
-    assert hopper_calls == ["dkdv", "dq"] and masked == [True]
+    assert hopper_calls == ["dkdv", "dq"] and masked == [(True, True)]
     as_elements = dict(inputs, attn_mask=summary.dense_rows(0, case.seqlen_q, case.seqlen_k) == FULL)
     _, _, oracle = reference_outputs(case, as_elements, dout, torch.float64)
     _, _, baseline = reference_outputs(case, as_elements, dout, dtype)
