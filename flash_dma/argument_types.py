@@ -63,7 +63,6 @@ def fraction_list(text: str) -> tuple[float, ...]:
     return _comma_list(text, _fraction, "comma-separated fractions in (0, 1] such as 1/8,0.5,1")
 
 
-
 def _count(text: str) -> int:
     value = int(text)
     if value < 1:

@@ -22,8 +22,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import flash_dma
-from flash_dma.backends.triton.backward import forced_query_chunks
 from flash_dma.argument_types import count_list, fraction_list, length_list
+from flash_dma.backends.triton.backward import forced_query_chunks
 from flash_dma.benchmark.inputs import make_inputs
 from flash_dma.benchmark.measure import make_step
 from flash_dma.benchmark.methods import METHODS

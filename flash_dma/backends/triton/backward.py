@@ -601,12 +601,12 @@ def query_chunks(
       itself (``hopper/dkdv._counted_chunks``), so the mask's real density, not an assumed 1/8,
       picks the chunks; this gives the most it may take.
     """
-    if counted:
-        return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_ATOMIC_CHUNK))
     if in_order:
         return max(1, min(MAX_QUERY_CHUNKS, seqlen_q // _QUERIES_PER_CHUNK))
     columns = max(kv_entries * cdiv(seqlen_k, _COLUMN_KEYS), 1)
-    if queued:
+    if counted:
+        wanted = MAX_QUERY_CHUNKS
+    elif queued:
         working = cdiv(columns, 8) if masked else columns
         wanted = cdiv(3 * configs.multiprocessor_count(device), 2 * working)
     else:
