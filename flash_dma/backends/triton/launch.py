@@ -26,8 +26,8 @@ kernel on a pool of threads (:meth:`Launcher.compile_ahead`). The call's first l
 kernel compiled runs it (:func:`run_ahead`); then every kernel of the call compiles side by side,
 and each launch waits for its own. Threads suffice for all but Triton's front end (Python, holding
 the GIL: docs/design-notes.md, "The first call: the kernels it compiles"): Triton releases the GIL
-in its LLVM passes and runs ptxas and the host compiler as subprocesses. The front ends therefore
-take turns (:class:`_FrontEnds`), in the order the launches reached them; each kernel's C launcher
+in its LLVM passes and runs ptxas and the host compiler as subprocesses. The compilations therefore
+take turns until their front ends end (:class:`_FrontEnds`), the Gluon kernels' first; each kernel's C launcher
 builds as soon as its front end is done (:func:`_build_launcher`), and the interpreter's switch
 interval is short while the pool works (:class:`_QuickHandOffs`), so that a back end taking the
 GIL back does not wait 5 ms each time for a front end. Never under CUDA
@@ -38,6 +38,7 @@ autotuning or the interpreter (``configs.compile_ahead_enabled``), nor with
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import inspect
@@ -222,6 +223,8 @@ class Launcher:
         self.pending: dict = {}  # launch signature -> Future of (CompiledKernel, Config), compiling ahead
         self.plans = Memo()  # (caller's layout, pointers aligned) -> Prepared
         self._stored: dict | None = None  # tuning choices on disk, read on first use
+        # Compiling ahead: Gluon kernels take their turns first (_FrontEnds).
+        self.compile_rank = 0 if getattr(kernel, "is_gluon", lambda: False)() else 1
         _LAUNCHERS.append(self)
 
     def launch(self, layout, tensors: list, build: Callable[[], tuple[list, tuple]], candidates, grid) -> None:
@@ -301,7 +304,7 @@ class Launcher:
             pointers = list(args)
             for slot in self.tensor_slots:
                 pointers[slot] = _Pointer(args[slot])
-            future = _FRONT_ENDS.submit(_pool().threads, self._compile_on_pool, pointers, key, candidates())
+            future = _FRONT_ENDS.submit(_pool().threads, self.compile_rank, self._compile_on_pool, pointers, key, candidates())
             self.pending[signature] = future
         return future
 
@@ -545,70 +548,76 @@ def _start_warm_up() -> threading.Thread | None:
 
 
 class _FrontEnds:
-    """Triton's front ends (a kernel's Python made into IR), one at a time, the pool's in the order
-    the call's launches handed their compilations over.
+    """The pool's compilations, one at a time until each has passed its front end (a kernel's
+    Python made into IR), the Gluon kernels' first.
 
-    A front end holds the GIL. Side by side, those of a call's kernels would interleave and all end
-    together, so that the forward's kernel would reach its LLVM passes and ptxas, which release the
-    GIL, only as late as the backward's last; in turn, each ends as early as its place allows. A
-    compilation of the pool holds a ticket, taken as it is handed to the pool, and its front end
-    waits for the tickets before it to pass theirs (or to finish without one: a cached kernel has
-    none); a compilation off the pool takes the next free turn.
+    A front end holds the GIL, and so does the Python before it (the kernel's cache key, the tile
+    choice, Triton's binder and cache lookup). Side by side, a call's compilations would share the
+    GIL, and each would reach its LLVM passes and ptxas (which release it) as late as the last.
+    So a compilation of the pool takes its turn as it starts and hands it on when its front end
+    ends (or when it ends without one: a cached kernel). Turns go by ``(rank, ticket)``: rank 0
+    for Gluon kernels, whose warp-specialised code compiles for several times longer than any
+    other kernel's, so that the longest start first; then the order in which the call's launches
+    handed their compilations over, which for the Gluon kernels is the order the call needs them
+    (forward, dK/dV, dQ). docs/design-notes.md, "The first call: the kernels it compiles", has the
+    timeline. A front end off the pool takes the next free turn.
     """
+
+    FREE_TURN = ()  # a turn taken off the queue (a front end off the pool)
 
     def __init__(self):
         self._changed = threading.Condition()
         self._issued = 0
-        self._queued: list[int] = []  # tickets yet to pass their front end, ascending
+        self._queued: list[tuple[int, int]] = []  # (rank, ticket) of the started compilations' turns to come, in order
         self._running = False
-        self._held = threading.local()  # the ticket of the compilation this thread runs
+        self._held = threading.local()  # the turn this thread holds: a queued place, FREE_TURN, or None
 
-    def submit(self, threads: ThreadPoolExecutor, compile_on_pool: Callable, *args) -> Future:
-        """``threads.submit(compile_on_pool, *args)``, run as the holder of a ticket taken in the same
-        step: the pool starts its compilations in the order of their tickets, so that no turn waits
-        for a compilation that no thread will start. The ticket is given up however the compilation
-        ends (done, failed, or cancelled before it started): one left queued would hold every later
-        front end of the pool up for good."""
+    def submit(self, threads: ThreadPoolExecutor, rank: int, compile_on_pool: Callable, *args) -> Future:
+        """``threads.submit(compile_on_pool, *args)``, run in its turn: ``rank``, then a ticket taken
+        here. Only a started compilation queues for a turn: one that no thread has started yet (the
+        pool's threads all busy) holds none up."""
         with self._changed:
-            ticket = self._issued
+            place = (rank, self._issued)
             self._issued += 1
-            self._queued.append(ticket)
-            try:
-                future = threads.submit(self._holding, ticket, compile_on_pool, *args)
-            except BaseException:
-                self._queued.remove(ticket)
-                raise
-        future.add_done_callback(lambda _: self._passed(ticket))
-        return future
+        return threads.submit(self._holding, place, compile_on_pool, *args)
 
-    def _holding(self, ticket: int, compile_on_pool: Callable, *args):
-        """``compile_on_pool(*args)`` in a thread of the pool, its front end in ``ticket``'s turn."""
-        self._held.ticket = ticket
+    def _holding(self, place: tuple[int, int], compile_on_pool: Callable, *args):
+        """``compile_on_pool(*args)`` in a thread of the pool, from the start of ``place``'s turn
+        until its front end ends. The place is given up however the compilation ends (done, or
+        failed): one left queued would hold every later turn up for good."""
+        with self._changed:
+            bisect.insort(self._queued, place)
+            self._changed.wait_for(lambda: not self._running and self._queued[0] == place)
+            self._running = True
+        self._held.place = place
         try:
             return compile_on_pool(*args)
         finally:
-            self._held.ticket = None
+            self._hand_on()  # no front end ran (a cached kernel, an error before it)
 
     @contextmanager
     def turn(self) -> Iterator[None]:
-        """Run a front end in this thread's turn."""
-        ticket = getattr(self._held, "ticket", None)
-        with self._changed:
-            self._changed.wait_for(lambda: not self._running and (ticket not in self._queued or self._queued[0] == ticket))
-            self._running = True
+        """Run a front end in this thread's turn, which ends with it; without one (off the pool, or
+        a second front end of one compilation: another configuration), in the next free turn."""
+        if getattr(self._held, "place", None) is None:
+            with self._changed:
+                self._changed.wait_for(lambda: not self._running)
+                self._running = True
+            self._held.place = self.FREE_TURN
         try:
             yield
         finally:
-            self._held.ticket = None  # a second front end (another configuration) waits for no turn
+            self._hand_on()
+
+    def _hand_on(self) -> None:
+        """End the turn this thread holds, if any."""
+        place, self._held.place = getattr(self._held, "place", None), None
+        if place is not None:
             with self._changed:
                 self._running = False
-            self._passed(ticket)
-
-    def _passed(self, ticket: int | None) -> None:
-        with self._changed:
-            if ticket in self._queued:
-                self._queued.remove(ticket)
-            self._changed.notify_all()
+                if place in self._queued:
+                    self._queued.remove(place)
+                self._changed.notify_all()
 
 
 _FRONT_ENDS = _FrontEnds()

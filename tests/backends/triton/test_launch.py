@@ -363,49 +363,71 @@ def test_front_ends_take_turns_and_keep_the_cache_key():
     assert not hasattr(interpreted, "ASTSource")
 
 
-def test_front_ends_run_one_at_a_time_in_the_order_of_their_tickets(monkeypatch):
-    """The pool's compilations run their front ends one at a time, in the order they were handed to
-    the pool, whichever thread reaches its front end first; one that finishes without a front end
-    (a cached kernel) holds no later one up, and a compilation off the pool takes a free turn."""
+def test_compilations_take_turns_until_their_front_ends_end_gluon_kernels_first(monkeypatch):
+    """The pool's compilations run one at a time from their start to the end of their front end
+    (the Python before it included), by rank (Gluon kernels first), then in the order they were
+    handed to the pool; one that ends without a front end (a cached kernel) holds no later one up,
+    and a front end off the pool takes a free turn."""
     import threading
     import time
 
     front_ends = launch._FrontEnds()
     monkeypatch.setattr(launch, "_FRONT_ENDS", front_ends)
-    spans, lock = [], threading.Lock()
+    spans, starts, lock, gate = [], {}, threading.Lock(), threading.Event()
+
+    def span(name):
+        with lock:
+            spans.append((starts.get(name, 0.0), time.perf_counter(), name))
 
     class Slow:
         def make_ir(self, name):
-            start = time.perf_counter()
-            time.sleep(0.03)
-            with lock:
-                spans.append((start, time.perf_counter(), name))
+            starts.setdefault(name, time.perf_counter())  # off the pool, its turn starts here
+            time.sleep(0.02)
+            span(name)  # the front end's end: the turn passes on after it
 
     source = launch._in_turn(Slow)()
-    # Each compilation reaches its front end later the earlier its ticket: the reverse of its turn.
-    delays = {"cached": 0.20, "first": 0.15, "second": 0.10, "third": 0.0}
 
     def compile_on_pool(name):
-        time.sleep(delays[name])
-        if name != "cached":
+        if name == "gate":
+            assert gate.wait(5)
+            return
+        starts[name] = time.perf_counter()
+        time.sleep(0.02)  # the Python before the front end: in the turn too
+        if name == "cached":
+            span(name)
+        else:
             source.make_ir(name)
 
-    with ThreadPoolExecutor(4) as threads:
-        futures = [front_ends.submit(threads, compile_on_pool, name) for name in delays]
+    ranked = [(1, "helper 1"), (1, "cached"), (0, "gluon 1"), (1, "helper 2"), (0, "gluon 2")]
+    with ThreadPoolExecutor(len(ranked) + 1) as threads:
+        futures = [front_ends.submit(threads, 1, compile_on_pool, "gate")]  # holds the first turn
+        futures += [front_ends.submit(threads, rank, compile_on_pool, name) for rank, name in ranked]
+        deadline = time.monotonic() + 5
+        while len(front_ends._queued) < len(futures) and time.monotonic() < deadline:
+            time.sleep(0.005)  # every compilation started and queued for its turn
+        gate.set()
         source.make_ir("off the pool")
         for future in futures:
-            future.result()
+            future.result(timeout=5)
     spans.sort()
     assert all(end <= next_start for (_, end, _), (next_start, _, _) in zip(spans, spans[1:])), spans
     on_pool = [name for _, _, name in spans if name != "off the pool"]
-    assert on_pool == ["first", "second", "third"] and front_ends._queued == []
+    assert on_pool == ["gluon 1", "gluon 2", "helper 1", "cached", "helper 2"]
+    assert front_ends._queued == []
+
+
+def test_a_launcher_ranks_gluon_kernels_first():
+    from flash_dma.backends.triton.hopper.forward import hopper_launcher
+    from flash_dma.backends.triton.key_list import count_launcher
+
+    assert (hopper_launcher.compile_rank, count_launcher.compile_rank) == (0, 1)
 
 
 @pytest.mark.parametrize("ending", ["cancelled", "failed", "no front end"])
 def test_a_compilation_that_never_reaches_its_front_end_holds_no_later_one_up(monkeypatch, ending):
-    """A ticket is given up however its compilation ends, so that a later compilation of the pool
-    still gets its turn: one left queued (a future cancelled before it started, say) would hold it
-    up for good."""
+    """A turn is given up however its compilation ends, so that a later compilation of the pool
+    still gets its turn: one left queued (a failed compilation's, say) would hold it up for good;
+    one cancelled before it started never queued."""
     import threading
 
     front_ends = launch._FrontEnds()
@@ -426,9 +448,9 @@ def test_a_compilation_that_never_reaches_its_front_end_holds_no_later_one_up(mo
             return source.make_ir()
 
     with ThreadPoolExecutor(1) as threads:
-        blocker = front_ends.submit(threads, compile_on_pool, "blocker")  # keeps the one thread busy
-        earlier = front_ends.submit(threads, compile_on_pool, ending)
-        later = front_ends.submit(threads, compile_on_pool, "front end")
+        blocker = front_ends.submit(threads, 1, compile_on_pool, "blocker")  # keeps the one thread busy
+        earlier = front_ends.submit(threads, 0, compile_on_pool, ending)
+        later = front_ends.submit(threads, 1, compile_on_pool, "front end")
         if ending == "cancelled":
             assert earlier.cancel()
         started.set()
@@ -436,8 +458,10 @@ def test_a_compilation_that_never_reaches_its_front_end_holds_no_later_one_up(mo
             assert later.result(timeout=5) == "ir" and blocker.result() is None
             assert front_ends._queued == []
         finally:  # on a failure, a later compilation still waiting is let go, so that the pool can shut down
-            front_ends._queued.clear()
-            front_ends._passed(None)
+            with front_ends._changed:
+                front_ends._queued.clear()
+                front_ends._running = False
+                front_ends._changed.notify_all()
 
 
 def test_a_forked_child_waits_for_no_ticket_of_its_parents_compilations(monkeypatch):
@@ -455,12 +479,12 @@ def test_a_forked_child_waits_for_no_ticket_of_its_parents_compilations(monkeypa
 
     started, release = threading.Event(), threading.Event()
     with ThreadPoolExecutor(1) as threads:
-        front_ends.submit(threads, lambda: started.set() or release.wait(5))  # its ticket is queued at the fork
+        front_ends.submit(threads, 0, lambda: started.set() or release.wait(5))  # its turn is held at the fork
         assert started.wait(5)
         child = os.fork()
         if child == 0:  # only os._exit leaves the child (joining no thread): no pytest machinery runs in it
             try:
-                compiled = launch._FRONT_ENDS.submit(ThreadPoolExecutor(1), front_end).result(timeout=5)
+                compiled = launch._FRONT_ENDS.submit(ThreadPoolExecutor(1), 1, front_end).result(timeout=5)
                 os._exit(0 if compiled == "ir" else 1)
             except BaseException:
                 os._exit(2)

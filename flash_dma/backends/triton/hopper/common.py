@@ -778,43 +778,53 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
 
 
 @gluon.jit
-def load_partition(p, bufs):
-    """One warp: for each work item its tile count and Q (with GRADIENT also dO, and the rows'
-    LSEs in log2 units and deltas), then its key tiles (``_load_key_tile``)."""
+def _load_item(p, bufs, index, items_done, loaded):
+    """Work item ``index``, the program's ``items_done``-th, for ``load_partition``: its tile count
+    and Q (and the gradient's rows), then its key tiles from ring position ``loaded``. Returns the
+    ring position after it."""
     q_bytes: gl.constexpr = p.q_desc.block_type.nbytes * (2 if p.GRADIENT else 1)
     Q_SLOTS: gl.constexpr = bufs.q.shape[0]  # two, so that the next item's Q loads during this one; one at D = 256
     row_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_M // 32], [32], [1], [0])
+
+    it, span = _item(p, index)
+    kv_batch = _cache_row(p, it.batch, span)
+    bias_batch = it.batch
+    if p.SEQ == tiles.SEQ_CACHE:  # a cache's bias is stored with its keys
+        bias_batch = kv_batch
+    bias_row = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, bias_batch, it.head)
+    mask_row = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, it.batch, it.head)
+    count = tile_count(it)
+    q_slot = items_done % Q_SLOTS
+    if p.GRADIENT:
+        rows = it.row_block * p.BLOCK_M + gl.arange(0, p.BLOCK_M, row_layout)  # [BLOCK_M]
+        # LSE and delta are [B, H, Sq] (packed: [1, H, total]); the entry's rows start at q_start.
+        row_offset = (span.tokens * p.num_heads + it.head).to(gl.int64) * p.seqlen_q + span.q_start
+        lse, delta = row_statistics(p, row_offset, rows, bias_row, span.seqlen_q)
+    mbarrier.wait(bufs.q_empty.index(q_slot), (items_done // Q_SLOTS) & 1 ^ 1)
+    put(bufs.counts.index(q_slot), count)
+    if p.GRADIENT:
+        bufs.lse.index(q_slot).store(lse)
+        bufs.delta.index(q_slot).store(delta)
+    expect_after_stores(bufs.q_ready.index(q_slot), q_bytes)
+    row_tile = [span.tokens, span.q_start + it.row_block * p.BLOCK_M, it.head, 0]
+    tma_load(p.q_desc, row_tile, bufs.q_ready.index(q_slot), bufs.q.index(q_slot))
+    if p.GRADIENT:
+        tma_load(p.do_desc, row_tile, bufs.q_ready.index(q_slot), bufs.do.index(q_slot))
+    kv_head = it.head // p.group
+    for j in range(count):
+        _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv_batch)
+        loaded += 1
+    return loaded
+
+
+@gluon.jit
+def load_partition(p, bufs):
+    """One warp: for each work item its tile count and Q (with GRADIENT also dO, and the rows'
+    LSEs in log2 units and deltas), then its key tiles (``_load_key_tile``)."""
     loaded = 0  # K/V tiles so far: the ring position
     items_done = 0
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
-        it, span = _item(p, index)
-        kv_batch = _cache_row(p, it.batch, span)
-        bias_batch = it.batch
-        if p.SEQ == tiles.SEQ_CACHE:  # a cache's bias is stored with its keys
-            bias_batch = kv_batch
-        bias_row = input_base(p.Bias, p.stride_bb, p.stride_bh, p.bias_head_div, bias_batch, it.head)
-        mask_row = input_base(p.Mask, p.stride_mb, p.stride_mh, p.mask_head_div, it.batch, it.head)
-        count = tile_count(it)
-        q_slot = items_done % Q_SLOTS
-        if p.GRADIENT:
-            rows = it.row_block * p.BLOCK_M + gl.arange(0, p.BLOCK_M, row_layout)  # [BLOCK_M]
-            # LSE and delta are [B, H, Sq] (packed: [1, H, total]); the entry's rows start at q_start.
-            row_offset = (span.tokens * p.num_heads + it.head).to(gl.int64) * p.seqlen_q + span.q_start
-            lse, delta = row_statistics(p, row_offset, rows, bias_row, span.seqlen_q)
-        mbarrier.wait(bufs.q_empty.index(q_slot), (items_done // Q_SLOTS) & 1 ^ 1)
-        put(bufs.counts.index(q_slot), count)
-        if p.GRADIENT:
-            bufs.lse.index(q_slot).store(lse)
-            bufs.delta.index(q_slot).store(delta)
-        expect_after_stores(bufs.q_ready.index(q_slot), q_bytes)
-        row_tile = [span.tokens, span.q_start + it.row_block * p.BLOCK_M, it.head, 0]
-        tma_load(p.q_desc, row_tile, bufs.q_ready.index(q_slot), bufs.q.index(q_slot))
-        if p.GRADIENT:
-            tma_load(p.do_desc, row_tile, bufs.q_ready.index(q_slot), bufs.do.index(q_slot))
-        kv_head = it.head // p.group
-        for j in range(count):
-            _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv_batch)
-            loaded += 1
+        loaded = _load_item(p, bufs, index, items_done, loaded)
         items_done += 1
 
 

@@ -393,13 +393,52 @@ def _load_query_tile(p, bufs, loaded, batch, head, g, key_tile, tile, partial, s
 
 
 @gluon.jit
+def _load_column(p, bufs, index, chunks, published, kv_loaded, loaded):
+    """Queue entry ``index`` for ``_load_columns``: its item published (as the ``published``-th), K
+    and V into buffer position ``kv_loaded``, its query tiles from ring position ``loaded``.
+    Returns the three counts after it."""
+    kv_bytes: gl.constexpr = 2 * p.k_desc.block_type.nbytes
+    row_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_M // 32], [32], [1], [0])
+    key_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_N // 32], [32], [1], [0])
+
+    key_tile, chunk, batch, kv_head = _column_position(p, index, chunks)
+    span = entry_span(p, batch)
+    _, _, k_first, k_last = _column_keys(p, key_tile * p.BLOCK_N, batch, kv_head, span, p.BLOCK_N, key_layout)
+    count = _item_tiles(p, key_tile, chunk, chunks, batch, kv_head, span, k_first, k_last)
+    if (count > 0) | (p.chunks == 1) | p.SLICES:
+        _publish(bufs, published, _item_index(p, key_tile, chunk, batch, kv_head), count)
+        published += 1
+    if count > 0:
+        kv = kv_loaded % p.KV_BUFFERS
+        mbarrier.wait(bufs.kv_empty.index(kv), (kv_loaded // p.KV_BUFFERS) & 1 ^ 1)
+        mbarrier.expect(bufs.kv_ready.index(kv), kv_bytes)
+        key_tile_at = [span.tokens, span.k_start + key_tile * p.BLOCK_N, kv_head, 0]
+        tma_load(p.k_desc, key_tile_at, bufs.kv_ready.index(kv), bufs.k.index(kv))
+        tma_load(p.v_desc, key_tile_at, bufs.kv_ready.index(kv), bufs.v.index(kv))
+        kv_loaded += 1
+        first_head = kv_head * p.group
+        if p.HEADS_INNER:
+            it = _head_walk(p, key_tile, chunk, chunks, batch, first_head, span, k_first, k_last)
+            for j in range(tile_count(it)):
+                tile, partial = tile_at(p, it, j)
+                for g in range(p.group):
+                    _load_query_tile(p, bufs, loaded, batch, first_head + g, g, key_tile, tile, partial, span, row_layout)
+                    loaded += 1
+        else:
+            for g in range(p.group):
+                it = _head_walk(p, key_tile, chunk, chunks, batch, first_head + g, span, k_first, k_last)
+                for j in range(tile_count(it)):
+                    tile, partial = tile_at(p, it, j)
+                    _load_query_tile(p, bufs, loaded, batch, first_head + g, g, key_tile, tile, partial, span, row_layout)
+                    loaded += 1
+    return published, kv_loaded, loaded
+
+
+@gluon.jit
 def _load_columns(p, bufs):
     """One warp: takes work items off the queue; for each, K and V, then its query tiles
     (``_load_query_tile``): head by head, or with HEADS_INNER each tile's heads in turn (their
     walk is the same). Items without tiles are skipped when chunks add up by atomics."""
-    kv_bytes: gl.constexpr = 2 * p.k_desc.block_type.nbytes
-    row_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_M // 32], [32], [1], [0])
-    key_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_N // 32], [32], [1], [0])
     published = 0
     kv_loaded = 0
     loaded = 0  # Q/dO tiles so far: the ring position
@@ -409,36 +448,7 @@ def _load_columns(p, bufs):
     items = p.items // p.chunks * chunks
     index = gl.atomic_add(p.Queue, 1)
     while index < items:
-        key_tile, chunk, batch, kv_head = _column_position(p, index, chunks)
-        span = entry_span(p, batch)
-        _, _, k_first, k_last = _column_keys(p, key_tile * p.BLOCK_N, batch, kv_head, span, p.BLOCK_N, key_layout)
-        count = _item_tiles(p, key_tile, chunk, chunks, batch, kv_head, span, k_first, k_last)
-        if (count > 0) | (p.chunks == 1) | p.SLICES:
-            _publish(bufs, published, _item_index(p, key_tile, chunk, batch, kv_head), count)
-            published += 1
-        if count > 0:
-            kv = kv_loaded % p.KV_BUFFERS
-            mbarrier.wait(bufs.kv_empty.index(kv), (kv_loaded // p.KV_BUFFERS) & 1 ^ 1)
-            mbarrier.expect(bufs.kv_ready.index(kv), kv_bytes)
-            key_tile_at = [span.tokens, span.k_start + key_tile * p.BLOCK_N, kv_head, 0]
-            tma_load(p.k_desc, key_tile_at, bufs.kv_ready.index(kv), bufs.k.index(kv))
-            tma_load(p.v_desc, key_tile_at, bufs.kv_ready.index(kv), bufs.v.index(kv))
-            kv_loaded += 1
-            first_head = kv_head * p.group
-            if p.HEADS_INNER:
-                it = _head_walk(p, key_tile, chunk, chunks, batch, first_head, span, k_first, k_last)
-                for j in range(tile_count(it)):
-                    tile, partial = tile_at(p, it, j)
-                    for g in range(p.group):
-                        _load_query_tile(p, bufs, loaded, batch, first_head + g, g, key_tile, tile, partial, span, row_layout)
-                        loaded += 1
-            else:
-                for g in range(p.group):
-                    it = _head_walk(p, key_tile, chunk, chunks, batch, first_head + g, span, k_first, k_last)
-                    for j in range(tile_count(it)):
-                        tile, partial = tile_at(p, it, j)
-                        _load_query_tile(p, bufs, loaded, batch, first_head + g, g, key_tile, tile, partial, span, row_layout)
-                        loaded += 1
+        published, kv_loaded, loaded = _load_column(p, bufs, index, chunks, published, kv_loaded, loaded)
         index = gl.atomic_add(p.Queue, 1)
     _publish(bufs, published, -1, 0)
 
@@ -542,10 +552,10 @@ def _add_pairs(ptrs, values, mask):
 
 
 @gluon.jit
-def _gradient_keys(p, bufs, HALF: gl.constexpr):
-    """One warpgroup: keys ``[HALF * 64, HALF * 64 + 64)`` of every work item it takes, their dK
-    and dV; with ROLES every key of the item, their dV (HALF 0) or their dK and the bias gradient
-    (HALF 1). Tiles are ``[keys, queries]``."""
+def _gradient_item(p, bufs, index, count, kv_taken, consumed, HALF: gl.constexpr):
+    """Work item ``index`` (``count`` query tiles) for this warpgroup (``_gradient_keys``), its K/V
+    from buffer position ``kv_taken`` and its query tiles from ring position ``consumed``: returns
+    both positions after it."""
     KEYS: gl.constexpr = p.BLOCK_N if p.ROLES else p.BLOCK_N // 2
     FIRST: gl.constexpr = 0 if p.ROLES else HALF * KEYS  # this warpgroup's first key in the item
     OWNS_DV: gl.constexpr = not p.ROLES or HALF == 0
@@ -558,117 +568,126 @@ def _gradient_keys(p, bufs, HALF: gl.constexpr):
     rows_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = p.q_desc.dtype
 
+    key_tile, chunk, batch, kv_head = _column_position(p, index, p.chunks)
+    span = entry_span(p, batch)
+    first_key = key_tile * p.BLOCK_N + FIRST  # the first slot (a key, unless a key list is walked)
+    keys, kept, k_first, k_last = _column_keys(p, first_key, batch, kv_head, span, KEYS, keys_of_s)  # [KEYS]
+    dk = gl.zeros([KEYS, D], gl.float32, acc_layout)
+    dv = gl.zeros([KEYS, D], gl.float32, acc_layout)
+    dbias = gl.zeros([KEYS], gl.float32, keys_of_s)
+    dbias_tile = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)  # a tile's dS over the group's heads
+    head = kv_head * p.group
+    if count > 0:
+        kv = kv_taken % p.KV_BUFFERS
+        mbarrier.wait(bufs.kv_ready.index(kv), (kv_taken // p.KV_BUFFERS) & 1)
+        k = bufs.k.index(kv).reshape([p.BLOCK_N, D]).slice(FIRST, KEYS)  # [KEYS, D]
+        v = bufs.v.index(kv).reshape([p.BLOCK_N, D]).slice(FIRST, KEYS)
+        key_scores = _key_scores(p, batch, head, keys, _slots_below(first_key, kept, KEYS, keys_of_s))
+        if p.MASK == MASK_INTERVALS:  # the warpgroup's keys' rows, read once per head
+            start, end = _item_intervals(p, batch, head, keys)
+        for _ in range(count):
+            stage = consumed % p.Q_STAGES
+            mbarrier.wait(bufs.q_ready.index(stage), (consumed // p.Q_STAGES) & 1)
+            g = get(bufs.heads.index(stage))
+            tile_head = kv_head * p.group + g
+            if tile_head != head:  # the loader walks the group's heads in order (or, HEADS_INNER, in turn)
+                if (p.DBIAS == _PER_KEY) and (not p.DBIAS_HEAD_SHARED) and OWNS_DK:
+                    _flush_key_gradient(p, chunk, batch, head, keys, dbias, _slots_below(first_key, span.seqlen_k, KEYS, keys_of_s))
+                    dbias = gl.zeros([KEYS], gl.float32, keys_of_s)
+                head = tile_head
+                key_scores = _key_scores(p, batch, head, keys, _slots_below(first_key, kept, KEYS, keys_of_s))
+                if p.MASK == MASK_INTERVALS:
+                    start, end = _item_intervals(p, batch, head, keys)
+            q = bufs.q.index(stage).reshape([p.BLOCK_M, D])
+            do = bufs.do.index(stage).reshape([p.BLOCK_M, D])
+            zeros = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
+            st = warpgroup_mma(k, q.permute((1, 0)), zeros, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
+            if OWNS_DK:  # dP is for dS, which dK takes
+                dpt = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
+            first_row = get(bufs.tiles.index(stage)) * p.BLOCK_M
+            rows = first_row + gl.arange(0, p.BLOCK_M, rows_of_s)  # [BLOCK_M]
+            st = warpgroup_mma_wait(1 if OWNS_DK else 0, deps=[st])
+            s = log2_scores(p, st) + key_scores[:, None]
+            if p.STAGED_BIAS:
+                staged = bufs.bias.index(stage).slice(HALF * KEYS, KEYS, dim=1).permute((1, 0))  # [KEYS, BLOCK_M]
+                s = s + staged.load(s_layout).to(gl.float32) * tiles.LOG2E
+            elif p.BIAS == BIAS_PAIRS:
+                s = s + pair_bias(p, batch, head, rows, keys, True)
+            if p.MASK == MASK_BITS:
+                if get(bufs.partial.index(stage)) != 0:
+                    s = kept_by_bits(p, s, bufs.words.index(stage), batch, head, first_row, first_key, True, HALF)
+            if p.MASK == MASK_INTERVALS:
+                if get(bufs.partial.index(stage)) != 0:
+                    runs = (start[:, None] <= rows[None, :]) & (rows[None, :] < end[:, None])  # [KEYS, BLOCK_M]
+                    s = gl.where(runs, s, float("-inf"))
+            # Only tiles that the band cuts need checks (keys past the end score -inf, rows past
+            # the end have LSE +inf).
+            if (k_first - first_row - p.BLOCK_M + 1 < span.band_lo) | (k_last - first_row > span.band_hi):
+                offset = keys[:, None] - rows[None, :]
+                s = gl.where((offset >= span.band_lo) & (offset <= span.band_hi), s, float("-inf"))
+            pt = gl.exp2(s - bufs.lse.index(stage).load(rows_of_s)[None, :])
+            if OWNS_DK:
+                dpt = warpgroup_mma_wait(0, deps=[dpt])
+                ds = pt * (dpt - bufs.delta.index(stage).load(rows_of_s)[None, :])
+                if p.DBIAS == _PER_KEY:
+                    dbias += gl.sum(ds, 1)
+                if p.DBIAS == _FULL:
+                    if p.HEADS_INNER:
+                        dbias_tile += ds
+                        if g == p.group - 1:
+                            _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row, dbias_tile, HALF)
+                            dbias_tile = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
+                    else:
+                        _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row, ds, HALF)
+                if p.SOFTCAP:
+                    ds = ds * softcap_slope(p, st)  # after the bias gradient, which is dS itself
+            # Both products are issued once S^T and dP^T are spent: their registers hold P^T and dS^T.
+            if OWNS_DV and OWNS_DK:
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), operand_layout), do, dv, is_async=True)
+                dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), q, dk, is_async=True)
+                dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+            elif OWNS_DV:
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), operand_layout), do, dv, is_async=True)
+                dv = warpgroup_mma_wait(0, deps=[dv])
+            else:
+                dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), q, dk, is_async=True)
+                dk = warpgroup_mma_wait(0, deps=[dk])
+            mbarrier.arrive(bufs.q_empty.index(stage), count=1)
+            consumed += 1
+        mbarrier.arrive(bufs.kv_empty.index(kv), count=1)
+        kv_taken += 1
+        if (p.DBIAS == _PER_KEY) and OWNS_DK:
+            _flush_key_gradient(p, chunk, batch, head, keys, dbias, _slots_below(first_key, span.seqlen_k, KEYS, keys_of_s))
+
+    if OWNS_DK:
+        dk = dk * p.scale  # dS is the gradient of scale * q.k
+    out_keys = gl.convert_layout(keys, gl.SliceLayout(1, acc_layout))
+    out_written = _slots_below(first_key, span.seqlen_k, KEYS, gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
+    offsets = (
+        span.tokens.to(gl.int64) * p.stride_gb + kv_head * p.stride_gh
+        + ((span.k_start + out_keys).to(gl.int64) * p.stride_gs)[:, None] + cols[None, :]
+    )
+    ok = out_written[:, None] & (cols < p.COLUMNS)[None, :]
+    if OWNS_DK:
+        _store_gradient(p, p.DK, p.ScratchK, chunk, offsets, dk, ok)
+    if OWNS_DV:
+        _store_gradient(p, p.DV, p.ScratchV, chunk, offsets, dv, ok)
+    return kv_taken, consumed
+
+
+@gluon.jit
+def _gradient_keys(p, bufs, HALF: gl.constexpr):
+    """One warpgroup: keys ``[HALF * 64, HALF * 64 + 64)`` of every work item it takes, their dK
+    and dV; with ROLES every key of the item, their dV (HALF 0) or their dK and the bias gradient
+    (HALF 1). Tiles are ``[keys, queries]``."""
     taken = 0
     kv_taken = 0
     consumed = 0  # Q/dO tiles so far: the ring position, as in the loader
     index, count = _take(bufs, taken)
     while index >= 0:
         taken += 1
-        key_tile, chunk, batch, kv_head = _column_position(p, index, p.chunks)
-        span = entry_span(p, batch)
-        first_key = key_tile * p.BLOCK_N + FIRST  # the first slot (a key, unless a key list is walked)
-        keys, kept, k_first, k_last = _column_keys(p, first_key, batch, kv_head, span, KEYS, keys_of_s)  # [KEYS]
-        dk = gl.zeros([KEYS, D], gl.float32, acc_layout)
-        dv = gl.zeros([KEYS, D], gl.float32, acc_layout)
-        dbias = gl.zeros([KEYS], gl.float32, keys_of_s)
-        dbias_tile = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)  # a tile's dS over the group's heads
-        head = kv_head * p.group
-        if count > 0:
-            kv = kv_taken % p.KV_BUFFERS
-            mbarrier.wait(bufs.kv_ready.index(kv), (kv_taken // p.KV_BUFFERS) & 1)
-            k = bufs.k.index(kv).reshape([p.BLOCK_N, D]).slice(FIRST, KEYS)  # [KEYS, D]
-            v = bufs.v.index(kv).reshape([p.BLOCK_N, D]).slice(FIRST, KEYS)
-            key_scores = _key_scores(p, batch, head, keys, _slots_below(first_key, kept, KEYS, keys_of_s))
-            if p.MASK == MASK_INTERVALS:  # the warpgroup's keys' rows, read once per head
-                start, end = _item_intervals(p, batch, head, keys)
-            for _ in range(count):
-                stage = consumed % p.Q_STAGES
-                mbarrier.wait(bufs.q_ready.index(stage), (consumed // p.Q_STAGES) & 1)
-                g = get(bufs.heads.index(stage))
-                tile_head = kv_head * p.group + g
-                if tile_head != head:  # the loader walks the group's heads in order (or, HEADS_INNER, in turn)
-                    if (p.DBIAS == _PER_KEY) and (not p.DBIAS_HEAD_SHARED) and OWNS_DK:
-                        _flush_key_gradient(p, chunk, batch, head, keys, dbias, _slots_below(first_key, span.seqlen_k, KEYS, keys_of_s))
-                        dbias = gl.zeros([KEYS], gl.float32, keys_of_s)
-                    head = tile_head
-                    key_scores = _key_scores(p, batch, head, keys, _slots_below(first_key, kept, KEYS, keys_of_s))
-                    if p.MASK == MASK_INTERVALS:
-                        start, end = _item_intervals(p, batch, head, keys)
-                q = bufs.q.index(stage).reshape([p.BLOCK_M, D])
-                do = bufs.do.index(stage).reshape([p.BLOCK_M, D])
-                zeros = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
-                st = warpgroup_mma(k, q.permute((1, 0)), zeros, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
-                if OWNS_DK:  # dP is for dS, which dK takes
-                    dpt = warpgroup_mma(v, do.permute((1, 0)), zeros, use_acc=False, is_async=True)  # [KEYS, BLOCK_M]
-                first_row = get(bufs.tiles.index(stage)) * p.BLOCK_M
-                rows = first_row + gl.arange(0, p.BLOCK_M, rows_of_s)  # [BLOCK_M]
-                st = warpgroup_mma_wait(1 if OWNS_DK else 0, deps=[st])
-                s = log2_scores(p, st) + key_scores[:, None]
-                if p.STAGED_BIAS:
-                    staged = bufs.bias.index(stage).slice(HALF * KEYS, KEYS, dim=1).permute((1, 0))  # [KEYS, BLOCK_M]
-                    s = s + staged.load(s_layout).to(gl.float32) * tiles.LOG2E
-                elif p.BIAS == BIAS_PAIRS:
-                    s = s + pair_bias(p, batch, head, rows, keys, True)
-                if p.MASK == MASK_BITS:
-                    if get(bufs.partial.index(stage)) != 0:
-                        s = kept_by_bits(p, s, bufs.words.index(stage), batch, head, first_row, first_key, True, HALF)
-                if p.MASK == MASK_INTERVALS:
-                    if get(bufs.partial.index(stage)) != 0:
-                        runs = (start[:, None] <= rows[None, :]) & (rows[None, :] < end[:, None])  # [KEYS, BLOCK_M]
-                        s = gl.where(runs, s, float("-inf"))
-                # Only tiles that the band cuts need checks (keys past the end score -inf, rows past
-                # the end have LSE +inf).
-                if (k_first - first_row - p.BLOCK_M + 1 < span.band_lo) | (k_last - first_row > span.band_hi):
-                    offset = keys[:, None] - rows[None, :]
-                    s = gl.where((offset >= span.band_lo) & (offset <= span.band_hi), s, float("-inf"))
-                pt = gl.exp2(s - bufs.lse.index(stage).load(rows_of_s)[None, :])
-                if OWNS_DK:
-                    dpt = warpgroup_mma_wait(0, deps=[dpt])
-                    ds = pt * (dpt - bufs.delta.index(stage).load(rows_of_s)[None, :])
-                    if p.DBIAS == _PER_KEY:
-                        dbias += gl.sum(ds, 1)
-                    if p.DBIAS == _FULL:
-                        if p.HEADS_INNER:
-                            dbias_tile += ds
-                            if g == p.group - 1:
-                                _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row, dbias_tile, HALF)
-                                dbias_tile = gl.zeros([KEYS, p.BLOCK_M], gl.float32, s_layout)
-                        else:
-                            _flush_pair_gradient(p, bufs, batch, head, keys, rows, first_key, first_row, ds, HALF)
-                    if p.SOFTCAP:
-                        ds = ds * softcap_slope(p, st)  # after the bias gradient, which is dS itself
-                # Both products are issued once S^T and dP^T are spent: their registers hold P^T and dS^T.
-                if OWNS_DV and OWNS_DK:
-                    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), operand_layout), do, dv, is_async=True)
-                    dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), q, dk, is_async=True)
-                    dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
-                elif OWNS_DV:
-                    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), operand_layout), do, dv, is_async=True)
-                    dv = warpgroup_mma_wait(0, deps=[dv])
-                else:
-                    dk = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), q, dk, is_async=True)
-                    dk = warpgroup_mma_wait(0, deps=[dk])
-                mbarrier.arrive(bufs.q_empty.index(stage), count=1)
-                consumed += 1
-            mbarrier.arrive(bufs.kv_empty.index(kv), count=1)
-            kv_taken += 1
-            if (p.DBIAS == _PER_KEY) and OWNS_DK:
-                _flush_key_gradient(p, chunk, batch, head, keys, dbias, _slots_below(first_key, span.seqlen_k, KEYS, keys_of_s))
-
-        if OWNS_DK:
-            dk = dk * p.scale  # dS is the gradient of scale * q.k
-        out_keys = gl.convert_layout(keys, gl.SliceLayout(1, acc_layout))
-        out_written = _slots_below(first_key, span.seqlen_k, KEYS, gl.SliceLayout(1, acc_layout))
-        cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
-        offsets = (
-            span.tokens.to(gl.int64) * p.stride_gb + kv_head * p.stride_gh
-            + ((span.k_start + out_keys).to(gl.int64) * p.stride_gs)[:, None] + cols[None, :]
-        )
-        ok = out_written[:, None] & (cols < p.COLUMNS)[None, :]
-        if OWNS_DK:
-            _store_gradient(p, p.DK, p.ScratchK, chunk, offsets, dk, ok)
-        if OWNS_DV:
-            _store_gradient(p, p.DV, p.ScratchV, chunk, offsets, dv, ok)
+        kv_taken, consumed = _gradient_item(p, bufs, index, count, kv_taken, consumed, HALF)
         index, count = _take(bufs, taken)
     if p.STAGED_DBIAS:
         tma.store_wait(0)  # the staging tile lives in shared memory, which ends with the program

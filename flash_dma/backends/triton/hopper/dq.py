@@ -83,10 +83,9 @@ class _Buffers:
 
 
 @gluon.jit
-def _dq_rows(p, bufs, HALF: gl.constexpr):
-    """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program
-    (the forward's items and walk). Per key tile: ``S = Q K^T`` and ``dP = dO V^T`` from shared
-    memory, ``dQ += dS K`` with dS from registers."""
+def _dq_item(p, bufs, index, items_done, consumed, HALF: gl.constexpr):
+    """Rows ``[HALF * 64, HALF * 64 + 64)`` of work item ``index``, the program's ``items_done``-th,
+    its key tiles from ring position ``consumed``: returns the ring position after it."""
     ROWS: gl.constexpr = p.BLOCK_M // 2
     D: gl.constexpr = p.HEAD_DIM
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, p.BLOCK_N, 16])
@@ -100,40 +99,47 @@ def _dq_rows(p, bufs, HALF: gl.constexpr):
     # "Backward profile"). Without key scores there is nothing to read early.
     READ_KEYS_EARLY: gl.constexpr = p.BIAS == BIAS_KEYS or p.MASK == MASK_KEYS or p.WALK == tiles.WALK_KEYS
 
+    batch, head, first_row, rows, q_slot, count, span = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
+    q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
+    do = bufs.do.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)
+    lse2 = bufs.lse.index(q_slot).slice(HALF * ROWS, ROWS).load(rows_of_s)  # [ROWS]
+    delta = bufs.delta.index(q_slot).slice(HALF * ROWS, ROWS).load(rows_of_s)
+    dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    for _ in range(count):
+        stage = consumed % p.KV_STAGES
+        phase = (consumed // p.KV_STAGES) & 1
+        zeros = gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout)
+        mbarrier.wait(bufs.k_ready.index(stage), phase)
+        k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
+        qk = warpgroup_mma(q, k.permute((1, 0)), zeros, use_acc=False, is_async=True)  # [ROWS, BLOCK_N]
+        mbarrier.wait(bufs.v_ready.index(stage), phase)
+        dp = warpgroup_mma(do, bufs.v.index(stage).reshape([p.BLOCK_N, D]).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        qk, staged = wait_for_scores(p, bufs, qk, 1, stage, keys_of_s, READ_KEYS_EARLY)
+        s = visible_scores(p, bufs, qk, staged, stage, batch, head, span, first_row, rows, keys_of_s, ROWS, HALF)  # [ROWS, BLOCK_N]
+        probs = gl.exp2(s - lse2[:, None])
+        dp = warpgroup_mma_wait(0, deps=[dp])
+        mbarrier.arrive(bufs.v_empty.index(stage), count=1)
+        ds = probs * (dp - delta[:, None])
+        if p.SOFTCAP:
+            ds = ds * softcap_slope(p, qk)
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), k, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq])
+        mbarrier.arrive(bufs.k_empty.index(stage), count=1)
+        consumed += 1
+    store_rows(p, bufs, q_slot, HALF, span, first_row, head, dq * p.scale)  # dS is the gradient of scale * q.k
+    return consumed
+
+
+@gluon.jit
+def _dq_rows(p, bufs, HALF: gl.constexpr):
+    """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program
+    (the forward's items and walk). Per key tile: ``S = Q K^T`` and ``dP = dO V^T`` from shared
+    memory, ``dQ += dS K`` with dS from registers (``_dq_item``)."""
     consumed = 0  # K/V tiles so far: the ring position, as in the loader
     items_done = 0
     for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
-        batch, head, first_row, rows, q_slot, count, span = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
-        q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
-        do = bufs.do.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)
-        lse2 = bufs.lse.index(q_slot).slice(HALF * ROWS, ROWS).load(rows_of_s)  # [ROWS]
-        delta = bufs.delta.index(q_slot).slice(HALF * ROWS, ROWS).load(rows_of_s)
-        dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
-        for _ in range(count):
-            stage = consumed % p.KV_STAGES
-            phase = (consumed // p.KV_STAGES) & 1
-            zeros = gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout)
-            mbarrier.wait(bufs.k_ready.index(stage), phase)
-            k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
-            qk = warpgroup_mma(q, k.permute((1, 0)), zeros, use_acc=False, is_async=True)  # [ROWS, BLOCK_N]
-            mbarrier.wait(bufs.v_ready.index(stage), phase)
-            dp = warpgroup_mma(do, bufs.v.index(stage).reshape([p.BLOCK_N, D]).permute((1, 0)), zeros, use_acc=False, is_async=True)
-            qk, staged = wait_for_scores(p, bufs, qk, 1, stage, keys_of_s, READ_KEYS_EARLY)
-            s = visible_scores(p, bufs, qk, staged, stage, batch, head, span, first_row, rows, keys_of_s, ROWS, HALF)  # [ROWS, BLOCK_N]
-            probs = gl.exp2(s - lse2[:, None])
-            dp = warpgroup_mma_wait(0, deps=[dp])
-            mbarrier.arrive(bufs.v_empty.index(stage), count=1)
-            ds = probs * (dp - delta[:, None])
-            if p.SOFTCAP:
-                ds = ds * softcap_slope(p, qk)
-            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), operand_layout), k, dq, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=[dq])
-            mbarrier.arrive(bufs.k_empty.index(stage), count=1)
-            consumed += 1
-        store_rows(p, bufs, q_slot, HALF, span, first_row, head, dq * p.scale)  # dS is the gradient of scale * q.k
+        consumed = _dq_item(p, bufs, index, items_done, consumed, HALF)
         items_done += 1
-
-
 @gluon.jit
 def _dq_lower(p, bufs):
     _dq_rows(p, bufs, 0)

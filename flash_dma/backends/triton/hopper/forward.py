@@ -251,8 +251,10 @@ def _issue_value_product(p, bufs, stage, probs, acc, first_key, span, zeroings, 
 
 
 @gluon.jit
-def _softmax_rows(p, bufs, HALF: gl.constexpr):
-    """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program.
+def _softmax_item(p, bufs, index, items_done, consumed, zeroings, HALF: gl.constexpr):
+    """Rows ``[HALF * 64, HALF * 64 + 64)`` of work item ``index``, the program's ``items_done``-th,
+    its key tiles from ring position ``consumed``: returns the ring position and ``zeroings``
+    (``_issue_value_product``) after it.
 
     Within a work item, the product of the next tile ``S = Q K^T`` is issued with ``O += P V`` of
     this one, before the next softmax, as in FlashAttention-3's intra-warpgroup overlap. ptxas
@@ -276,59 +278,68 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
     # (16K); 4-6% slower at D = 128 (16K-128K), where ptxas issues the loads between the two products.
     READ_KEYS_EARLY: gl.constexpr = D == 64
 
-    consumed = 0  # K/V tiles so far: the ring position, as in the loader
-    zeroings = 0  # phases of ``zeroed``, a bit per ring position (``_issue_value_product``)
-    items_done = 0
-    for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
-        batch, head, first_row, rows, q_slot, count, span = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
-        q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
-        qk_descale, v_descale = _descales(p, batch, head)
+    batch, head, first_row, rows, q_slot, count, span = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
+    q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
+    qk_descale, v_descale = _descales(p, batch, head)
 
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_of_s)
-        l_i = _thread_row_sums(gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout))  # zeros, in the sums' layout
-        acc = gl.zeros([ROWS, D], gl.float32, o_layout)
-        if count > 0:
-            stage = consumed % p.KV_STAGES
-            mbarrier.wait(bufs.k_ready.index(stage), (consumed // p.KV_STAGES) & 1)
-            k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, rows_of_s)
+    l_i = _thread_row_sums(gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout))  # zeros, in the sums' layout
+    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+    if count > 0:
+        stage = consumed % p.KV_STAGES
+        mbarrier.wait(bufs.k_ready.index(stage), (consumed // p.KV_STAGES) & 1)
+        k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
+        qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        qk, staged = wait_for_scores(p, bufs, qk, 0, stage, keys_of_s, READ_KEYS_EARLY)
+        s = visible_scores(p, bufs, _descaled(p, qk, qk_descale), staged, stage, batch, head, span, first_row, rows, keys_of_s, ROWS, HALF)
+        mbarrier.arrive(bufs.k_empty.index(stage), count=1)
+        probs, m_i, _, l_i = _online_softmax(p, s, m_i, l_i)
+        for _ in range(1, count):
+            following = (consumed + 1) % p.KV_STAGES
+            mbarrier.wait(bufs.k_ready.index(following), ((consumed + 1) // p.KV_STAGES) & 1)
+            k = bufs.k.index(following).reshape([p.BLOCK_N, D])
             qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-            qk, staged = wait_for_scores(p, bufs, qk, 0, stage, keys_of_s, READ_KEYS_EARLY)
-            s = visible_scores(p, bufs, _descaled(p, qk, qk_descale), staged, stage, batch, head, span, first_row, rows, keys_of_s, ROWS, HALF)
-            mbarrier.arrive(bufs.k_empty.index(stage), count=1)
-            probs, m_i, _, l_i = _online_softmax(p, s, m_i, l_i)
-            for _ in range(1, count):
-                following = (consumed + 1) % p.KV_STAGES
-                mbarrier.wait(bufs.k_ready.index(following), ((consumed + 1) // p.KV_STAGES) & 1)
-                k = bufs.k.index(following).reshape([p.BLOCK_N, D])
-                qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-                mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
-                pv, zeroings = _issue_value_product(
-                    p, bufs, stage, _value_operand(p, probs, dtype, p_layout), acc, staged[0], span, zeroings, HALF,
-                )
-                # The product of the next tile; P V may still run.
-                qk, staged = wait_for_scores(p, bufs, qk, 1, following, keys_of_s, READ_KEYS_EARLY)
-                s = visible_scores(  # [ROWS, BLOCK_N]
-                    p, bufs, _descaled(p, qk, qk_descale), staged, following, batch, head, span, first_row, rows, keys_of_s, ROWS, HALF,
-                )
-                mbarrier.arrive(bufs.k_empty.index(following), count=1)
-                probs, m_i, alpha, l_i = _online_softmax(p, s, m_i, l_i)
-                acc = warpgroup_mma_wait(0, deps=[pv])
-                mbarrier.arrive(bufs.v_empty.index(stage), count=1)
-                acc = acc * gl.convert_layout(alpha, rows_of_o)[:, None]
-                consumed += 1
-                stage = following
             mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
             pv, zeroings = _issue_value_product(
                 p, bufs, stage, _value_operand(p, probs, dtype, p_layout), acc, staged[0], span, zeroings, HALF,
             )
+            # The product of the next tile; P V may still run.
+            qk, staged = wait_for_scores(p, bufs, qk, 1, following, keys_of_s, READ_KEYS_EARLY)
+            s = visible_scores(  # [ROWS, BLOCK_N]
+                p, bufs, _descaled(p, qk, qk_descale), staged, following, batch, head, span, first_row, rows, keys_of_s, ROWS, HALF,
+            )
+            mbarrier.arrive(bufs.k_empty.index(following), count=1)
+            probs, m_i, alpha, l_i = _online_softmax(p, s, m_i, l_i)
             acc = warpgroup_mma_wait(0, deps=[pv])
             mbarrier.arrive(bufs.v_empty.index(stage), count=1)
+            acc = acc * gl.convert_layout(alpha, rows_of_o)[:, None]
             consumed += 1
+            stage = following
+        mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
+        pv, zeroings = _issue_value_product(
+            p, bufs, stage, _value_operand(p, probs, dtype, p_layout), acc, staged[0], span, zeroings, HALF,
+        )
+        acc = warpgroup_mma_wait(0, deps=[pv])
+        mbarrier.arrive(bufs.v_empty.index(stage), count=1)
+        consumed += 1
 
-        out, lse = _finish_rows(p, _descaled(p, acc, v_descale), m_i, l_i, batch, head, rows, rows_of_o)
-        store_rows(p, bufs, q_slot, HALF, span, first_row, head, out)
-        lse_row = p.Lse + span.tokens.to(gl.int64) * p.stride_lse_b + head.to(gl.int64) * p.stride_lse_h + span.q_start
-        gl.store(lse_row + rows, lse, mask=rows < span.seqlen_q)
+    out, lse = _finish_rows(p, _descaled(p, acc, v_descale), m_i, l_i, batch, head, rows, rows_of_o)
+    store_rows(p, bufs, q_slot, HALF, span, first_row, head, out)
+    lse_row = p.Lse + span.tokens.to(gl.int64) * p.stride_lse_b + head.to(gl.int64) * p.stride_lse_h + span.q_start
+    gl.store(lse_row + rows, lse, mask=rows < span.seqlen_q)
+    return consumed, zeroings
+
+
+@gluon.jit
+def _softmax_rows(p, bufs, HALF: gl.constexpr):
+    """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program
+    (``_softmax_item``; a function of its own, so that Triton's front end visits its body once,
+    not again in the loop's dry run)."""
+    consumed = 0  # K/V tiles so far: the ring position, as in the loader
+    zeroings = 0  # phases of ``zeroed``, a bit per ring position (``_issue_value_product``)
+    items_done = 0
+    for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
+        consumed, zeroings = _softmax_item(p, bufs, index, items_done, consumed, zeroings, HALF)
         items_done += 1
 
 
