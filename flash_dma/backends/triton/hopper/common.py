@@ -15,6 +15,12 @@ warpgroups of 64 rows (or keys) each do the math. What they share lives here:
 - the loader of the kernels that own query rows (forward and dQ: ``load_partition``), its
   barriers and staging slots, and what their math warpgroups read back (``staged_keys``,
   ``wait_for_scores``, ``visible_scores``), take (``take_rows``) and store (``store_rows``).
+
+Each partition's persistent loop calls one function per work item (``_load_item`` here,
+``_softmax_item``, ``_dq_item``, ``_gradient_item``, ``_load_column``): Triton's front end visits
+a loop body twice (once to find its loop-carried values) and a nested loop's four times, a
+function's once, which shortens the front ends of a first call's compilations
+(docs/design-notes.md, "The first call: the kernels it compiles").
 """
 
 # No `from __future__ import annotations`: the records below need their field types as objects.

@@ -333,8 +333,7 @@ def _softmax_item(p, bufs, index, items_done, consumed, zeroings, HALF: gl.const
 @gluon.jit
 def _softmax_rows(p, bufs, HALF: gl.constexpr):
     """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program
-    (``_softmax_item``; a function of its own, so that Triton's front end visits its body once,
-    not again in the loop's dry run)."""
+    (``_softmax_item``)."""
     consumed = 0  # K/V tiles so far: the ring position, as in the loader
     zeroings = 0  # phases of ``zeroed``, a bit per ring position (``_issue_value_product``)
     items_done = 0
