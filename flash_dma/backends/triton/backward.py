@@ -50,6 +50,7 @@ from flash_dma.backends.triton.layout import (
     grid_sizes,
     head_divisor,
     placeholder,
+    walks_per_group,
 )
 from flash_dma.backends.triton.tiles import (
     LOG2E,
@@ -819,7 +820,7 @@ def _plan(call: Call, dout: torch.Tensor, bias_requires_grad: bool, num_query_ch
     counted = counted and chunks > 1
     gradient = None
     if bias_requires_grad:
-        per_head_walk = call.q_lists is not None and call.q_lists.shape[1] == num_heads and num_heads > num_kv_heads
+        per_head_walk = walks_per_group(call.q_lists, num_heads, num_kv_heads) > 1
         gradient = bias_gradient(
             call.bias, batch, num_heads, num_kv_heads, seqlen_k, call.deterministic, chunks, hopper_dkdv, per_head_walk,
         )

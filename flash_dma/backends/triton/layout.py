@@ -72,6 +72,15 @@ def head_divisor(t: torch.Tensor | None, num_heads: int) -> int:
     return num_heads // t.shape[1]
 
 
+def walks_per_group(walk: torch.Tensor | None, num_heads: int, num_kv_heads: int) -> int:
+    """How many block-summary walks the query heads of one key/value group take: one each where
+    ``walk`` ``[Bm, 1|Hkv|H, ...]`` holds a summary per query head (a real one, not broadcast),
+    else one that the group shares."""
+    if walk is None or walk.shape[1] != num_heads or walk.stride(1) == 0:
+        return 1
+    return num_heads // num_kv_heads
+
+
 def kernel_view(t: torch.Tensor | None) -> torch.Tensor | None:
     # Triton reads bool tensors as bytes.
     return t.view(torch.uint8) if t is not None and t.dtype == torch.bool else t

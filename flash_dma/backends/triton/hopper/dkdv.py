@@ -106,6 +106,7 @@ from flash_dma.backends.triton.layout import (
     broadcast_strides,
     head_divisor,
     placeholder,
+    walks_per_group,
 )
 from flash_dma.integers import cdiv
 
@@ -807,18 +808,19 @@ _WORK_COLUMNS = 1024  # columns per program of ``_column_work_kernel``
 
 @triton.jit(do_not_specialize=[
     "stride_wb", "stride_wh", "stride_wr", "walk_width", "walk_head_div", "batch", "seqlen_q", "seqlen_k",
-    "num_kv_heads", "group", "list_block_q", "list_block_k", "band_lo", "band_hi",
+    "num_kv_heads", "group", "walks", "list_block_q", "list_block_k", "band_lo", "band_hi",
 ])
 def _column_work_kernel(
     Walk, Work,
-    stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_q, seqlen_k, num_kv_heads, group,
+    stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_q, seqlen_k, num_kv_heads, group, walks,
     list_block_q, list_block_k, band_lo, band_hi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLUMNS: tl.constexpr,
 ):
     """The work of the columns (key tile, batch entry, key/value head) of a dK/dV call that walks
     a block summary over fixed sequences, for ``_counted_chunks``: the most query tiles (over the
     group's heads) a column has, atomically maxed into ``Work[1]``, and their sum, added into
-    ``Work[2]`` (zeroed). Each program counts ``COLUMNS`` columns' walks (``tiles.query_walk``)."""
+    ``Work[2]`` (zeroed). Each program counts ``COLUMNS`` columns' walks (``tiles.query_walk``):
+    ``walks`` per column, one for a group whose heads share it (``layout.walks_per_group``)."""
     key_tiles = tl.cdiv(seqlen_k, BLOCK_N)
     columns = batch * num_kv_heads * key_tiles
     index = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)  # [COLUMNS]
@@ -829,17 +831,15 @@ def _column_work_kernel(
     first_head = (batch_head % num_kv_heads) * group
     first_key = key_tile * BLOCK_N
     base = Walk + (batch_head // num_kv_heads).to(tl.int64) * stride_wb
-    # The group's heads share one walk under a summary per key/value head (or broadcast): count it once.
-    heads = tl.where((stride_wh == 0) | (walk_head_div % group == 0), 1, group)
     work = tl.zeros([COLUMNS], tl.int32)
-    for g in range(0, heads):
+    for g in range(0, walks):
         walk = base + ((first_head + g) // walk_head_div).to(tl.int64) * stride_wh
         _, _, _, partial_lo, partial_hi, lo, _, _, hi = tiles.query_walk(
             walk, walk_width, stride_wr, key_tile, first_key, first_key + BLOCK_N - 1, seqlen_q, seqlen_k, band_lo, band_hi,
             list_block_q, list_block_k, 0, 1, tiles.WALK_BLOCKS, BLOCK_M, BLOCK_N,
         )
         work += (partial_hi - partial_lo) + (hi - lo)
-    work = tl.where(inside, work * (group // heads), 0)
+    work = tl.where(inside, work * (group // walks), 0)
     tl.atomic_max(Work + 1, tl.max(work, 0))
     tl.atomic_add(Work + 2, tl.sum(work, 0))
 
@@ -859,7 +859,8 @@ def column_work(call: Call, walk: torch.Tensor, work: torch.Tensor, tile: triton
     def build():
         args = [
             walk, work, *broadcast_strides(walk)[:3], walk.shape[-1], head_divisor(walk, num_heads), batch, seqlen_q, seqlen_k,
-            num_kv_heads, num_heads // num_kv_heads, call.list_block_q, call.list_block_k,
+            num_kv_heads, num_heads // num_kv_heads, walks_per_group(walk, num_heads, num_kv_heads),
+            call.list_block_q, call.list_block_k,
             *launch_band(call, seqlen_q, seqlen_k, tiles.SEQ_FIXED), block_m, block_n, _WORK_COLUMNS,
         ]
         return args, (block_m, block_n)
