@@ -134,6 +134,32 @@ def forget_choices() -> None:
     forget_memos()
 
 
+_HELD: ContextVar[list | None] = ContextVar("flash_dma_held", default=None)
+
+
+@contextmanager
+def kernels_side_by_side() -> Iterator[None]:
+    """A block whose kernels may run side by side: one launched with ``launch_pdl`` starts beside
+    the kernel before it (``hopper.common.let_next_kernel_start``). PyTorch's caching allocator
+    hands memory on in stream order, as if each kernel ended before the next began; so the
+    memory the block's kernels use (each launch's global scratch, the tensors given to
+    :func:`hold`) is kept until the block ends, and each kernel that starts early waits for the
+    one before it before it ends (``hopper.common.wait_for_previous_kernel``)."""
+    token = _HELD.set([])
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
+
+
+def hold(*tensors) -> None:
+    """Keep ``tensors`` until the :func:`kernels_side_by_side` block around this call ends (outside
+    one, nothing to do: every kernel ends before the next begins)."""
+    held = _HELD.get()
+    if held is not None:
+        held.extend(tensors)
+
+
 @functools.lru_cache(maxsize=None)
 def _scratch_allocator(device: torch.device):
     """Triton's allocator for a launch's global scratch on ``device`` (where kernels build TMA descriptors).
@@ -145,7 +171,9 @@ def _scratch_allocator(device: torch.device):
     """
 
     def allocate(size: int, alignment: int, stream) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.int8, device=device)
+        buffer = torch.empty(size, dtype=torch.int8, device=device)
+        hold(buffer)
+        return buffer
 
     return allocate
 
@@ -208,10 +236,16 @@ class Launcher:
             ``do_not_specialize`` list, so that its value never changes the compiled kernel.
         reset_to_zero: pointer parameters the kernel accumulates into (zeroed by the caller), cleared
             before each timing run and after the last.
+        options: compile options of every configuration (Triton's backend options, e.g.
+            ``launch_pdl``), beside the configuration's own.
     """
 
-    def __init__(self, kernel, tensors: Sequence[str], specialized: Sequence[str], reset_to_zero: Sequence[str] = ()):
+    def __init__(
+        self, kernel, tensors: Sequence[str], specialized: Sequence[str], reset_to_zero: Sequence[str] = (),
+        options: dict | None = None,
+    ):
         self.kernel = kernel
+        self.options = options or {}
         names = kernel.arg_names
         self.tensor_slots = [names.index(n) for n in tensors]
         self.int_slots = [names.index(n) for n in specialized]
@@ -352,7 +386,7 @@ class Launcher:
 
     def _build(self, args: list, config: triton.Config):
         front_ends_in_turn(self.kernel, _driver().get_current_device())
-        compiled = self.kernel.warmup(*args, grid=(1,), **config.all_kwargs())
+        compiled = self.kernel.warmup(*args, grid=(1,), **config.all_kwargs(), **self.options)
         built = getattr(compiled.src, "launcher_built", None)
         if built is not None:  # on the pool or in the call: its launcher is then loaded from the cache, not built twice side by side
             built.join()

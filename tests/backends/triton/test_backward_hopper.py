@@ -189,6 +189,35 @@ def test_backward_dispatch(hopper_calls, monkeypatch):
     assert hopper_calls == ["dkdv", "dq"] * 3
 
 
+def test_dq_is_launched_right_behind_dkdv_and_starts_beside_it(hopper_calls):
+    """dQ goes right behind dK/dV in the stream (programmatic dependent launch): any kernel
+    launched between them would run beside dQ instead, unordered with it. The kernel started
+    just before dQ is dK/dV, and dQ starts before dK/dV ends (its programs take the
+    multiprocessors that dK/dV's free), with gradients as exact as ever."""
+    case = Case(batch=2, seqlen_q=2048, seqlen_k=2048, heads=8, kv_heads=2, head_dim=128, mask=PER_KEY, bias=PER_KEY,
+                mask_kind="blocks", causal=True, block_size=(128, 128))
+    inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
+    dout = torch.randn(case.batch, case.seqlen_q, case.heads, case.head_dim, generator=case.generator("dout")).to(inputs["query"])
+    triton_call(case, inputs).backward(dout)  # compiled, and its dry run done, before the profiled call
+    for t in inputs.values():
+        if t is not None and t.requires_grad:
+            t.grad = None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        triton_call(case, inputs).backward(dout)
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start,
+    )
+    names = [e.name for e in kernels]
+    dq = names.index("_dq_hopper_kernel")
+    assert names[dq - 1] == "_dkdv_hopper_kernel", names
+    assert kernels[dq].time_range.start < kernels[dq - 1].time_range.end
+    assert hopper_calls == ["dkdv", "dq"] * 2
+    _, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
+    _, _, baseline = reference_outputs(case, inputs, dout, KERNEL_DTYPES[0])
+    assert_gradients_close(inputs, oracle, baseline)
+
+
 DETERMINISTIC_CASES = [
     # Per-key bias shared by the batch and the key/value heads: a slice per program, summed after.
     Case(batch=2, seqlen_q=1500, seqlen_k=1500, heads=8, kv_heads=2, head_dim=128, mask=PER_KEY, bias="1,1,1,Sk",

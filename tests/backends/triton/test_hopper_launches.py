@@ -75,6 +75,8 @@ def test_hopper_launches_bind_to_their_kernels(case, deterministic, bound_launch
     )
     out.sum().backward()
     assert {"_attn_fwd_hopper_kernel", "_dq_hopper_kernel", "_dkdv_hopper_kernel"} <= set(bound_launches), bound_launches
+    # dQ starts beside the kernel launched before it (``hopper.dq.hopper_dq``): that must be dK/dV.
+    assert bound_launches[bound_launches.index("_dq_hopper_kernel") - 1] == "_dkdv_hopper_kernel", bound_launches
 
 
 def test_the_fp8_forward_launch_binds_to_its_kernel(bound_launches):

@@ -652,3 +652,25 @@ def test_the_warm_up_hashes_and_builds_the_driver_module_without_initialising_cu
     done.clear()
     launch._warm_up()
     assert done == []
+
+
+def test_held_tensors_live_until_the_side_by_side_block_ends():
+    """Inside ``kernels_side_by_side`` a launch's global scratch and the tensors given to ``hold``
+    outlive their callers' references until the block ends: kernels of the block may still run
+    beside the next one. Outside a block ``hold`` keeps nothing."""
+    allocate = launch._scratch_allocator(torch.device("cpu"))
+    with launch.kernels_side_by_side():
+        scratch, tensor = allocate(64, 16, None), torch.ones(4)
+        refs = [weakref.ref(scratch), weakref.ref(tensor)]
+        launch.hold(tensor)
+        del scratch, tensor
+        gc.collect()
+        assert all(ref() is not None for ref in refs)
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    outside = torch.ones(4)
+    ref = weakref.ref(outside)
+    launch.hold(outside)
+    del outside
+    gc.collect()
+    assert ref() is None

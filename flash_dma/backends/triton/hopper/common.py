@@ -14,7 +14,7 @@ warpgroups of 64 rows (or keys) each do the math. What they share lives here:
   ``_store_row_words``, ``kept_by_row_words``; dK/dV from its keys' rows, read once per item);
 - the loader of the kernels that own query rows (forward and dQ: ``load_partition``), its
   barriers and staging slots, and what their math warpgroups read back (``staged_keys``,
-  ``wait_for_scores``, ``visible_scores``), take (``take_rows``) and store (``store_rows``).
+  ``wait_for_scores``, ``visible_scores``), take (``taken_item``, ``take_rows``) and store (``store_rows``).
 
 Each partition's persistent loop calls one function per work item (``_load_item`` here,
 ``_softmax_item``, ``_dq_item``, ``_gradient_item``, ``_load_column``): Triton's front end visits
@@ -260,6 +260,7 @@ class Problem:
     Bias: gl.tensor
     Walk: gl.tensor
     Descale: gl.tensor
+    Queue: gl.tensor  # [1] int32, zeroed: with QUEUED, the count of items taken
     SeqQ: gl.tensor
     SeqK: gl.tensor
     CacheRows: gl.tensor  # [B] int32 with CACHE_ROWS
@@ -315,6 +316,7 @@ class Problem:
     FP8: gl.constexpr
     SEQ: gl.constexpr  # ``tiles.SEQ_*``: ``SeqQ`` and ``SeqK`` are cu_seqlens (packed) or a cache's lengths (``SeqK``)
     CACHE: gl.constexpr  # ``CACHE_*``: where a cache's entries find their keys
+    QUEUED: gl.constexpr  # programs take items off ``Queue`` as they free (``_first_item``), not in turn
 
 
 @record
@@ -363,6 +365,24 @@ class Item:
     partial_hi: gl.tensor
     lo: gl.tensor
     hi: gl.tensor
+
+
+@gluon.jit
+def let_next_kernel_start():
+    """Programmatic dependent launch: the stream's next kernel, if launched with ``launch_pdl``,
+    may start its programs once every program of this one has run this (or ended), on the
+    multiprocessors that this one's ending programs free (PTX ``griddepcontrol.launch_dependents``;
+    without ``launch_pdl`` it does nothing)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def wait_for_previous_kernel():
+    """Programmatic dependent launch: wait until the kernel before this one in the stream has
+    ended and its writes are visible (PTX ``griddepcontrol.wait``). A kernel that starts beside
+    the one before it runs this before it ends, so that its own end still means theirs: the
+    kernels after it, the caching allocator's reuse of the memory they freed, rely on that."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -807,6 +827,7 @@ def _load_item(p, bufs, index, items_done, loaded):
         row_offset = (span.tokens * p.num_heads + it.head).to(gl.int64) * p.seqlen_q + span.q_start
         lse, delta = row_statistics(p, row_offset, rows, bias_row, span.seqlen_q)
     mbarrier.wait(bufs.q_empty.index(q_slot), (items_done // Q_SLOTS) & 1 ^ 1)
+    put(bufs.indices.index(q_slot), index)
     put(bufs.counts.index(q_slot), count)
     if p.GRADIENT:
         bufs.lse.index(q_slot).store(lse)
@@ -824,25 +845,65 @@ def _load_item(p, bufs, index, items_done, loaded):
 
 
 @gluon.jit
+def _first_item(p):
+    """The program's first work item: in turn, its own number; QUEUED, the queue's next. A queue
+    serves a kernel whose programs start at different times, as dQ's do behind dK/dV
+    (``dq.hopper_dq``): each takes items while it runs, and none is left a fixed share to finish
+    after the others."""
+    index = gl.program_id(0)
+    if p.QUEUED:
+        index = gl.atomic_add(p.Queue, 1)
+    return index
+
+
+@gluon.jit
+def _next_item(p, index):
+    """The program's work item after ``index`` (``_first_item``)."""
+    if p.QUEUED:
+        index = gl.atomic_add(p.Queue, 1)
+    else:
+        index += gl.num_programs(0)
+    return index
+
+
+@gluon.jit
 def load_partition(p, bufs):
-    """One warp: for each work item its tile count and Q (with GRADIENT also dO, and the rows'
-    LSEs in log2 units and deltas), then its key tiles (``_load_key_tile``)."""
+    """One warp: for each work item its number, tile count and Q (with GRADIENT also dO, and the
+    rows' LSEs in log2 units and deltas), then its key tiles (``_load_key_tile``); after the last,
+    a slot whose number is ``p.items`` (``taken_item``)."""
+    Q_SLOTS: gl.constexpr = bufs.q.shape[0]
     loaded = 0  # K/V tiles so far: the ring position
     items_done = 0
-    for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
+    index = _first_item(p)
+    while index < p.items:
         loaded = _load_item(p, bufs, index, items_done, loaded)
         items_done += 1
+        index = _next_item(p, index)
+    q_slot = items_done % Q_SLOTS
+    mbarrier.wait(bufs.q_empty.index(q_slot), (items_done // Q_SLOTS) & 1 ^ 1)
+    put(bufs.indices.index(q_slot), p.items)
+    mbarrier.arrive(bufs.q_ready.index(q_slot), count=1)
 
 
 # -- what the math warpgroups of the forward and dQ kernels read back ------------------------------
 
 
 @gluon.jit
+def taken_item(bufs, items_done):
+    """The number of the program's ``items_done``-th work item, once the loader has staged it
+    (``load_partition``; ``p.items``: there are no more)."""
+    Q_SLOTS: gl.constexpr = bufs.q.shape[0]
+    q_slot = items_done % Q_SLOTS
+    mbarrier.wait(bufs.q_ready.index(q_slot), (items_done // Q_SLOTS) & 1)
+    return get(bufs.indices.index(q_slot))
+
+
+@gluon.jit
 def take_rows(p, bufs, index, items_done, HALF: gl.constexpr, rows_layout: gl.constexpr):
-    """Work item ``index`` for warpgroup ``HALF``, once the loader has staged its Q (slot
-    ``items_done`` modulo the slots): ``(batch, head, first_row, rows, q_slot, count, span)``,
-    ``rows`` its 64 rows in ``rows_layout`` (positions in the entry), ``count`` its key tiles and
-    ``span`` its entry's :class:`Span`."""
+    """Work item ``index`` for warpgroup ``HALF``, staged in Q slot ``items_done`` modulo the
+    slots (``taken_item``): ``(batch, head, first_row, rows, q_slot, count, span)``, ``rows`` its
+    64 rows in ``rows_layout`` (positions in the entry), ``count`` its key tiles and ``span`` its
+    entry's :class:`Span`."""
     ROWS: gl.constexpr = p.BLOCK_M // 2
     Q_SLOTS: gl.constexpr = bufs.q.shape[0]
     row_block, batch, head = _item_position(p, index)
@@ -850,7 +911,6 @@ def take_rows(p, bufs, index, items_done, HALF: gl.constexpr, rows_layout: gl.co
     first_row = row_block * p.BLOCK_M + HALF * ROWS
     rows = first_row + gl.arange(0, ROWS, rows_layout)  # [ROWS]
     q_slot = items_done % Q_SLOTS
-    mbarrier.wait(bufs.q_ready.index(q_slot), (items_done // Q_SLOTS) & 1)
     return batch, head, first_row, rows, q_slot, get(bufs.counts.index(q_slot)), span
 
 

@@ -40,6 +40,8 @@ batch or the key/value heads, or a walk that differs per head) it is added by fp
 """
 
 # No `from __future__ import annotations`: the records below need their field types as objects.
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -75,6 +77,7 @@ from flash_dma.backends.triton.hopper.common import (
     jit_with_runtime_scalars,
     kept_by_bits,
     launch_band,
+    let_next_kernel_start,
     log2_scores,
     pair_bias,
     pair_buffers,
@@ -97,7 +100,7 @@ from flash_dma.backends.triton.hopper.common import (
     wide_tiles,
     words_staged,
 )
-from flash_dma.backends.triton.launch import Launcher
+from flash_dma.backends.triton.launch import Launcher, hold
 from flash_dma.backends.triton.layout import (
     DBIAS_FULL,
     DBIAS_PER_KEY,
@@ -790,6 +793,7 @@ def _dkdv_hopper_kernel(
         MASK, BIAS, WALK, DBIAS, DBIAS_ATOMIC, DBIAS_HEAD_SHARED, HEADS_INNER, HEAD_DIM, COLUMNS, STAGED_BIAS, STAGED_DBIAS, SOFTCAP, SLICES, Q_STAGES,
         KV_BUFFERS, ROLES, SEQ, BLOCK_M, BLOCK_N,
     )
+    let_next_kernel_start()  # dQ (``dq.hopper_dq``): its programs take the multiprocessors this kernel's free
     gl.warp_specialize(
         [(_gradient_lower, (p, bufs)), (_gradient_upper, (p, bufs)), (_load_columns, (p, bufs))],
         [4, 1], [MATH_REGISTERS, LOADER_REGISTERS],
@@ -875,9 +879,9 @@ def column_work(call: Call, walk: torch.Tensor, work: torch.Tensor, tile: triton
 
 def hopper_dkdv(
     call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-    dbias_acc: torch.Tensor | None, dbias_flags: tuple, chunks: int, counted: bool, signature: tuple,
+    dbias_acc: torch.Tensor | None, dbias_flags: tuple, chunks: int, counted: bool, queue: torch.Tensor, signature: tuple,
     sequences: Sequences | None = None,
-) -> None:
+) -> Callable[[], None]:
     """Write ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` of ``call`` (and the bias gradient into
     ``dbias_acc``, zeroed: ``[chunks, Bd, Hd, 1, Sk]`` float32 per key, ``[1, Bd, Hd, Sq, Sk]``
     per pair, in the bias's dtype unless added by atomics), as ``backward._launch_dkdv`` would.
@@ -888,9 +892,14 @@ def hopper_dkdv(
     ``dbias_flags`` is ``(kind, atomic, head_shared)`` of ``backward.bias_gradient``;
     ``chunks`` splits each key tile's queries (``counted``: into at most ``chunks``, as many as
     the columns' work wants, ``column_work``); a deterministic call's parts go to fp32 slices
-    (``chunks`` times dK and dV in memory), summed in chunk order. ``signature`` holds the layouts of the call, of
-    ``dout`` and of the gradients (``backward.attention_backward``'s): the launch is prepared
-    once per signature.
+    (``chunks`` times dK and dV in memory), summed in chunk order. ``queue`` ``[3]`` int32,
+    zeroed: the queue's counter, then ``column_work``'s counts. ``signature`` holds the layouts of
+    the call, of ``dout`` and of the gradients (``backward.attention_backward``'s): the launch is
+    prepared once per signature.
+
+    Returns what finishes dK and dV (the chunks' fp32 parts written into them), to run after the
+    launch that goes right behind this one (``dq.hopper_dq``); what the kernel reads is kept
+    until the caller's ``launch.kernels_side_by_side`` block ends.
     """
     q, k, v = call.q, call.k, call.v
     batch, seqlen_q, num_heads, head_dim = q.shape
@@ -911,9 +920,8 @@ def hopper_dkdv(
         scratch_k = torch.zeros(dk.shape, dtype=torch.float32, device=device)
         scratch_v = torch.zeros(dv.shape, dtype=torch.float32, device=device)
     dbias_target = placeholder(device, torch.float32) if dbias_acc is None else dbias_acc
-    # The queue's counter; counted, then the longest column's work and their sum (``column_work``).
-    queue = torch.zeros(3 if counted else 1, dtype=torch.int32, device=device)
     k, v, walk, walk_flag = walked_keys(call, call.q_lists)
+    hold(k, v, walk)
     if counted:
         column_work(call, walk, queue, tile, signature)
     tensors = hopper_tensors(call, k, v, walk)
@@ -934,9 +942,13 @@ def hopper_dkdv(
         (signature, chunks, counted, dbias_flags), [*tensors, *seq_tables, *own_tensors], build, lambda: [tile],
         lambda meta: (min(items, configs.multiprocessor_count(device)),),
     )
-    if slices:  # summed in chunk order: the same bits on every run
-        dk.copy_(scratch_k.sum(dim=0))
-        dv.copy_(scratch_v.sum(dim=0))
-    elif chunks > 1:
-        dk.copy_(scratch_k)
-        dv.copy_(scratch_v)
+
+    def finish():
+        if slices:  # summed in chunk order: the same bits on every run
+            dk.copy_(scratch_k.sum(dim=0))
+            dv.copy_(scratch_v.sum(dim=0))
+        elif chunks > 1:
+            dk.copy_(scratch_k)
+            dv.copy_(scratch_v)
+
+    return finish

@@ -6,6 +6,9 @@ of 64 rows each: per key tile ``S = Q K^T`` and ``dP = dO V^T`` from shared memo
 ``dQ += dS K`` with dS from registers. Masks and biases are read as in the forward
 (``common.visible_scores``); a per-row mask needs nothing here (its rows' LSE is -inf, so their
 probabilities are 0), and a per-row bias is taken out of the LSEs by the loader.
+
+It is launched right behind dK/dV by programmatic dependent launch, and its programs start as
+dK/dV's end, so they take the items off a queue rather than in turn (``hopper_dq``).
 """
 
 # No `from __future__ import annotations`: the records below need their field types as objects.
@@ -39,14 +42,16 @@ from flash_dma.backends.triton.hopper.common import (
     softcap_slope,
     store_rows,
     take_rows,
+    taken_item,
     tile_descriptor,
+    wait_for_previous_kernel,
     visible_scores,
     wait_for_scores,
     walked_keys,
     wide_tiles,
     work_items,
 )
-from flash_dma.backends.triton.launch import Launcher
+from flash_dma.backends.triton.launch import Launcher, hold
 from flash_dma.backends.triton.layout import Call, Sequences
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dq"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
@@ -67,6 +72,7 @@ class _Buffers:
     v: gl.shared_memory_descriptor
     words: gl.shared_memory_descriptor
     bias: gl.shared_memory_descriptor
+    indices: gl.shared_memory_descriptor
     counts: gl.shared_memory_descriptor
     lse: gl.shared_memory_descriptor
     delta: gl.shared_memory_descriptor
@@ -137,9 +143,11 @@ def _dq_rows(p, bufs, HALF: gl.constexpr):
     memory, ``dQ += dS K`` with dS from registers (``_dq_item``)."""
     consumed = 0  # K/V tiles so far: the ring position, as in the loader
     items_done = 0
-    for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
+    index = taken_item(bufs, items_done)
+    while index < p.items:
         consumed = _dq_item(p, bufs, index, items_done, consumed, HALF)
         items_done += 1
+        index = taken_item(bufs, items_done)
 @gluon.jit
 def _dq_lower(p, bufs):
     _dq_rows(p, bufs, 0)
@@ -162,7 +170,7 @@ def _dq_hopper_kernel(
     MASK: gl.constexpr, BIAS: gl.constexpr, WALK: gl.constexpr, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr,
     STAGED_BIAS: gl.constexpr,
     SOFTCAP: gl.constexpr,
-    DO, Lse, Delta, DQ, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, items, row_blocks,
+    DO, Lse, Delta, DQ, Queue, stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, items, row_blocks,
     KV_STAGES: gl.constexpr, Q_SLOTS: gl.constexpr, SEQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 ):
     q_desc = tile_descriptor(Q, batch, seqlen_q, num_heads, COLUMNS, stride_qb, stride_qs, stride_qh, BLOCK_M, BLOCK_M, HEAD_DIM)
@@ -183,6 +191,7 @@ def _dq_hopper_kernel(
         words,
         bias,
         gl.allocate_shared_memory(gl.int32, [Q_SLOTS, 1], PLAIN),
+        gl.allocate_shared_memory(gl.int32, [Q_SLOTS, 1], PLAIN),
         gl.allocate_shared_memory(gl.float32, [Q_SLOTS, BLOCK_M], PLAIN),
         gl.allocate_shared_memory(gl.float32, [Q_SLOTS, BLOCK_M], PLAIN),
         gl.allocate_shared_memory(gl.int32, [2 * KV_STAGES, 1], PLAIN),
@@ -198,7 +207,7 @@ def _dq_hopper_kernel(
     )
     init_barriers(bufs, KV_STAGES)
     p = Problem(
-        q_desc, k_desc, v_desc, do_desc, dq_desc, words_desc, bias_desc, DQ, Delta, Lse, Mask, Bias, Walk, Lse, SeqQ, SeqK,  # no descale
+        q_desc, k_desc, v_desc, do_desc, dq_desc, words_desc, bias_desc, DQ, Delta, Lse, Mask, Bias, Walk, Lse, Queue, SeqQ, SeqK,  # no descale
         SeqK, SeqK, seqlen_k, seqlen_k, seqlen_k,  # no cache: its rows, pages and their sizes are never read
         stride_dqb, stride_dqs, stride_dqh,
         seqlen_q * num_heads, seqlen_q, stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
@@ -206,39 +215,59 @@ def _dq_hopper_kernel(
         seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
-        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, True, False, SEQ, CACHE_CONTIGUOUS,
+        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, True, False, SEQ, CACHE_CONTIGUOUS, True,
     )
     gl.warp_specialize(
         [(_dq_lower, (p, bufs)), (_dq_upper, (p, bufs)), (load_partition, (p, bufs))],
         [4, 1], [MATH_REGISTERS, LOADER_REGISTERS],
     )
+    wait_for_previous_kernel()
 
 
-hopper_dq_launcher = Launcher(_dq_hopper_kernel, tensors=(*COMMON_TENSORS, "SeqQ", "SeqK", "DO", "Lse", "Delta", "DQ"), specialized=())
+# Launched behind dK/dV, whose programs let it start as they end (``hopper_dq``).
+hopper_dq_launcher = Launcher(
+    _dq_hopper_kernel, tensors=(*COMMON_TENSORS, "SeqQ", "SeqK", "DO", "Lse", "Delta", "DQ", "Queue"), specialized=(),
+    options=dict(launch_pdl=True),
+)
+
+
+def dq_keys(call: Call) -> tuple:
+    """``hopper_dq``'s ``keys``: ``common.walked_keys`` of ``call`` (a key list's kept keys
+    gathered), kept until the caller's ``launch.kernels_side_by_side`` block ends."""
+    keys = walked_keys(call, call.kv_lists)
+    hold(*keys[:3])
+    return keys
 
 
 def hopper_dq(
-    call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, signature: tuple,
-    sequences: Sequences | None = None,
+    call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, queue: torch.Tensor,
+    keys: tuple, signature: tuple, sequences: Sequences | None = None,
 ) -> None:
     """Write ``dq`` ``[B, Sq, H, D]`` of ``call`` as the Triton dQ kernel would; ``dout`` ``[B,
     Sq, H, D]``, ``lse`` and ``delta`` ``[B, H, Sq]`` float32, contiguous (packed ``sequences``:
-    ``[1, total, ...]`` and ``[1, H, total]``). ``signature`` holds the layouts of the call, of
-    ``dout`` and of ``dq`` (``backward.attention_backward``'s): the launch is prepared once per
-    signature."""
+    ``[1, total, ...]`` and ``[1, H, total]``); ``queue`` ``[1]`` int32, zeroed; ``keys``
+    :func:`dq_keys`'. ``signature`` holds the layouts of the call, of ``dout`` and of ``dq``
+    (``backward.attention_backward``'s): the launch is prepared once per signature.
+
+    The launch goes right behind dK/dV's (``dkdv.hopper_dkdv``), inside the caller's
+    ``launch.kernels_side_by_side`` block, with all it reads made before dK/dV's: its programs
+    start on the multiprocessors that dK/dV's programs free as they end, and take items off
+    ``queue`` as they come (``common._first_item``). At 16K keep 1/8, dK/dV's last programs end
+    about a quarter of its time after its first (docs/design-notes.md, "dK/dV: the queue, timed
+    item by item"); dQ now runs in that time."""
     q = call.q
     head_dim = q.shape[3]
     wide = wide_tiles(head_dim)
     row_blocks, items, seq_tables, seq = work_items(call, TILE.kwargs["BLOCK_M"], sequences)
-    k, v, walk, walk_flag = walked_keys(call, call.kv_lists)
+    k, v, walk, walk_flag = keys
     tensors = hopper_tensors(call, k, v, walk)
 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag, seq)
         own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, KV_STAGES[head_dim_tile(head_dim)], 1 if wide else 2, seq]
-        return [*tensors, *seq_tables, *runtime, *flags, dout, lse, delta, dq, *own], (q.dtype, dq.dtype, *flags)
+        return [*tensors, *seq_tables, *runtime, *flags, dout, lse, delta, dq, queue, *own], (q.dtype, dq.dtype, *flags)
 
     hopper_dq_launcher.launch(
-        signature, [*tensors, *seq_tables, dout, lse, delta, dq], build, lambda: [WIDE_TILE if wide else TILE],
+        signature, [*tensors, *seq_tables, dout, lse, delta, dq, queue], build, lambda: [WIDE_TILE if wide else TILE],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )

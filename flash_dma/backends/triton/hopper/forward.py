@@ -61,6 +61,7 @@ from flash_dma.backends.triton.hopper.common import (
     stages_pair_bias,
     store_rows,
     take_rows,
+    taken_item,
     tile_descriptor,
     visible_scores,
     work_items,
@@ -96,6 +97,7 @@ class _Buffers:
     v: gl.shared_memory_descriptor
     words: gl.shared_memory_descriptor
     bias: gl.shared_memory_descriptor
+    indices: gl.shared_memory_descriptor
     counts: gl.shared_memory_descriptor
     spans: gl.shared_memory_descriptor
     positions: gl.shared_memory_descriptor
@@ -337,9 +339,11 @@ def _softmax_rows(p, bufs, HALF: gl.constexpr):
     consumed = 0  # K/V tiles so far: the ring position, as in the loader
     zeroings = 0  # phases of ``zeroed``, a bit per ring position (``_issue_value_product``)
     items_done = 0
-    for index in range(gl.program_id(0), p.items, gl.num_programs(0)):
+    index = taken_item(bufs, items_done)
+    while index < p.items:
         consumed, zeroings = _softmax_item(p, bufs, index, items_done, consumed, zeroings, HALF)
         items_done += 1
+        index = taken_item(bufs, items_done)
 
 
 @gluon.jit
@@ -397,6 +401,7 @@ def _attn_fwd_hopper_kernel(
         words,
         bias,
         gl.allocate_shared_memory(gl.int32, [Q_SLOTS, 1], PLAIN),
+        gl.allocate_shared_memory(gl.int32, [Q_SLOTS, 1], PLAIN),
         gl.allocate_shared_memory(gl.int32, [2 * KV_STAGES, 1], PLAIN),  # spans: first keys, then last keys
         gl.allocate_shared_memory(gl.int32, [KV_STAGES, BLOCK_N], PLAIN),
         gl.allocate_shared_memory(gl.int32, [KV_STAGES, 1], PLAIN),
@@ -414,7 +419,7 @@ def _attn_fwd_hopper_kernel(
     for i in gl.static_range(KV_STAGES):
         mbarrier.init(bufs.zeroed.index(i), count=1)
     p = Problem(
-        q_desc, k_desc, v_desc, q_desc, o_desc, words_desc, bias_desc, Out, Lse, Lse, Mask, Bias, Walk, Descale, SeqQ, SeqK,  # no dO, no delta
+        q_desc, k_desc, v_desc, q_desc, o_desc, words_desc, bias_desc, Out, Lse, Lse, Mask, Bias, Walk, Descale, Lse, SeqQ, SeqK,  # no dO, delta, queue
         CacheRows, BlockTable, stride_table, page_size, cache_last,
         stride_ob, stride_os, stride_oh, stride_lse_b, stride_lse_h,
         stride_mb, stride_mh, stride_mq, stride_mk, stride_bb, stride_bh, stride_bq, stride_bk,
@@ -422,7 +427,7 @@ def _attn_fwd_hopper_kernel(
         seqlen_q, seqlen_k, num_heads, group, items, row_blocks,
         mask_head_div, bias_head_div, walk_head_div, list_block_q, list_block_k,
         band_lo, band_hi, scale, scale_log2, softcap_log2, scale_over_cap,
-        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, False, FP8, SEQ, CACHE,
+        MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP, KV_STAGES, BLOCK_M, BLOCK_N, False, FP8, SEQ, CACHE, False,
     )
     gl.warp_specialize(
         [(_softmax_lower, (p, bufs)), (_softmax_upper, (p, bufs)), (load_partition, (p, bufs))],
