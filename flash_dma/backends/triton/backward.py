@@ -17,7 +17,9 @@ Three launches (dQ never needs atomics):
 A bias broadcast over keys (``[., ., ., 1]``) shifts whole rows of scores, which the softmax
 ignores: its gradient is exactly zero and takes no work.
 
-On sm90, launches 2 and 3 run the Gluon kernels of ``hopper/`` where ``dispatch.py``'s table says they serve the call.
+On sm90, launches 2 and 3 run the Gluon kernels of ``hopper/`` where ``dispatch.py``'s table says they serve the call;
+the Hopper dQ then starts beside dK/dV's last programs (``hopper/dq.hopper_dq``), and dK/dV's
+fp32 chunk sums are cast after it.
 """
 
 from __future__ import annotations

@@ -195,7 +195,8 @@ def test_dq_is_launched_right_behind_dkdv_to_start_beside_it(hopper_calls):
     launched between them would run beside dQ instead, unordered with it. The kernel that started
     just before dQ is dK/dV, dQ's launch asks to start beside it, and the gradients are as exact as
     ever. (Whether it does start before dK/dV ends depends on the host issuing it in time, which
-    the profiler slows: ``docs/design-notes.md``, "Hopper backward: dQ beside dK/dV", times it.)"""
+    the profiler slows: docs/design-notes.md, "Hopper backward: dQ beside dK/dV's last programs",
+    times it.)"""
     case = Case(batch=2, seqlen_q=2048, seqlen_k=2048, heads=8, kv_heads=2, head_dim=128, mask=PER_KEY, bias=PER_KEY,
                 mask_kind="blocks", causal=True, block_size=(128, 128))
     inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)

@@ -252,9 +252,8 @@ def hopper_dq(
     The launch goes right behind dK/dV's (``dkdv.hopper_dkdv``), inside the caller's
     ``launch.kernels_side_by_side`` block, with all it reads made before dK/dV's: its programs
     start on the multiprocessors that dK/dV's programs free as they end, and take items off
-    ``queue`` as they come (``common._first_item``). At 16K keep 1/8, dK/dV's last programs end
-    about a quarter of its time after its first (docs/design-notes.md, "dK/dV: the queue, timed
-    item by item"); dQ now runs in that time."""
+    ``queue`` as they come (``common._first_item``). docs/design-notes.md, "Hopper backward: dQ
+    beside dK/dV's last programs", has why and what it gains."""
     q = call.q
     head_dim = q.shape[3]
     wide = wide_tiles(head_dim)
