@@ -44,8 +44,8 @@ from flash_dma.backends.triton.hopper.common import (
     take_rows,
     taken_item,
     tile_descriptor,
-    wait_for_previous_kernel,
     visible_scores,
+    wait_for_previous_kernel,
     wait_for_scores,
     walked_keys,
     wide_tiles,
@@ -148,6 +148,8 @@ def _dq_rows(p, bufs, HALF: gl.constexpr):
         consumed = _dq_item(p, bufs, index, items_done, consumed, HALF)
         items_done += 1
         index = taken_item(bufs, items_done)
+
+
 @gluon.jit
 def _dq_lower(p, bufs):
     _dq_rows(p, bufs, 0)

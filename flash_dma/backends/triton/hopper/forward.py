@@ -85,8 +85,8 @@ STAGED_BIAS_KV_STAGES = 2  # D <= 64 with a per-pair bias staged beside K and V:
 
 @record
 class _Buffers:
-    """Shared memory: two Q tiles (this item's and the next's) with their tile counts, a ring of
-    K/V tiles with their BitMask words (or key intervals' row words) and per-pair bias
+    """Shared memory: two Q tiles (this item's and the next's) with their items' numbers and tile
+    counts, a ring of K/V tiles with their BitMask words (or key intervals' row words) and per-pair bias
     (``common.pair_buffers``), the spans and (key lists) positions of their keys, whether their
     pairs are tested and their key scores, the barriers (``zeroed``: a cache's V tile whose rows
     past the entry's keys the lower warpgroup has zeroed, ``_issue_value_product``), and with
