@@ -34,8 +34,9 @@ import triton.language as tl
 from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.dispatch import HOPPER, device_kind, form_of, route
 from flash_dma.backends.triton.forward import packed_sequences
+from flash_dma.backends.triton.hopper.common import kept_keys
 from flash_dma.backends.triton.hopper.dkdv import hopper_dkdv
-from flash_dma.backends.triton.hopper.dq import dq_keys, hopper_dq
+from flash_dma.backends.triton.hopper.dq import hopper_dq
 from flash_dma.backends.triton.launch import Launcher, kernels_side_by_side
 from flash_dma.backends.triton.layout import (
     DBIAS_FULL,
@@ -768,23 +769,25 @@ def attention_backward(
     gradient = plan.bias_gradient
     dbias_acc = None if gradient is None else torch.zeros(gradient.shape, dtype=gradient.dtype, device=device)
     dbias_flags = (DBIAS_NONE, False, False) if gradient is None else (gradient.kind, gradient.atomic, gradient.head_shared)
-    finish_dkdv = None
     # The Hopper kernels' queues, zeroed at once: dK/dV's at 0 (then ``column_work``'s counts), dQ's 16 bytes on.
     queues = torch.zeros(8, dtype=torch.int32, device=device) if plan.hopper_dkdv or plan.hopper_dq else None
+    finish_dkdv = None
+    # A key list's kept keys, gathered once for both Hopper kernels.
+    kept = kept_keys(call) if plan.hopper_dkdv or plan.hopper_dq else None
     with kernels_side_by_side():
         if plan.hopper_dq:
             # The Hopper dQ kernel runs behind dK/dV, on the multiprocessors dK/dV's programs free
             # (``hopper_dq``): all it uses is made before dK/dV starts.
             dq = torch.empty(q.shape, dtype=grad_dtype, device=device)
-            keys = dq_keys(call)
         if plan.hopper_dkdv:
             finish_dkdv = hopper_dkdv(
-                call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, plan.counted, queues[:3], signature, sequences,
+                call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, plan.counted, queues[:3], kept, signature,
+                sequences,
             )
         else:
             _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, call.deterministic, sequences, signature)
         if plan.hopper_dq:
-            hopper_dq(call, dout, lse, delta, dq, queues[4:5], keys, signature, sequences)
+            hopper_dq(call, dout, lse, delta, dq, queues[4:5], kept, signature, sequences)
     if finish_dkdv is not None:
         finish_dkdv()
     if not plan.hopper_dq:

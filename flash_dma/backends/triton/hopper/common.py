@@ -228,14 +228,22 @@ def work_items(call: Call, block_m: int, sequences: Sequences | None) -> tuple[i
     return row_blocks, row_blocks * entries * call.q.shape[2], pointers, seq
 
 
-def walked_keys(call: Call, pass_walk: torch.Tensor | None, sequences: Sequences | None = None) -> tuple:
-    """``(k, v, walk, WALK)`` as the Hopper kernels read them: with a key list, its kept keys
-    gathered (``key_list.gather_kept_keys``; a KV cache's entries' keys up to their lengths) and
-    the list walked; else the summary's lists ``pass_walk`` (or none)."""
+def kept_keys(call: Call, sequences: Sequences | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k, v)`` as the Hopper kernels read them: with a key list, its kept keys gathered
+    (``key_list.gather_kept_keys``; a KV cache's entries' keys up to their lengths); else the
+    call's own. A backward gathers them once for dK/dV and dQ."""
     if call.key_list is None:
-        return call.k, call.v, pass_walk, walk_kind(pass_walk, None)
+        return call.k, call.v
     lengths = sequences.seq_k if sequences is not None and sequences.kind == SEQ_CACHE else None
-    return *gather_kept_keys(call.k, call.v, call.key_list, lengths), call.key_list, WALK_KEYS
+    return gather_kept_keys(call.k, call.v, call.key_list, lengths)
+
+
+def walked_keys(call: Call, pass_walk: torch.Tensor | None, kept: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    """``(k, v, walk, WALK)`` as a Hopper kernel reads them: ``kept`` (``kept_keys``), and with a
+    key list the list walked; else the summary's lists ``pass_walk`` (or none)."""
+    if call.key_list is None:
+        return *kept, pass_walk, walk_kind(pass_walk, None)
+    return *kept, call.key_list, WALK_KEYS
 
 
 @record

@@ -879,8 +879,8 @@ def column_work(call: Call, walk: torch.Tensor, work: torch.Tensor, tile: triton
 
 def hopper_dkdv(
     call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-    dbias_acc: torch.Tensor | None, dbias_flags: tuple, chunks: int, counted: bool, queue: torch.Tensor, signature: tuple,
-    sequences: Sequences | None = None,
+    dbias_acc: torch.Tensor | None, dbias_flags: tuple, chunks: int, counted: bool, queue: torch.Tensor,
+    kept: tuple[torch.Tensor, torch.Tensor], signature: tuple, sequences: Sequences | None = None,
 ) -> Callable[[], None]:
     """Write ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` of ``call`` (and the bias gradient into
     ``dbias_acc``, zeroed: ``[chunks, Bd, Hd, 1, Sk]`` float32 per key, ``[1, Bd, Hd, Sq, Sk]``
@@ -893,7 +893,8 @@ def hopper_dkdv(
     ``chunks`` splits each key tile's queries (``counted``: into at most ``chunks``, as many as
     the columns' work wants, ``column_work``); a deterministic call's parts go to fp32 slices
     (``chunks`` times dK and dV in memory), summed in chunk order. ``queue`` ``[3]`` int32,
-    zeroed: the queue's counter, then ``column_work``'s counts. ``signature`` holds the layouts of
+    zeroed: the queue's counter, then ``column_work``'s counts; ``kept`` the keys ``common.kept_keys``
+    gave (a key list's, gathered once for dK/dV and dQ). ``signature`` holds the layouts of
     the call, of ``dout`` and of the gradients (``backward.attention_backward``'s): the launch is
     prepared once per signature.
 
@@ -913,14 +914,13 @@ def hopper_dkdv(
     items = chunks * cdiv(keys, tile.kwargs["BLOCK_N"]) * entries * num_kv_heads
     slices = call.deterministic and chunks > 1
     scratch_k = scratch_v = placeholder(device, torch.float32)
-    if slices:  # [chunks, B, Sk, Hkv, D], each element written once
-        scratch_k = torch.empty((chunks, *dk.shape), dtype=torch.float32, device=device)
-        scratch_v = torch.empty((chunks, *dv.shape), dtype=torch.float32, device=device)
+    # dK's scratch, then dV's, in one allocation (and one fill).
+    if slices:  # [chunks, B, Sk, Hkv, D] each, every element written once
+        scratch_k, scratch_v = torch.empty((2, chunks, *dk.shape), dtype=torch.float32, device=device)
     elif chunks > 1:
-        scratch_k = torch.zeros(dk.shape, dtype=torch.float32, device=device)
-        scratch_v = torch.zeros(dv.shape, dtype=torch.float32, device=device)
+        scratch_k, scratch_v = torch.zeros((2, *dk.shape), dtype=torch.float32, device=device)
     dbias_target = placeholder(device, torch.float32) if dbias_acc is None else dbias_acc
-    k, v, walk, walk_flag = walked_keys(call, call.q_lists)
+    k, v, walk, walk_flag = walked_keys(call, call.q_lists, kept)
     hold(k, v, walk)
     if counted:
         column_work(call, walk, queue, tile, signature)

@@ -51,7 +51,7 @@ from flash_dma.backends.triton.hopper.common import (
     wide_tiles,
     work_items,
 )
-from flash_dma.backends.triton.launch import Launcher, hold
+from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import Call, Sequences
 
 TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dq"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
@@ -233,22 +233,14 @@ hopper_dq_launcher = Launcher(
 )
 
 
-def dq_keys(call: Call) -> tuple:
-    """``hopper_dq``'s ``keys``: ``common.walked_keys`` of ``call`` (a key list's kept keys
-    gathered), kept until the caller's ``launch.kernels_side_by_side`` block ends."""
-    keys = walked_keys(call, call.kv_lists)
-    hold(*keys[:3])
-    return keys
-
-
 def hopper_dq(
     call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, queue: torch.Tensor,
-    keys: tuple, signature: tuple, sequences: Sequences | None = None,
+    kept: tuple[torch.Tensor, torch.Tensor], signature: tuple, sequences: Sequences | None = None,
 ) -> None:
     """Write ``dq`` ``[B, Sq, H, D]`` of ``call`` as the Triton dQ kernel would; ``dout`` ``[B,
     Sq, H, D]``, ``lse`` and ``delta`` ``[B, H, Sq]`` float32, contiguous (packed ``sequences``:
-    ``[1, total, ...]`` and ``[1, H, total]``); ``queue`` ``[1]`` int32, zeroed; ``keys``
-    :func:`dq_keys`'. ``signature`` holds the layouts of the call, of ``dout`` and of ``dq``
+    ``[1, total, ...]`` and ``[1, H, total]``); ``queue`` ``[1]`` int32, zeroed; ``kept``
+    the keys ``common.kept_keys`` gave. ``signature`` holds the layouts of the call, of ``dout`` and of ``dq``
     (``backward.attention_backward``'s): the launch is prepared once per signature.
 
     The launch goes right behind dK/dV's (``dkdv.hopper_dkdv``), inside the caller's
@@ -260,7 +252,7 @@ def hopper_dq(
     head_dim = q.shape[3]
     wide = wide_tiles(head_dim)
     row_blocks, items, seq_tables, seq = work_items(call, TILE.kwargs["BLOCK_M"], sequences)
-    k, v, walk, walk_flag = keys
+    k, v, walk, walk_flag = walked_keys(call, call.kv_lists, kept)
     tensors = hopper_tensors(call, k, v, walk)
 
     def build():

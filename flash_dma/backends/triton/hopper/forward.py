@@ -53,6 +53,7 @@ from flash_dma.backends.triton.hopper.common import (
     init_barriers,
     input_base,
     jit_with_runtime_scalars,
+    kept_keys,
     load_partition,
     pair_buffers,
     pair_descriptors,
@@ -456,7 +457,7 @@ def hopper_forward(
     q = call.q
     head_dim = q.shape[3]
     row_blocks, items, seq_tables, seq = work_items(call, TILE.kwargs["BLOCK_M"], sequences)
-    k, v, walk, walk_flag = walked_keys(call, call.kv_lists, sequences)
+    k, v, walk, walk_flag = walked_keys(call, call.kv_lists, kept_keys(call, sequences))
     fp8 = call.descale is not None
     if fp8:
         v = transposed_values(v)
