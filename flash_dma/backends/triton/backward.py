@@ -101,9 +101,12 @@ def _delta_kernel(
     seqlen_q, num_heads, head_dim,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1) // num_heads
-    h = tl.program_id(1) % num_heads
+    # Heads first: neighbouring programs read the same rows of neighbouring heads, neighbouring
+    # runs of [B, S, H, D] (docs/design-notes.md, "The delta pass").
+    batch_heads = tl.num_programs(0) // tl.cdiv(seqlen_q, BLOCK_M)
+    pid_m = tl.program_id(0) // batch_heads
+    b = tl.program_id(0) % batch_heads // num_heads
+    h = tl.program_id(0) % num_heads
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen_q
     o = load_tile(Out + b.to(tl.int64) * stride_ob + h * stride_oh, offs_m, row_ok, stride_os, head_dim, True, BLOCK_D)
@@ -762,7 +765,7 @@ def attention_backward(
 
     delta_launcher.launch(
         (out.shape, out.stride(), dout.stride(), out.dtype, device), [out, dout, delta], delta_arguments,
-        configs.single_program_config, lambda meta: (cdiv(token_rows, _DELTA_ROWS), q.shape[0] * num_heads),
+        configs.single_program_config, lambda meta: (cdiv(token_rows, _DELTA_ROWS) * q.shape[0] * num_heads,),
     )
     dk = torch.empty(k.shape, dtype=grad_dtype, device=device)
     dv = torch.empty_like(dk)
