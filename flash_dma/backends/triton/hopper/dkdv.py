@@ -893,10 +893,10 @@ def hopper_dkdv(
     ``chunks`` splits each key tile's queries (``counted``: into at most ``chunks``, as many as
     the columns' work wants, ``column_work``); a deterministic call's parts go to fp32 slices
     (``chunks`` times dK and dV in memory), summed in chunk order. ``queue`` ``[3]`` int32,
-    zeroed: the queue's counter, then ``column_work``'s counts; ``kept`` the keys ``common.kept_keys``
-    gave (a key list's, gathered once for dK/dV and dQ). ``signature`` holds the layouts of
-    the call, of ``dout`` and of the gradients (``backward.attention_backward``'s): the launch is
-    prepared once per signature.
+    zeroed: the queue's counter, then ``column_work``'s counts; ``kept`` the keys
+    ``common.kept_keys`` gave (a key list's, gathered once for dK/dV and dQ). ``signature`` holds
+    the layouts of the call, of ``dout`` and of the gradients (``backward.attention_backward``'s):
+    the launch is prepared once per signature.
 
     Returns what finishes dK and dV (the chunks' fp32 parts written into them), to run after the
     launch that goes right behind this one (``dq.hopper_dq``); what the kernel reads is kept

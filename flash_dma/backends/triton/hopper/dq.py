@@ -239,9 +239,9 @@ def hopper_dq(
 ) -> None:
     """Write ``dq`` ``[B, Sq, H, D]`` of ``call`` as the Triton dQ kernel would; ``dout`` ``[B,
     Sq, H, D]``, ``lse`` and ``delta`` ``[B, H, Sq]`` float32, contiguous (packed ``sequences``:
-    ``[1, total, ...]`` and ``[1, H, total]``); ``queue`` ``[1]`` int32, zeroed; ``kept``
-    the keys ``common.kept_keys`` gave. ``signature`` holds the layouts of the call, of ``dout`` and of ``dq``
-    (``backward.attention_backward``'s): the launch is prepared once per signature.
+    ``[1, total, ...]`` and ``[1, H, total]``); ``queue`` ``[1]`` int32, zeroed; ``kept`` the
+    keys ``common.kept_keys`` gave. ``signature`` holds the layouts of the call, of ``dout`` and
+    of ``dq`` (``backward.attention_backward``'s): the launch is prepared once per signature.
 
     The launch goes right behind dK/dV's (``dkdv.hopper_dkdv``), inside the caller's
     ``launch.kernels_side_by_side`` block, with all it reads made before dK/dV's: its programs
