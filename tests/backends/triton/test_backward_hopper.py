@@ -11,6 +11,7 @@ from flash_dma import memo
 from flash_dma.backends.triton import backward as backward_module
 from flash_dma.backends.triton.backward import attention_backward, forced_query_chunks
 from flash_dma.backends.triton.forward import attention_forward
+from flash_dma.backends.triton.hopper import common as hopper_common
 from flash_dma.backends.triton.hopper.dq import hopper_dq_launcher
 from flash_dma.block_mask import FULL
 from flash_dma.masks import topk_block_mask
@@ -219,6 +220,30 @@ def test_dq_is_launched_right_behind_dkdv_to_start_beside_it(hopper_calls):
     _, _, baseline = reference_outputs(case, inputs, dout, KERNEL_DTYPES[0])
     assert_gradients_close(inputs, oracle, baseline)
 
+
+def test_a_key_list_is_gathered_once_per_backward(hopper_calls, monkeypatch):
+    """The kept keys of a key list are gathered once for both backward kernels
+    (``common.kept_keys``), not once for dK/dV and again for dQ."""
+    gathers = []
+    gather = hopper_common.gather_kept_keys
+
+    def counted(*args):
+        if not memo.dry_running():
+            gathers.append(len(args))
+        return gather(*args)
+
+    monkeypatch.setattr(hopper_common, "gather_kept_keys", counted)
+    case = Case(seqlen_q=300, seqlen_k=777, head_dim=128, mask=PER_KEY, bias=PER_KEY, causal=True, listed=True)
+    inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
+    out = triton_call(case, inputs)
+    dout = torch.randn(out.shape, generator=case.generator("dout")).to(out)
+    before = len(gathers)
+    out.backward(dout)
+    assert hopper_calls == ["dkdv", "dq"]
+    assert len(gathers) - before == 1
+    _, _, oracle = reference_outputs(case, inputs, dout, torch.float64)
+    _, _, baseline = reference_outputs(case, inputs, dout, KERNEL_DTYPES[0])
+    assert_gradients_close(inputs, oracle, baseline)
 
 DETERMINISTIC_CASES = [
     # Per-key bias shared by the batch and the key/value heads: a slice per program, summed after.
