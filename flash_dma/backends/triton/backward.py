@@ -772,11 +772,11 @@ def attention_backward(
     gradient = plan.bias_gradient
     dbias_acc = None if gradient is None else torch.zeros(gradient.shape, dtype=gradient.dtype, device=device)
     dbias_flags = (DBIAS_NONE, False, False) if gradient is None else (gradient.kind, gradient.atomic, gradient.head_shared)
-    finish_dkdv = None
-    # The Hopper kernels' queues, zeroed at once: dK/dV's at 0 (then ``column_work``'s counts), dQ's 16 bytes on.
-    queues = torch.zeros(8, dtype=torch.int32, device=device) if plan.hopper_dkdv or plan.hopper_dq else None
-    # A key list's kept keys, gathered once for both Hopper kernels.
-    kept = kept_keys(call) if plan.hopper_dkdv or plan.hopper_dq else None
+    finish_dkdv = queues = kept = None
+    if plan.hopper_dkdv or plan.hopper_dq:
+        # The Hopper kernels' queues, zeroed at once: dK/dV's at 0 (then ``column_work``'s counts), dQ's 16 bytes on.
+        queues = torch.zeros(8, dtype=torch.int32, device=device)
+        kept = kept_keys(call)  # a key list's kept keys, gathered once for both
     with kernels_side_by_side():
         if plan.hopper_dq:
             # The Hopper dQ kernel runs behind dK/dV, on the multiprocessors dK/dV's programs free
