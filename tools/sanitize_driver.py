@@ -692,7 +692,7 @@ CASES = {
         _attention("attn-summary-d128-deterministic-chunks", batch=2, seqlen_q=600, seqlen_k=600, heads=4, kv_heads=2,
                    head_dim=128, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="1,Hkv,1,Sk", causal=True,
                    walk="summary", block_size=(128, 128), deterministic=True, query_chunks=3),
-        # The Hopper dK/dV's chunks as its columns' work wants (``column_work`` counts it first), up to 4.
+        # The Hopper dK/dV's chunks as its columns' work wants (``count_columns`` counts it in the preprocess), up to 4.
         _attention("attn-summary-d128-counted-chunks", batch=2, seqlen_q=600, seqlen_k=600, heads=4, kv_heads=2,
                    head_dim=128, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True,
                    walk="summary", block_size=(128, 128), query_chunks=4, counted=True),

@@ -2,7 +2,8 @@
 
 Three launches (dQ never needs atomics):
 
-1. ``_delta_kernel``: ``delta = rowsum(dO * O)`` per (batch, head, query).
+1. ``_preprocess_kernel``: ``delta = rowsum(dO * O)`` per (batch, head, query), and the other
+   kernels' zeroed workspace (``_workspace``: queues, chunk sums, turns).
 2. ``_dkdv_kernel``, grid ``(query chunks, key tiles, batch x kv heads)``: a program owns
    ``BLOCK_N`` keys of one key/value head (consecutive keys, or consecutive slots of a key
    list) and, for each query head of its group, runs ``_dkdv_tiles`` over the query tiles
@@ -19,12 +20,13 @@ ignores: its gradient is exactly zero and takes no work.
 
 On sm90, launches 2 and 3 run the Gluon kernels of ``hopper/`` where ``dispatch.py``'s table says they serve the call;
 the Hopper dQ then starts beside dK/dV's last programs (``hopper/dq.hopper_dq``), and dK/dV's
-fp32 chunk sums are cast after it.
+fp32 chunk sums are written into dK and dV after it (``hopper/dkdv.write_gradients``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import NamedTuple
 
 import torch
@@ -35,7 +37,7 @@ from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.dispatch import HOPPER, device_kind, form_of, route
 from flash_dma.backends.triton.forward import packed_sequences
 from flash_dma.backends.triton.hopper.common import kept_keys
-from flash_dma.backends.triton.hopper.dkdv import hopper_dkdv
+from flash_dma.backends.triton.hopper.dkdv import column_arguments, count_columns, hopper_dkdv
 from flash_dma.backends.triton.hopper.dq import hopper_dq
 from flash_dma.backends.triton.launch import Launcher, kernels_side_by_side
 from flash_dma.backends.triton.layout import (
@@ -92,27 +94,62 @@ _COLUMN_KEYS = 128  # keys per column when counting columns for the chunk count,
 _COLUMNS_WANTED_PER_SM = 32  # programs per SM if every column worked: 4 with 1/8 of them working
 _SMALLEST_BLOCK_N = 16
 _DELTA_ROWS = 64
+_ZERO_WORDS = tl.constexpr(4096)  # workspace words per zeroing program of ``_preprocess_kernel``
+# The workspace's first 128 bytes, written by the preprocess's first program: the Hopper kernels'
+# queues (dK/dV's counter at word 0, ``count_columns``'s counts at 1 and 2, dQ's counter at 4).
+_HEADER_WORDS = tl.constexpr(32)
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "num_heads"])
-def _delta_kernel(
-    Out, DOut, Delta,
+@triton.jit(do_not_specialize=[
+    "seqlen_q", "num_heads", "workspace_words", "stride_wb", "stride_wh", "stride_wr", "walk_width", "walk_head_div", "batch",
+    "seqlen_k", "num_kv_heads", "group", "walks", "list_block_q", "list_block_k", "band_lo", "band_hi",
+])
+def _preprocess_kernel(
+    Out, DOut, Delta, Workspace, Walk,
     stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
-    seqlen_q, num_heads, head_dim,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    seqlen_q, num_heads, head_dim, workspace_words,
+    stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_k, num_kv_heads, group, walks,
+    list_block_q, list_block_k, band_lo, band_hi,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WORKSPACE: tl.constexpr, COUNT: tl.constexpr,
+    COUNT_BLOCK_M: tl.constexpr, COUNT_BLOCK_N: tl.constexpr,
 ):
-    # Heads first: neighbouring programs read the same rows of neighbouring heads, neighbouring
-    # runs of [B, S, H, D] (docs/design-notes.md, "The delta pass").
-    batch_heads = tl.num_programs(0) // tl.cdiv(seqlen_q, BLOCK_M)
-    pid_m = tl.program_id(0) // batch_heads
-    b = tl.program_id(0) % batch_heads // num_heads
-    h = tl.program_id(0) % num_heads
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < seqlen_q
-    o = load_tile(Out + b.to(tl.int64) * stride_ob + h * stride_oh, offs_m, row_ok, stride_os, head_dim, True, BLOCK_D)
-    do = load_tile(DOut + b.to(tl.int64) * stride_db + h * stride_dh, offs_m, row_ok, stride_ds, head_dim, True, BLOCK_D)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
-    tl.store(Delta + (b * num_heads + h).to(tl.int64) * seqlen_q + offs_m, delta, mask=row_ok)
+    """What the backward's kernels need before they start, in one launch (as FlashAttention-3's
+    preprocess also clears its dQ accumulator): with WORKSPACE, program 0 writes the workspace's
+    header (zeros; with COUNT the Hopper dK/dV columns' work, ``hopper/dkdv.count_columns``) and
+    the next programs zero the rest, ``workspace_words`` in all, ``_ZERO_WORDS`` each; the others compute
+    ``delta = rowsum(dO * O)``, ``BLOCK_M`` rows of one (batch, head) each."""
+    first_delta = 0
+    if WORKSPACE:
+        zeroing = tl.cdiv(workspace_words - _HEADER_WORDS, _ZERO_WORDS)
+        first_delta = 1 + zeroing
+        pid = tl.program_id(0)
+        if pid == 0:
+            words = tl.arange(0, _HEADER_WORDS)  # [HEADER]
+            header = tl.zeros([_HEADER_WORDS], tl.int32)
+            if COUNT:
+                longest, total = count_columns(
+                    Walk, stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_q, seqlen_k, num_kv_heads,
+                    group, walks, list_block_q, list_block_k, band_lo, band_hi, COUNT_BLOCK_M, COUNT_BLOCK_N,
+                )
+                header = tl.where(words == 1, longest, tl.where(words == 2, total, header))
+            tl.store(Workspace + words, header)
+        elif pid < first_delta:
+            words = _HEADER_WORDS + (pid - 1).to(tl.int64) * _ZERO_WORDS + tl.arange(0, _ZERO_WORDS)  # [ZERO]
+            tl.store(Workspace + words, tl.zeros([_ZERO_WORDS], tl.int32))  # ``_workspace`` holds whole programs' words
+    pid = tl.program_id(0) - first_delta
+    if pid >= 0:
+        # Heads first: neighbouring programs read the same rows of neighbouring heads, neighbouring
+        # runs of [B, S, H, D] (docs/design-notes.md, "The delta pass").
+        batch_heads = (tl.num_programs(0) - first_delta) // tl.cdiv(seqlen_q, BLOCK_M)
+        pid_m = pid // batch_heads
+        b = pid % batch_heads // num_heads
+        h = pid % num_heads
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < seqlen_q
+        o = load_tile(Out + b.to(tl.int64) * stride_ob + h * stride_oh, offs_m, row_ok, stride_os, head_dim, True, BLOCK_D)
+        do = load_tile(DOut + b.to(tl.int64) * stride_db + h * stride_dh, offs_m, row_ok, stride_ds, head_dim, True, BLOCK_D)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
+        tl.store(Delta + (b * num_heads + h).to(tl.int64) * seqlen_q + offs_m, delta, mask=row_ok)
 
 
 @triton.jit
@@ -487,8 +524,8 @@ def _dq_kernel(
 
 
 _GRADIENT_STRIDES = ("stride_dob", "stride_dos", "stride_doh")
-delta_launcher = Launcher(
-    _delta_kernel, tensors=("Out", "DOut", "Delta"),
+preprocess_launcher = Launcher(
+    _preprocess_kernel, tensors=("Out", "DOut", "Delta", "Workspace", "Walk"),
     specialized=("stride_ob", "stride_os", "stride_oh", "stride_db", "stride_ds", "stride_dh", "head_dim"),
 )
 dkdv_launcher = Launcher(
@@ -628,7 +665,7 @@ _forced: tuple[int, bool] | None = None  # (chunks, counted), set by forced_quer
 def forced_query_chunks(chunks: int | None, counted: bool = False):
     """Inside, every backward splits each key tile's queries into ``chunks`` parts, whatever
     :func:`query_chunks` would choose (None: leave it the choice); ``counted``: into at most
-    ``chunks``, where the Hopper kernel counts its columns' work (``hopper/dkdv.column_work``) as it
+    ``chunks``, where the Hopper kernel counts its columns' work (``hopper/dkdv.count_columns``) as it
     does unforced. For the tests and fuzz trials that take the chunks' path on short sequences,
     and the chunk sweeps of ``tools/kernel_times.py``. Process-wide: not for calls running in
     other threads."""
@@ -648,10 +685,75 @@ def forced_query_chunks(chunks: int | None, counted: bool = False):
             forget_memos()
 
 
-def _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, in_order, sequences, signature):
-    """The dK/dV launch of ``attention_backward``, with its fp32 scratch for query chunks (added
-    up in chunk order when ``in_order``, else by atomics). ``signature``: the layouts of the call,
-    of ``dout`` and of the gradients (``attention_backward``'s)."""
+def _zeroed_parts(call: Call, plan: _Plan, sequences) -> dict[str, tuple[torch.dtype, tuple[int, ...]]] | None:
+    """The parts of the backward's workspace (``_workspace``) that its kernels need zeroed, by
+    name: ``sums``, dK's and dV's chunks added by atomics ``[2, B, Sk, Hkv, D]`` float32; ``turns``,
+    the Triton dK/dV kernel's counter per key tile (any BLOCK_N). None when there is nothing to
+    zero, not even the Hopper kernels' queues."""
+    parts = {}
+    if plan.chunks > 1 and not call.deterministic:
+        parts["sums"] = (torch.float32, (2, *call.k.shape))
+    if plan.chunks > 1 and not plan.hopper_dkdv:
+        batch, _, seqlen_k = grid_sizes(call.q, call.k, sequences)
+        parts["turns"] = (torch.int32, (batch * call.k.shape[2] * cdiv(seqlen_k, _SMALLEST_BLOCK_N),))
+    return parts if parts or plan.hopper_dkdv or plan.hopper_dq else None
+
+
+def _workspace(parts: dict, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One int32 allocation for the backward's zeroed scratch (``_zeroed_parts``): a header of
+    ``_HEADER_WORDS`` (the Hopper kernels' queues), then each part from a 128-byte boundary, seen
+    in its dtype (4 bytes) and shape. Its contents are ``_preprocess``'s to write."""
+    offsets, words = {}, _HEADER_WORDS.value
+    for name, (dtype, shape) in parts.items():
+        offsets[name] = words
+        words += cdiv(math.prod(shape), _HEADER_WORDS.value) * _HEADER_WORDS.value
+    # Whole zeroing programs' worth after the header: their stores need no bounds (and vectorise).
+    words = _HEADER_WORDS.value + cdiv(words - _HEADER_WORDS.value, _ZERO_WORDS.value) * _ZERO_WORDS.value
+    workspace = torch.empty(words, dtype=torch.int32, device=device)
+    views = {
+        name: workspace[offsets[name]: offsets[name] + math.prod(shape)].view(dtype).view(shape)
+        for name, (dtype, shape) in parts.items()
+    }
+    return workspace, views
+
+
+def _preprocess(call: Call, out: torch.Tensor, dout: torch.Tensor, workspace: torch.Tensor | None, counted: bool, signature: tuple) -> torch.Tensor:
+    """Launch ``_preprocess_kernel``: ``workspace`` (``_workspace``) zeroed, with ``counted`` the
+    Hopper dK/dV columns' work in its header; returns ``delta`` ``[B, H, Sq]`` float32.
+    ``signature``: the layouts of the call, of ``dout`` and of the gradients (``attention_backward``'s)."""
+    q = call.q
+    batch, token_rows, num_heads, head_dim = q.shape  # delta is per token: packed sequences need no bounds
+    delta = torch.empty(batch, num_heads, token_rows, dtype=torch.float32, device=q.device)
+    words = 0 if workspace is None else workspace.numel()
+    walk = placeholder(q.device, torch.int32)
+    if counted:
+        walk = call.q_lists
+    extra = 0 if workspace is None else 1 + cdiv(words - _HEADER_WORDS.value, _ZERO_WORDS.value)
+
+    def build():
+        block_d = configs.head_dim_block(head_dim)
+        columns, count_tile = column_arguments(call) if counted else ([walk, *[0] * 14], (16, 16))
+        args = [
+            out, dout, delta, workspace if workspace is not None else walk, columns[0], *out.stride()[:3], *dout.stride()[:3],
+            token_rows, num_heads, head_dim, words, *columns[1:], _DELTA_ROWS, block_d, workspace is not None, counted, *count_tile,
+        ]
+        return args, (out.dtype, block_d, workspace is not None, counted)
+
+    tensors = [out, dout, delta, workspace if workspace is not None else walk, walk]
+    preprocess_launcher.launch(
+        (signature, out.stride(), words, counted), tensors, build, configs.single_program_config,
+        lambda meta: (extra + cdiv(token_rows, _DELTA_ROWS) * batch * num_heads,),
+    )
+    return delta
+
+
+def _launch_dkdv(
+    call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, in_order, sequences, signature, sums=None, turns=None,
+):
+    """The dK/dV launch of ``attention_backward``. Query chunks add up in fp32: in chunk order
+    when ``in_order``, else by atomics into ``sums`` (``_zeroed_parts``), each key tile's last
+    chunk writing it; ``turns`` (zeroed) counts each key tile's chunks, their turns or arrivals. ``signature``: the layouts of the call, of
+    ``dout`` and of the gradients (``attention_backward``'s)."""
     q, k = call.q, call.k
     batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
     num_heads, head_dim, num_kv_heads = q.shape[2], q.shape[3], k.shape[2]
@@ -659,13 +761,11 @@ def _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks,
     block_d = configs.head_dim_block(head_dim)
     list_block_q, list_block_k = call.list_block_q, call.list_block_k
     no_floats = placeholder(device, torch.float32)
-    # Chunks add up in fp32 scratch; one turn (or arrival) counter per key tile (any BLOCK_N).
-    scratch_k, scratch_v, turns = no_floats, no_floats, placeholder(device, torch.int32)
+    scratch_k, scratch_v = no_floats, no_floats
     if chunks > 1:
-        scratch = torch.empty_like if in_order else torch.zeros_like
-        scratch_k = scratch(dk, dtype=torch.float32)
-        scratch_v = scratch(dv, dtype=torch.float32)
-        turns = torch.zeros(batch * num_kv_heads * cdiv(seqlen_k, _SMALLEST_BLOCK_N), dtype=torch.int32, device=device)
+        scratch_k, scratch_v = torch.empty((2, *dk.shape), dtype=torch.float32, device=device) if in_order else sums
+    else:
+        turns = placeholder(device, torch.int32)
     walk = call.key_list if call.key_list is not None else call.q_lists
     own = [dout, lse, delta, dk, dv, no_floats if dbias_acc is None else dbias_acc, scratch_k, scratch_v, turns]
 
@@ -753,29 +853,16 @@ def attention_backward(
         plan = _PLANS.remember(signature, _plan(call, dout, bias_requires_grad, num_query_chunks))
     sequences = packed_sequences(call)
     device = q.device
-    num_heads, head_dim = q.shape[2], q.shape[3]
-    # Delta is per token: packed sequences need no bounds for it.
-    token_rows = q.shape[1]
-    delta = torch.empty(q.shape[0], num_heads, token_rows, dtype=torch.float32, device=device)
-
-    def delta_arguments():
-        block_d = configs.head_dim_block(head_dim)
-        args = [out, dout, delta, *out.stride()[:3], *dout.stride()[:3], token_rows, num_heads, head_dim, _DELTA_ROWS, block_d]
-        return args, (out.dtype, block_d)
-
-    delta_launcher.launch(
-        (out.shape, out.stride(), dout.stride(), out.dtype, device), [out, dout, delta], delta_arguments,
-        configs.single_program_config, lambda meta: (cdiv(token_rows, _DELTA_ROWS) * q.shape[0] * num_heads,),
-    )
     dk = torch.empty(k.shape, dtype=grad_dtype, device=device)
     dv = torch.empty_like(dk)
+    zeroed = _zeroed_parts(call, plan, sequences)
+    workspace, parts = _workspace(zeroed, device) if zeroed is not None else (None, {})
+    delta = _preprocess(call, out, dout, workspace, plan.counted, signature)
     gradient = plan.bias_gradient
     dbias_acc = None if gradient is None else torch.zeros(gradient.shape, dtype=gradient.dtype, device=device)
     dbias_flags = (DBIAS_NONE, False, False) if gradient is None else (gradient.kind, gradient.atomic, gradient.head_shared)
-    finish_dkdv = queues = kept = None
+    finish_dkdv = kept = None
     if plan.hopper_dkdv or plan.hopper_dq:
-        # The Hopper kernels' queues, zeroed at once: dK/dV's at 0 (then ``column_work``'s counts), dQ's 16 bytes on.
-        queues = torch.zeros(8, dtype=torch.int32, device=device)
         kept = kept_keys(call)  # a key list's kept keys, gathered once for both
     with kernels_side_by_side():
         if plan.hopper_dq:
@@ -784,17 +871,21 @@ def attention_backward(
             dq = torch.empty(q.shape, dtype=grad_dtype, device=device)
         if plan.hopper_dkdv:
             finish_dkdv = hopper_dkdv(
-                call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, plan.counted, queues[:3], kept, signature,
-                sequences,
+                call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, plan.counted, workspace[:3],
+                parts.get("sums"), kept, signature, sequences,
             )
         else:
-            _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, call.deterministic, sequences, signature)
+            _launch_dkdv(
+                call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, plan.chunks, call.deterministic, sequences, signature,
+                parts.get("sums"), parts.get("turns"),
+            )
         if plan.hopper_dq:
-            hopper_dq(call, dout, lse, delta, dq, queues[4:5], kept, signature, sequences)
+            hopper_dq(call, dout, lse, delta, dq, workspace[4:5], kept, signature, sequences)
     if finish_dkdv is not None:
         finish_dkdv()
     if not plan.hopper_dq:
         # dQ is allocated once the dK/dV scratch is released, so the two never add up in the peak.
+        workspace = parts = None
         dq = torch.empty(q.shape, dtype=grad_dtype, device=device)
         _launch_dq(call, dout, lse, delta, dq, sequences, signature)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flash_dma.backends.triton.backward import dkdv_launcher, dq_launcher
+from flash_dma.backends.triton.backward import dkdv_launcher, dq_launcher, preprocess_launcher
 from flash_dma.backends.triton import bit_pack, key_intervals
 from flash_dma.backends.triton.bit_pack import pack_launcher
 from flash_dma.backends.triton.block_summary import lists_launcher, state_launcher
@@ -62,7 +62,8 @@ _POINTER_TYPES = {
     "ScratchK": "*fp32", "ScratchV": "*fp32", "Turns": "*i32", "State": "*i8", "KeyList": "*i32", "Lists": "*i32",
     "SeqQ": "*i32", "SeqK": "*i32", "Queue": "*i32", "CacheRows": "*i32", "BlockTable": "*i32", "Counts": "*i32",
     "Indices": "*i32", "Order": "*i64", "Starts": "*i64", "Descale": "*fp32", "DKAcc": "*fp32", "DVAcc": "*fp32",
-    "DBiasKeys": "*fp32", "Lengths": "*i32", "Keys": "*i32", "Words": "*i32", "Scratch": "*i32",
+    "DBiasKeys": "*fp32", "Lengths": "*i32", "Keys": "*i32", "Words": "*i32", "Scratch": "*i32", "Workspace": "*i32",
+    "Sums": "*fp32",
 }
 _FLOAT_SCALARS = ("scale", "scale_log2", "softcap_log2", "scale_over_cap", "lowest")
 
@@ -297,6 +298,17 @@ VARIANTS = [
         **_UNION_KEYS, "HAS_BIAS": False, "SOFTCAP": True, "BLOCK_N": 32, "DBIAS_PER_HEAD": False, "DBIAS_KEYS": False,
     }),
     Variant("topk-union-lists", union.BUILD_LAUNCHER, 4, 1, dict(QUERIES=16, CHUNK=1024)),
+    # The backward's preprocess: delta alone, and with the workspace zeroed and the Hopper dK/dV's columns counted.
+    *[
+        Variant(f"backward-preprocess{name}", preprocess_launcher, 4, 1, dict(
+            BLOCK_M=64, BLOCK_D=128, WORKSPACE=count, COUNT=count, COUNT_BLOCK_M=64, COUNT_BLOCK_N=128,
+        ))
+        for name, count in (("", False), ("-counted", True))
+    ],
+    *[
+        Variant(f"dkdv-write-gradients-{chunks}", hopper_dkdv._write_gradients_launcher, 4, 1, dict(CHUNKS=chunks, BLOCK=2048))
+        for chunks in (1, 4)
+    ],
     Variant("kept-count", count_launcher, 4, 1, dict(CHUNK=1024)),
     Variant("key-list", key_list_launcher, 4, 1, dict(CHUNK=1024, CHUNKS=1024)),
     Variant("gather-kept-keys", gather_launcher, 4, 1, dict(BLOCK=128, BLOCK_D=128)),

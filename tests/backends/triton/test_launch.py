@@ -239,7 +239,7 @@ def test_a_dry_run_reaches_every_launch_of_the_call_and_runs_none(case, backend_
     assert launched[first:] == calls  # nothing ran in the dry runs
     # Nothing to compile: the call compiled every kernel (the interpreter compiles none).
     assert all(compilation is None for _, compilation in launches)
-    assert [name for name, _ in forward_launches] == calls[: calls.index("_delta_kernel")]
+    assert [name for name, _ in forward_launches] == calls[: calls.index("_preprocess_kernel")]
 
 
 @pytest.mark.parametrize("made", ["key-list", "intervals"])

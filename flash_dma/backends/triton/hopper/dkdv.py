@@ -18,10 +18,11 @@ epilogue take turns. Here, as in FlashAttention-3's backward, the roles run side
 A work item is (key tile, query chunk, batch, key/value head); it visits every query head of the
 group, so K and V are read once per item. Items are taken first key tiles first (under a causal
 band they see the most queries). With one query chunk, dK and dV are written directly. With
-several, their parts add up in fp32 scratch: by atomics into zeroed scratch, which the caller
-converts, or, deterministic (SLICES), each chunk into a slice of its own, which the caller sums
-in chunk order. Walking a block summary, the chunks follow the mask's real density: a small
-Triton kernel first counts every column's query tiles (``column_work``), and the loader takes as
+several, their parts add up in fp32 scratch: by atomics into zeroed scratch, or, deterministic
+(SLICES), each chunk into a slice of its own; ``write_gradients`` then writes dK and dV from it
+(the slices summed in chunk order). Walking a block summary, the chunks follow the mask's real density: a small
+Triton function counts every column's query tiles first, in the backward's preprocess
+(``count_columns``), and the loader takes as
 many chunks as make the longest column's items no larger than a program's share
 (``_counted_chunks``), up to the host's count. (Chunks that waited for their turn to add, as the Triton kernel's do, made the
 step 2.9x slower: a chunk's program can be two items behind its neighbours'.)
@@ -176,7 +177,7 @@ class _Problem:
     group: gl.tensor
     chunks: gl.tensor  # per column in ``items``; with ``counted``, the most the loader's queue takes
     items: gl.tensor
-    counted: gl.tensor  # whether ``column_work`` counted the columns' work (``_counted_chunks``)
+    counted: gl.tensor  # whether ``count_columns`` counted the columns' work (``_counted_chunks``)
     entries: gl.tensor  # packed sequences: how many (``batch`` is then the token tensors', 1)
     mask_head_div: gl.tensor
     bias_head_div: gl.tensor
@@ -269,7 +270,7 @@ def _item_index(p, key_tile, chunk, batch, kv_head):
 
 @gluon.jit
 def _counted_chunks(p):
-    """Query chunks for the columns' work that ``column_work`` counted (``p.Queue[1:3]``): the
+    """Query chunks for the columns' work that ``count_columns`` counted (``p.Queue[1:3]``): the
     longest column's query tiles over the mean per program, rounded, so that no item outweighs
     a program's share, at least 1 and at most the host's ``p.chunks``. ``backward.query_chunks``
     alone can only assume how much of a mask is kept (1/8): a sparser mask left most SMs without
@@ -807,80 +808,109 @@ hopper_dkdv_launcher = Launcher(
 )
 
 
-_WORK_COLUMNS = 1024  # columns per program of ``_column_work_kernel``
+_WORK_COLUMNS = tl.constexpr(256)  # columns counted at once by ``count_columns``
 
 
-@triton.jit(do_not_specialize=[
-    "stride_wb", "stride_wh", "stride_wr", "walk_width", "walk_head_div", "batch", "seqlen_q", "seqlen_k",
-    "num_kv_heads", "group", "walks", "list_block_q", "list_block_k", "band_lo", "band_hi",
-])
-def _column_work_kernel(
-    Walk, Work,
-    stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_q, seqlen_k, num_kv_heads, group, walks,
-    list_block_q, list_block_k, band_lo, band_hi,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLUMNS: tl.constexpr,
+@triton.jit
+def count_columns(
+    Walk, stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_q, seqlen_k, num_kv_heads, group,
+    walks, list_block_q, list_block_k, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The work of the columns (key tile, batch entry, key/value head) of a dK/dV call that walks
-    a block summary over fixed sequences, for ``_counted_chunks``: the most query tiles (over the
-    group's heads) a column has, atomically maxed into ``Work[1]``, and their sum, added into
-    ``Work[2]`` (zeroed). Each program counts ``COLUMNS`` columns' walks (``tiles.query_walk``):
-    ``walks`` per column, one for a group whose heads share it (``layout.walks_per_group``)."""
+    a block summary over fixed sequences, for ``_counted_chunks``: ``(longest, total)``, the most
+    query tiles (over the group's heads) a column has and their sum. One program counts every
+    column's walk (``tiles.query_walk``), ``_WORK_COLUMNS`` at a time: ``walks`` per column, one for
+    a group whose heads share it (``layout.walks_per_group``). It runs in the backward's preprocess
+    (``backward._preprocess_kernel``), beside the delta pass, which reads far more per column."""
     key_tiles = tl.cdiv(seqlen_k, BLOCK_N)
     columns = batch * num_kv_heads * key_tiles
-    index = tl.program_id(0) * COLUMNS + tl.arange(0, COLUMNS)  # [COLUMNS]
-    inside = index < columns
-    index = tl.minimum(index, columns - 1)
-    key_tile = index % key_tiles
-    batch_head = index // key_tiles
-    first_head = (batch_head % num_kv_heads) * group
-    first_key = key_tile * BLOCK_N
-    base = Walk + (batch_head // num_kv_heads).to(tl.int64) * stride_wb
-    work = tl.zeros([COLUMNS], tl.int32)
-    for g in range(0, walks):
-        walk = base + ((first_head + g) // walk_head_div).to(tl.int64) * stride_wh
-        _, _, _, partial_lo, partial_hi, lo, _, _, hi = tiles.query_walk(
-            walk, walk_width, stride_wr, key_tile, first_key, first_key + BLOCK_N - 1, seqlen_q, seqlen_k, band_lo, band_hi,
-            list_block_q, list_block_k, 0, 1, tiles.WALK_BLOCKS, BLOCK_M, BLOCK_N,
-        )
-        work += (partial_hi - partial_lo) + (hi - lo)
-    work = tl.where(inside, work * (group // walks), 0)
-    tl.atomic_max(Work + 1, tl.max(work, 0))
-    tl.atomic_add(Work + 2, tl.sum(work, 0))
+    longest = tl.full([], 0, tl.int32)
+    total = tl.full([], 0, tl.int32)
+    for first in range(0, columns, _WORK_COLUMNS):
+        index = first + tl.arange(0, _WORK_COLUMNS)  # [COLUMNS]
+        inside = index < columns
+        index = tl.minimum(index, columns - 1)
+        key_tile = index % key_tiles
+        batch_head = index // key_tiles
+        first_head = (batch_head % num_kv_heads) * group
+        first_key = key_tile * BLOCK_N
+        base = Walk + (batch_head // num_kv_heads).to(tl.int64) * stride_wb
+        work = tl.zeros([_WORK_COLUMNS], tl.int32)
+        for g in range(0, walks):
+            walk = base + ((first_head + g) // walk_head_div).to(tl.int64) * stride_wh
+            _, _, _, partial_lo, partial_hi, lo, _, _, hi = tiles.query_walk(
+                walk, walk_width, stride_wr, key_tile, first_key, first_key + BLOCK_N - 1, seqlen_q, seqlen_k, band_lo, band_hi,
+                list_block_q, list_block_k, 0, 1, tiles.WALK_BLOCKS, BLOCK_M, BLOCK_N,
+            )
+            work += (partial_hi - partial_lo) + (hi - lo)
+        work = tl.where(inside, work * (group // walks), 0)
+        longest = tl.maximum(longest, tl.max(work, 0))
+        total += tl.sum(work, 0)
+    return longest, total
 
 
-_column_work_launcher = Launcher(_column_work_kernel, tensors=("Walk", "Work"), specialized=())
-
-
-def column_work(call: Call, walk: torch.Tensor, work: torch.Tensor, tile: triton.Config, signature: tuple) -> None:
-    """Count the work of ``call``'s dK/dV columns into ``work[1:3]`` (``_column_work_kernel``):
-    ``walk`` is its transposed block summary ``[Bm, Hm, NKB, 2, 2, NQB + 1]``, ``tile`` the
-    kernel's configuration, ``signature`` the call's layouts (``hopper_dkdv``'s)."""
-    q, k = call.q, call.k
-    batch, seqlen_q, num_heads = q.shape[:3]
+def column_arguments(call: Call) -> tuple[list, tuple[int, int]]:
+    """``count_columns``'s arguments for ``call`` (whose ``q_lists`` is its transposed block
+    summary ``[Bm, Hm, NKB, 2, 2, NQB + 1]``): the runtime ones but ``seqlen_q`` (its caller has
+    it), then its tile ``(BLOCK_M, BLOCK_N)``."""
+    q, k, walk = call.q, call.k, call.q_lists
+    batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
-    block_m, block_n = tile.kwargs["BLOCK_M"], tile.kwargs["BLOCK_N"]
+    tile = WIDE_TILE if wide_tiles(head_dim) else TILE
+    args = [
+        walk, *broadcast_strides(walk)[:3], walk.shape[-1], head_divisor(walk, num_heads), batch, seqlen_k,
+        num_kv_heads, num_heads // num_kv_heads, walks_per_group(walk, num_heads, num_kv_heads),
+        call.list_block_q, call.list_block_k, *launch_band(call, seqlen_q, seqlen_k, tiles.SEQ_FIXED),
+    ]
+    return args, (tile.kwargs["BLOCK_M"], tile.kwargs["BLOCK_N"])
+
+
+_WRITE_BLOCK = 2048  # elements of dK and of dV per program of ``_write_gradients_kernel``
+
+
+@triton.jit
+def _write_gradient(Parts, Out, offs, ok, numel, CHUNKS: tl.constexpr):
+    """``Out``'s elements ``offs`` (where ``ok``): the sum of their ``CHUNKS`` fp32 parts
+    ``Parts`` ``[CHUNKS, numel]``, added in chunk order."""
+    acc = tl.load(Parts + offs, mask=ok, other=0.0)  # [BLOCK]
+    for c in tl.static_range(1, CHUNKS):
+        acc += tl.load(Parts + c * numel + offs, mask=ok, other=0.0)
+    tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _write_gradients_kernel(Sums, DK, DV, numel, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """dK and dV, ``numel`` elements each, from their chunks' fp32 parts ``Sums``
+    ``[2, CHUNKS, numel]`` (``write_gradients``)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    ok = offs < numel
+    _write_gradient(Sums, DK, offs, ok, numel.to(tl.int64), CHUNKS)
+    _write_gradient(Sums + CHUNKS * numel.to(tl.int64), DV, offs, ok, numel.to(tl.int64), CHUNKS)
+
+
+_write_gradients_launcher = Launcher(_write_gradients_kernel, tensors=("Sums", "DK", "DV"), specialized=("numel",))
+
+
+def write_gradients(sums: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Write ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` (contiguous) from their chunks' fp32 parts
+    ``sums``: ``[2, B, Sk, Hkv, D]`` added up by atomics, or ``[2, chunks, B, Sk, Hkv, D]``
+    slices, summed in chunk order (the same bits on every run). One launch for both."""
+    chunks = sums.shape[1] if sums.dim() == dk.dim() + 2 else 1
+    numel = dk.numel()
 
     def build():
-        args = [
-            walk, work, *broadcast_strides(walk)[:3], walk.shape[-1], head_divisor(walk, num_heads), batch, seqlen_q, seqlen_k,
-            num_kv_heads, num_heads // num_kv_heads, walks_per_group(walk, num_heads, num_kv_heads),
-            call.list_block_q, call.list_block_k,
-            *launch_band(call, seqlen_q, seqlen_k, tiles.SEQ_FIXED), block_m, block_n, _WORK_COLUMNS,
-        ]
-        return args, (block_m, block_n)
+        return [sums, dk, dv, numel, chunks, _WRITE_BLOCK], (dk.dtype, chunks)
 
-    columns = batch * num_kv_heads * cdiv(seqlen_k, block_n)
-    if columns == 0:
-        return
-    _column_work_launcher.launch(
-        signature, [walk, work], build, configs.single_program_config, lambda meta: (cdiv(columns, _WORK_COLUMNS),),
+    _write_gradients_launcher.launch(
+        (tuple(sums.shape), dk.dtype), [sums, dk, dv], build, configs.single_program_config,
+        lambda meta: (cdiv(numel, _WRITE_BLOCK),),
     )
 
 
 def hopper_dkdv(
     call: Call, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
     dbias_acc: torch.Tensor | None, dbias_flags: tuple, chunks: int, counted: bool, queue: torch.Tensor,
-    kept: tuple[torch.Tensor, torch.Tensor], signature: tuple, sequences: Sequences | None = None,
+    sums: torch.Tensor | None, kept: tuple[torch.Tensor, torch.Tensor], signature: tuple, sequences: Sequences | None = None,
 ) -> Callable[[], None]:
     """Write ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` of ``call`` (and the bias gradient into
     ``dbias_acc``, zeroed: ``[chunks, Bd, Hd, 1, Sk]`` float32 per key, ``[1, Bd, Hd, Sq, Sk]``
@@ -891,9 +921,10 @@ def hopper_dkdv(
     ``dout`` ``[B, Sq, H, D]``; ``lse``, ``delta`` ``[B, H, Sq]`` float32, contiguous;
     ``dbias_flags`` is ``(kind, atomic, head_shared)`` of ``backward.bias_gradient``;
     ``chunks`` splits each key tile's queries (``counted``: into at most ``chunks``, as many as
-    the columns' work wants, ``column_work``); a deterministic call's parts go to fp32 slices
-    (``chunks`` times dK and dV in memory), summed in chunk order. ``queue`` ``[3]`` int32,
-    zeroed: the queue's counter, then ``column_work``'s counts; ``kept`` the keys
+    the columns' work wants, ``count_columns``); their parts add up by atomics into ``sums``
+    ``[2, B, Sk, Hkv, D]`` float32, zeroed (dK's, then dV's), or, for a deterministic call, go to
+    fp32 slices (``chunks`` times dK and dV in memory), summed in chunk order. ``queue`` ``[3]``
+    int32: the queue's counter, zeroed, then ``count_columns``'s counts; ``kept`` the keys
     ``common.kept_keys`` gave (a key list's, gathered once for dK/dV and dQ). ``signature`` holds
     the layouts of the call, of ``dout`` and of the gradients (``backward.attention_backward``'s):
     the launch is prepared once per signature.
@@ -913,17 +944,17 @@ def hopper_dkdv(
     tile = WIDE_TILE if wide else TILE
     items = chunks * cdiv(keys, tile.kwargs["BLOCK_N"]) * entries * num_kv_heads
     slices = call.deterministic and chunks > 1
+    scratch = None
     scratch_k = scratch_v = placeholder(device, torch.float32)
-    # dK's scratch, then dV's, in one allocation (and one fill).
-    if slices:  # [chunks, B, Sk, Hkv, D] each, every element written once
-        scratch_k, scratch_v = torch.empty((2, chunks, *dk.shape), dtype=torch.float32, device=device)
+    if slices:  # dK's, then dV's [chunks, B, Sk, Hkv, D], every element written once
+        scratch = torch.empty((2, chunks, *dk.shape), dtype=torch.float32, device=device)
     elif chunks > 1:
-        scratch_k, scratch_v = torch.zeros((2, *dk.shape), dtype=torch.float32, device=device)
+        scratch = sums
+    if scratch is not None:
+        scratch_k, scratch_v = scratch
     dbias_target = placeholder(device, torch.float32) if dbias_acc is None else dbias_acc
     k, v, walk, walk_flag = walked_keys(call, call.q_lists, kept)
     hold(k, v, walk)
-    if counted:
-        column_work(call, walk, queue, tile, signature)
     tensors = hopper_tensors(call, k, v, walk)
     own_tensors = [dout, lse, delta, dk, dv, scratch_k, scratch_v, dbias_target, queue]
 
@@ -944,11 +975,7 @@ def hopper_dkdv(
     )
 
     def finish():
-        if slices:  # summed in chunk order: the same bits on every run
-            dk.copy_(scratch_k.sum(dim=0))
-            dv.copy_(scratch_v.sum(dim=0))
-        elif chunks > 1:
-            dk.copy_(scratch_k)
-            dv.copy_(scratch_v)
+        if scratch is not None:
+            write_gradients(scratch, dk, dv)
 
     return finish

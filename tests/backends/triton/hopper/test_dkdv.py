@@ -1,9 +1,11 @@
-"""``hopper/dkdv.column_work``: the work of each dK/dV column, counted on the device so that the
+"""``hopper/dkdv.count_columns``: the work of each dK/dV column, counted on the device so that the
 mask's real density picks the query chunks (``_counted_chunks``), against the same count made
-from the block states on the host.
+from the block states on the host; and ``write_gradients``, which writes dK and dV from their
+chunks' fp32 parts.
 
-Its kernel is plain Triton: it runs in the interpreter here, before every counted Hopper dK/dV
-on the GPU (``tests/backends/triton/test_backward_hopper.py`` runs those).
+Both are plain Triton: they run in the interpreter here. ``count_columns`` runs in the backward's
+preprocess (``backward._preprocess``), before every counted Hopper dK/dV on the GPU
+(``tests/backends/triton/test_backward_hopper.py`` runs those).
 """
 
 import pytest
@@ -12,9 +14,10 @@ import torch
 from flash_dma import build_block_mask
 from flash_dma.backends.triton import tiles
 from flash_dma.backends.triton.hopper.common import launch_band
-from flash_dma.backends.triton.hopper.dkdv import TILE, column_work
+from flash_dma.backends.triton.backward import _preprocess, _workspace
+from flash_dma.backends.triton.hopper.dkdv import TILE, write_gradients
 from flash_dma.integers import cdiv
-from tests.helpers import KERNEL_DTYPES, Case, kernel_call, make_inputs
+from tests.helpers import DEVICE, KERNEL_DTYPES, Case, kernel_call, make_inputs
 
 CASES = [
     # A per-key mask per key/value head, causal: the group's heads share one walk.
@@ -53,13 +56,31 @@ def _expected(call, summary) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_column_work_counts_each_columns_listed_query_tiles(case):
+def test_the_preprocess_counts_each_columns_listed_query_tiles(case):
     inputs = make_inputs(case, KERNEL_DTYPES[0])
     summary = build_block_mask(inputs["attn_mask"], block_size=case.block_size)
     window = (case.window[0], 0) if case.causal else case.window
     call = kernel_call(inputs, summary, softmax_scale=0.25, window=window)
-    work = torch.zeros(3, dtype=torch.int32, device=call.q.device)
-    column_work(call, call.q_lists, work, TILE, ("test_column_work", str(case)))
+    out, dout = torch.randn_like(call.q), torch.randn_like(call.q)
+    workspace, _ = _workspace({"sums": (torch.float32, (5, 7))}, call.q.device)
+    workspace.fill_(-1)  # every word is the preprocess's to write
+    delta = _preprocess(call, out, dout, workspace, True, ("test_count_columns", str(case)))
     longest, total = _expected(call, summary)
     assert total > longest > 0  # the cases have several working columns
-    assert work.tolist() == [0, longest, total]
+    assert workspace[:3].tolist() == [0, longest, total]
+    assert (workspace[3:] == 0).all()
+    expected_delta = (out.float() * dout.float()).sum(-1).transpose(1, 2)  # [B, H, Sq]
+    torch.testing.assert_close(delta, expected_delta, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [None, 1, 3], ids=lambda c: "atomics" if c is None else f"{c}-slices")
+def test_write_gradients_sums_the_chunks_in_order(chunks):
+    shape = (2, 37, 3, 16)  # [B, Sk, Hkv, D]: not a multiple of a program's elements
+    parts = (2,) if chunks is None else (2, chunks)
+    sums = torch.randn(*parts, *shape, device=DEVICE)
+    dk, dv = (torch.full(shape, float("nan"), dtype=KERNEL_DTYPES[-1], device=DEVICE) for _ in range(2))
+    write_gradients(sums, dk, dv)
+    added = sums if chunks is None else sums[:, 0].clone()
+    for c in range(1, chunks or 1):  # in chunk order
+        added += sums[:, c]
+    assert torch.equal(dk, added[0].to(dk.dtype)) and torch.equal(dv, added[1].to(dv.dtype))
