@@ -604,7 +604,7 @@ def _decode(name: str, **spec) -> Case:
 CASES = {
     case.name: case
     for case in [
-        # flash_dma_func: forward, dQ, dK/dV and delta kernels, on every walk.
+        # flash_dma_func: forward, dQ, dK/dV and preprocess kernels, on every walk.
         _attention("attn-dense-d72-causal", batch=2, seqlen_q=129, seqlen_k=257, heads=4, kv_heads=2, head_dim=72,
                    bias="B,H,Sq,Sk", causal=True),
         _attention("attn-mask-d64-window-rows", batch=2, seqlen_q=257, seqlen_k=129, heads=4, kv_heads=1, head_dim=64,

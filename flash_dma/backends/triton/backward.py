@@ -116,8 +116,8 @@ def _preprocess_kernel(
     """What the backward's kernels need before they start, in one launch (as FlashAttention-3's
     preprocess also clears its dQ accumulator): with WORKSPACE, program 0 writes the workspace's
     header (zeros; with COUNT the Hopper dK/dV columns' work, ``hopper/dkdv.count_columns``) and
-    the next programs zero the rest, ``workspace_words`` in all, ``_ZERO_WORDS`` each; the others compute
-    ``delta = rowsum(dO * O)``, ``BLOCK_M`` rows of one (batch, head) each."""
+    the next programs zero the rest, ``workspace_words`` in all, ``_ZERO_WORDS`` each; the others
+    compute ``delta = rowsum(dO * O)``, ``BLOCK_M`` rows of one (batch, head) each."""
     first_delta = 0
     if WORKSPACE:
         zeroing = tl.cdiv(workspace_words - _HEADER_WORDS, _ZERO_WORDS)
@@ -690,13 +690,18 @@ def _zeroed_parts(call: Call, plan: _Plan, sequences) -> dict[str, tuple[torch.d
     name: ``sums``, dK's and dV's chunks added by atomics ``[2, B, Sk, Hkv, D]`` float32; ``turns``,
     the Triton dK/dV kernel's counter per key tile (any BLOCK_N). None when there is nothing to
     zero, not even the Hopper kernels' queues."""
-    parts = {}
+    parts = {}  # name: (dtype, shape); turns [B * Hkv * cdiv(Sk, 16)] int32
     if plan.chunks > 1 and not call.deterministic:
         parts["sums"] = (torch.float32, (2, *call.k.shape))
     if plan.chunks > 1 and not plan.hopper_dkdv:
         batch, _, seqlen_k = grid_sizes(call.q, call.k, sequences)
         parts["turns"] = (torch.int32, (batch * call.k.shape[2] * cdiv(seqlen_k, _SMALLEST_BLOCK_N),))
     return parts if parts or plan.hopper_dkdv or plan.hopper_dq else None
+
+
+def _zeroing_programs(words: int) -> int:
+    """The programs of ``_preprocess_kernel`` that zero a workspace of ``words`` (its header aside)."""
+    return cdiv(words - _HEADER_WORDS.value, _ZERO_WORDS.value)
 
 
 def _workspace(parts: dict, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -708,7 +713,7 @@ def _workspace(parts: dict, device: torch.device) -> tuple[torch.Tensor, dict[st
         offsets[name] = words
         words += cdiv(math.prod(shape), _HEADER_WORDS.value) * _HEADER_WORDS.value
     # Whole zeroing programs' worth after the header: their stores need no bounds (and vectorise).
-    words = _HEADER_WORDS.value + cdiv(words - _HEADER_WORDS.value, _ZERO_WORDS.value) * _ZERO_WORDS.value
+    words = _HEADER_WORDS.value + _zeroing_programs(words) * _ZERO_WORDS.value
     workspace = torch.empty(words, dtype=torch.int32, device=device)
     views = {
         name: workspace[offsets[name]: offsets[name] + math.prod(shape)].view(dtype).view(shape)
@@ -717,43 +722,43 @@ def _workspace(parts: dict, device: torch.device) -> tuple[torch.Tensor, dict[st
     return workspace, views
 
 
-def _preprocess(call: Call, out: torch.Tensor, dout: torch.Tensor, workspace: torch.Tensor | None, counted: bool, signature: tuple) -> torch.Tensor:
+def _preprocess(
+    call: Call, out: torch.Tensor, dout: torch.Tensor, workspace: torch.Tensor | None, counted: bool, signature: tuple,
+) -> torch.Tensor:
     """Launch ``_preprocess_kernel``: ``workspace`` (``_workspace``) zeroed, with ``counted`` the
     Hopper dK/dV columns' work in its header; returns ``delta`` ``[B, H, Sq]`` float32.
     ``signature``: the layouts of the call, of ``dout`` and of the gradients (``attention_backward``'s)."""
     q = call.q
     batch, token_rows, num_heads, head_dim = q.shape  # delta is per token: packed sequences need no bounds
     delta = torch.empty(batch, num_heads, token_rows, dtype=torch.float32, device=q.device)
-    words = 0 if workspace is None else workspace.numel()
-    walk = placeholder(q.device, torch.int32)
-    if counted:
-        walk = call.q_lists
-    extra = 0 if workspace is None else 1 + cdiv(words - _HEADER_WORDS.value, _ZERO_WORDS.value)
+    has_workspace = workspace is not None
+    words = workspace.numel() if has_workspace else 0
+    columns, count_tile = column_arguments(call, counted)
+    if not has_workspace:
+        workspace = columns[0]  # a placeholder: nothing is written
+    extra = 1 + _zeroing_programs(words) if has_workspace else 0
 
     def build():
         block_d = configs.head_dim_block(head_dim)
-        columns, count_tile = column_arguments(call) if counted else ([walk, *[0] * 14], (16, 16))
         args = [
-            out, dout, delta, workspace if workspace is not None else walk, columns[0], *out.stride()[:3], *dout.stride()[:3],
-            token_rows, num_heads, head_dim, words, *columns[1:], _DELTA_ROWS, block_d, workspace is not None, counted, *count_tile,
+            out, dout, delta, workspace, columns[0], *out.stride()[:3], *dout.stride()[:3], token_rows, num_heads, head_dim,
+            words, *columns[1:], _DELTA_ROWS, block_d, has_workspace, counted, *count_tile,
         ]
-        return args, (out.dtype, block_d, workspace is not None, counted)
+        return args, (out.dtype, block_d, has_workspace, counted)
 
-    tensors = [out, dout, delta, workspace if workspace is not None else walk, walk]
     preprocess_launcher.launch(
-        (signature, out.stride(), words, counted), tensors, build, configs.single_program_config,
-        lambda meta: (extra + cdiv(token_rows, _DELTA_ROWS) * batch * num_heads,),
+        (signature, out.dtype, dout.dtype, out.stride(), words, counted), [out, dout, delta, workspace, columns[0]], build,
+        configs.single_program_config, lambda meta: (extra + cdiv(token_rows, _DELTA_ROWS) * batch * num_heads,),
     )
     return delta
 
 
-def _launch_dkdv(
-    call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, in_order, sequences, signature, sums=None, turns=None,
-):
+def _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, in_order, sequences, signature, sums, turns):
     """The dK/dV launch of ``attention_backward``. Query chunks add up in fp32: in chunk order
     when ``in_order``, else by atomics into ``sums`` (``_zeroed_parts``), each key tile's last
-    chunk writing it; ``turns`` (zeroed) counts each key tile's chunks, their turns or arrivals. ``signature``: the layouts of the call, of
-    ``dout`` and of the gradients (``attention_backward``'s)."""
+    chunk writing it; ``turns`` (zeroed) counts each key tile's chunks, their turns or arrivals
+    (both None with one chunk; ``sums`` None in order).
+    ``signature``: the layouts of the call, of ``dout`` and of the gradients (``attention_backward``'s)."""
     q, k = call.q, call.k
     batch, seqlen_q, seqlen_k = grid_sizes(q, k, sequences)
     num_heads, head_dim, num_kv_heads = q.shape[2], q.shape[3], k.shape[2]
@@ -843,7 +848,7 @@ def attention_backward(
     lse = lse.contiguous()
     grad_dtype = grad_dtype or q.dtype
     bias_requires_grad = bias is not None and bias_requires_grad
-    # The layout of everything the passes read but out and lse (whose own layouts key the delta launch).
+    # The layout of everything the passes read but out and lse (whose own layouts key the preprocess launch).
     signature = (
         call_signature(call), dout.stride(), dout.data_ptr() % 16 == 0, device_kind(q.device), bias_requires_grad,
         num_query_chunks, grad_dtype,
@@ -884,8 +889,9 @@ def attention_backward(
     if finish_dkdv is not None:
         finish_dkdv()
     if not plan.hopper_dq:
-        # dQ is allocated once the dK/dV scratch is released, so the two never add up in the peak.
-        workspace = parts = None
+        # dQ is allocated once the dK/dV scratch (the workspace, a Hopper call's slices, held by
+        # its ``finish``) and the gathered keys are released, so they never add up in the peak.
+        workspace = parts = finish_dkdv = kept = None
         dq = torch.empty(q.shape, dtype=grad_dtype, device=device)
         _launch_dq(call, dout, lse, delta, dq, sequences, signature)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flash_dma.backends.triton.backward import dkdv_launcher, dq_launcher, preprocess_launcher
+from flash_dma.backends.triton.backward import _DELTA_ROWS, dkdv_launcher, dq_launcher, preprocess_launcher
 from flash_dma.backends.triton import bit_pack, key_intervals
 from flash_dma.backends.triton.bit_pack import pack_launcher
 from flash_dma.backends.triton.block_summary import lists_launcher, state_launcher
@@ -298,15 +298,18 @@ VARIANTS = [
         **_UNION_KEYS, "HAS_BIAS": False, "SOFTCAP": True, "BLOCK_N": 32, "DBIAS_PER_HEAD": False, "DBIAS_KEYS": False,
     }),
     Variant("topk-union-lists", union.BUILD_LAUNCHER, 4, 1, dict(QUERIES=16, CHUNK=1024)),
-    # The backward's preprocess: delta alone, and with the workspace zeroed and the Hopper dK/dV's columns counted.
+    # The backward's preprocess: delta alone, with the workspace zeroed, and with the Hopper dK/dV's columns counted too.
     *[
         Variant(f"backward-preprocess{name}", preprocess_launcher, 4, 1, dict(
-            BLOCK_M=64, BLOCK_D=128, WORKSPACE=count, COUNT=count, COUNT_BLOCK_M=64, COUNT_BLOCK_N=128,
+            BLOCK_M=_DELTA_ROWS, BLOCK_D=128, WORKSPACE=workspace, COUNT=count,
+            COUNT_BLOCK_M=hopper_dkdv.TILE.kwargs["BLOCK_M"], COUNT_BLOCK_N=hopper_dkdv.TILE.kwargs["BLOCK_N"],
         ))
-        for name, count in (("", False), ("-counted", True))
+        for name, workspace, count in (("", False, False), ("-workspace", True, False), ("-counted", True, True))
     ],
     *[
-        Variant(f"dkdv-write-gradients-{chunks}", hopper_dkdv._write_gradients_launcher, 4, 1, dict(CHUNKS=chunks, BLOCK=2048))
+        Variant(f"dkdv-write-gradients-{chunks}", hopper_dkdv._write_gradients_launcher, 4, 1, dict(
+            CHUNKS=chunks, BLOCK=hopper_dkdv._WRITE_BLOCK,
+        ))
         for chunks in (1, 4)
     ],
     Variant("kept-count", count_launcher, 4, 1, dict(CHUNK=1024)),

@@ -20,12 +20,12 @@ group, so K and V are read once per item. Items are taken first key tiles first 
 band they see the most queries). With one query chunk, dK and dV are written directly. With
 several, their parts add up in fp32 scratch: by atomics into zeroed scratch, or, deterministic
 (SLICES), each chunk into a slice of its own; ``write_gradients`` then writes dK and dV from it
-(the slices summed in chunk order). Walking a block summary, the chunks follow the mask's real density: a small
-Triton function counts every column's query tiles first, in the backward's preprocess
-(``count_columns``), and the loader takes as
-many chunks as make the longest column's items no larger than a program's share
-(``_counted_chunks``), up to the host's count. (Chunks that waited for their turn to add, as the Triton kernel's do, made the
-step 2.9x slower: a chunk's program can be two items behind its neighbours'.)
+(the slices summed in chunk order). Walking a block summary, the chunks follow the mask's real
+density: a Triton function counts every column's query tiles first, in the backward's
+preprocess (``count_columns``), and the loader takes as many chunks as make the longest column's
+items no larger than a program's share (``_counted_chunks``), up to the host's count. (Chunks
+that waited for their turn to add, as the Triton kernel's do, made the step 2.9x slower: a
+chunk's program can be two items behind its neighbours'.)
 
 With a key list (a per-key mask's kept keys, ``key_list.py``) an item's keys are slots of the
 list, gathered as for the forward (``common.walked_keys``); dK and dV go back to the keys' own
@@ -808,7 +808,9 @@ hopper_dkdv_launcher = Launcher(
 )
 
 
-_WORK_COLUMNS = tl.constexpr(256)  # columns counted at once by ``count_columns``
+# Columns counted at once by ``count_columns``. Its registers set the whole preprocess kernel's
+# (``tools/compile_report.py``, sm90: 168 and 4 bytes of spills at 1024 columns, 64 at 256, 36 without the count).
+_WORK_COLUMNS = tl.constexpr(256)
 
 
 @triton.jit
@@ -849,14 +851,21 @@ def count_columns(
     return longest, total
 
 
-def column_arguments(call: Call) -> tuple[list, tuple[int, int]]:
+def _tile(head_dim: int) -> triton.Config:
+    """The kernel's configuration at ``head_dim``."""
+    return WIDE_TILE if wide_tiles(head_dim) else TILE
+
+
+def column_arguments(call: Call, counted: bool) -> tuple[list, tuple[int, int]]:
     """``count_columns``'s arguments for ``call`` (whose ``q_lists`` is its transposed block
     summary ``[Bm, Hm, NKB, 2, 2, NQB + 1]``): the runtime ones but ``seqlen_q`` (its caller has
-    it), then its tile ``(BLOCK_M, BLOCK_N)``."""
+    it), then its tile ``(BLOCK_M, BLOCK_N)``. Not ``counted``: placeholders of the same count."""
     q, k, walk = call.q, call.k, call.q_lists
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
-    tile = WIDE_TILE if wide_tiles(head_dim) else TILE
+    tile = _tile(head_dim)
+    if not counted:
+        return [placeholder(q.device, torch.int32), *[0] * 14], (tile.kwargs["BLOCK_M"], tile.kwargs["BLOCK_N"])
     args = [
         walk, *broadcast_strides(walk)[:3], walk.shape[-1], head_divisor(walk, num_heads), batch, seqlen_k,
         num_kv_heads, num_heads // num_kv_heads, walks_per_group(walk, num_heads, num_kv_heads),
@@ -922,8 +931,9 @@ def hopper_dkdv(
     ``dbias_flags`` is ``(kind, atomic, head_shared)`` of ``backward.bias_gradient``;
     ``chunks`` splits each key tile's queries (``counted``: into at most ``chunks``, as many as
     the columns' work wants, ``count_columns``); their parts add up by atomics into ``sums``
-    ``[2, B, Sk, Hkv, D]`` float32, zeroed (dK's, then dV's), or, for a deterministic call, go to
-    fp32 slices (``chunks`` times dK and dV in memory), summed in chunk order. ``queue`` ``[3]``
+    ``[2, B, Sk, Hkv, D]`` float32, zeroed (dK's, then dV's; None with one chunk or
+    deterministic), or, for a deterministic call, go to fp32 slices (``chunks`` times dK and dV in
+    memory), summed in chunk order. ``queue`` ``[3]``
     int32: the queue's counter, zeroed, then ``count_columns``'s counts; ``kept`` the keys
     ``common.kept_keys`` gave (a key list's, gathered once for dK/dV and dQ). ``signature`` holds
     the layouts of the call, of ``dout`` and of the gradients (``backward.attention_backward``'s):
@@ -941,7 +951,7 @@ def hopper_dkdv(
     # tiles past a shorter one's keys have no query tiles (``_head_walk``).
     entries, _, keys, seq_tables, seq = entry_tables(call, sequences)
     wide = wide_tiles(head_dim)
-    tile = WIDE_TILE if wide else TILE
+    tile = _tile(head_dim)
     items = chunks * cdiv(keys, tile.kwargs["BLOCK_N"]) * entries * num_kv_heads
     slices = call.deterministic and chunks > 1
     scratch = None

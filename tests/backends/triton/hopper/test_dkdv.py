@@ -26,6 +26,8 @@ CASES = [
     Case(batch=1, seqlen_q=500, seqlen_k=900, heads=4, kv_heads=2, head_dim=32, mask="B,H,Sq,Sk", mask_kind="tiles", window=(100, 3), block_size=(128, 128)),
     # One mask for every head (broadcast), bottom-right causal with Sq < Sk; summary blocks of 4 query tiles and 2 key tiles.
     Case(batch=1, seqlen_q=600, seqlen_k=1000, heads=3, kv_heads=1, head_dim=32, mask="1,1,Sq,Sk", mask_kind="tiles", causal=True, block_size=(256, 256)),
+    # 432 columns: ``count_columns`` counts them in two rounds of ``_WORK_COLUMNS``.
+    Case(batch=3, seqlen_q=200, seqlen_k=4500, heads=4, kv_heads=4, head_dim=16, mask="B,Hkv,1,Sk", mask_kind="blocks", block_size=(128, 128)),
 ]
 
 
@@ -73,12 +75,17 @@ def test_the_preprocess_counts_each_columns_listed_query_tiles(case):
     torch.testing.assert_close(delta, expected_delta, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [KERNEL_DTYPES[-1], torch.float32], ids=str)
 @pytest.mark.parametrize("chunks", [None, 1, 3], ids=lambda c: "atomics" if c is None else f"{c}-slices")
-def test_write_gradients_sums_the_chunks_in_order(chunks):
+def test_write_gradients_sums_the_chunks_in_order(chunks, dtype):
     shape = (2, 37, 3, 16)  # [B, Sk, Hkv, D]: not a multiple of a program's elements
     parts = (2,) if chunks is None else (2, chunks)
-    sums = torch.randn(*parts, *shape, device=DEVICE)
-    dk, dv = (torch.full(shape, float("nan"), dtype=KERNEL_DTYPES[-1], device=DEVICE) for _ in range(2))
+    # Parts of mixed magnitudes, so that another order of the additions rounds differently in float32.
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    sums = torch.randn(*parts, *shape, device=DEVICE, generator=generator) * 10.0 ** torch.randint(
+        -4, 5, (*parts, *shape), device=DEVICE, generator=generator,
+    )
+    dk, dv = (torch.full(shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(2))
     write_gradients(sums, dk, dv)
     added = sums if chunks is None else sums[:, 0].clone()
     for c in range(1, chunks or 1):  # in chunk order
