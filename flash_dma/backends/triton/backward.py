@@ -3,7 +3,7 @@
 Three launches (dQ never needs atomics):
 
 1. ``_preprocess_kernel``: ``delta = rowsum(dO * O)`` per (batch, head, query), and the other
-   kernels' zeroed workspace (``_workspace``: queues, chunk sums, turns).
+   kernels' zeroed workspace (``_Workspace``: queues, chunk sums, turns).
 2. ``_dkdv_kernel``, grid ``(query chunks, key tiles, batch x kv heads)``: a program owns
    ``BLOCK_N`` keys of one key/value head (consecutive keys, or consecutive slots of a key
    list) and, for each query head of its group, runs ``_dkdv_tiles`` over the query tiles
@@ -135,7 +135,7 @@ def _preprocess_kernel(
             tl.store(Workspace + words, header)
         elif pid < first_delta:
             words = _HEADER_WORDS + (pid - 1).to(tl.int64) * _ZERO_WORDS + tl.arange(0, _ZERO_WORDS)  # [ZERO]
-            tl.store(Workspace + words, tl.zeros([_ZERO_WORDS], tl.int32))  # ``_workspace`` holds whole programs' words
+            tl.store(Workspace + words, tl.zeros([_ZERO_WORDS], tl.int32))  # ``_Workspace`` holds whole programs' words
     pid = tl.program_id(0) - first_delta
     if pid >= 0:
         # Heads first: neighbouring programs read the same rows of neighbouring heads, neighbouring
@@ -685,18 +685,19 @@ def forced_query_chunks(chunks: int | None, counted: bool = False):
             forget_memos()
 
 
-def _zeroed_parts(call: Call, plan: _Plan, sequences) -> dict[str, tuple[torch.dtype, tuple[int, ...]]] | None:
-    """The parts of the backward's workspace (``_workspace``) that its kernels need zeroed, by
-    name: ``sums``, dK's and dV's chunks added by atomics ``[2, B, Sk, Hkv, D]`` float32; ``turns``,
-    the Triton dK/dV kernel's counter per key tile (any BLOCK_N). None when there is nothing to
-    zero, not even the Hopper kernels' queues."""
-    parts = {}  # name: (dtype, shape); turns [B * Hkv * cdiv(Sk, 16)] int32
-    if plan.chunks > 1 and not call.deterministic:
+def _zeroed_parts(call: Call, hopper_dkdv: bool, hopper_dq: bool, chunks: int, sequences) -> dict | None:
+    """The parts of the backward's workspace (``_Workspace``) that its kernels need zeroed, by
+    name, as ``(dtype, shape)``: ``sums``, dK's and dV's chunks added by atomics ``[2, B, Sk, Hkv,
+    D]`` float32; ``turns``, the Triton dK/dV kernel's counter per key tile (any BLOCK_N),
+    ``[B * Hkv * cdiv(Sk, 16)]`` int32. None when there is nothing to zero, not even the Hopper
+    kernels' queues."""
+    parts = {}
+    if chunks > 1 and not call.deterministic:
         parts["sums"] = (torch.float32, (2, *call.k.shape))
-    if plan.chunks > 1 and not plan.hopper_dkdv:
+    if chunks > 1 and not hopper_dkdv:
         batch, _, seqlen_k = grid_sizes(call.q, call.k, sequences)
         parts["turns"] = (torch.int32, (batch * call.k.shape[2] * cdiv(seqlen_k, _SMALLEST_BLOCK_N),))
-    return parts if parts or plan.hopper_dkdv or plan.hopper_dq else None
+    return parts if parts or hopper_dkdv or hopper_dq else None
 
 
 def _zeroing_programs(words: int) -> int:
@@ -704,28 +705,36 @@ def _zeroing_programs(words: int) -> int:
     return cdiv(words - _HEADER_WORDS.value, _ZERO_WORDS.value)
 
 
-def _workspace(parts: dict, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One int32 allocation for the backward's zeroed scratch (``_zeroed_parts``): a header of
-    ``_HEADER_WORDS`` (the Hopper kernels' queues), then each part from a 128-byte boundary, seen
-    in its dtype (4 bytes) and shape. Its contents are ``_preprocess``'s to write."""
-    offsets, words = {}, _HEADER_WORDS.value
-    for name, (dtype, shape) in parts.items():
-        offsets[name] = words
-        words += cdiv(math.prod(shape), _HEADER_WORDS.value) * _HEADER_WORDS.value
-    # Whole zeroing programs' worth after the header: their stores need no bounds (and vectorise).
-    words = _HEADER_WORDS.value + _zeroing_programs(words) * _ZERO_WORDS.value
-    workspace = torch.empty(words, dtype=torch.int32, device=device)
-    views = {
-        name: workspace[offsets[name]: offsets[name] + math.prod(shape)].view(dtype).view(shape)
-        for name, (dtype, shape) in parts.items()
-    }
-    return workspace, views
+class _Workspace(NamedTuple):
+    """Where the backward's zeroed scratch lies in its one int32 allocation: a header of
+    ``_HEADER_WORDS`` (the Hopper kernels' queues), then each part of ``_zeroed_parts`` from a
+    128-byte boundary, seen in its dtype (4 bytes) and shape; ``words`` in all, rounded up to whole
+    zeroing programs so that their stores need no bounds (and vectorise)."""
+
+    words: int
+    parts: tuple  # (name, first word, dtype, shape) each
+
+    @classmethod
+    def of(cls, parts: dict) -> _Workspace:
+        placed, words = [], _HEADER_WORDS.value
+        for name, (dtype, shape) in parts.items():
+            placed.append((name, words, dtype, shape))
+            words += cdiv(math.prod(shape), _HEADER_WORDS.value) * _HEADER_WORDS.value
+        return cls(_HEADER_WORDS.value + _zeroing_programs(words) * _ZERO_WORDS.value, tuple(placed))
+
+    def allocate(self, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The workspace, and its parts' views by name. Its contents are ``_preprocess``'s to write."""
+        workspace = torch.empty(self.words, dtype=torch.int32, device=device)
+        views = {
+            name: workspace[first: first + math.prod(shape)].view(dtype).view(shape) for name, first, dtype, shape in self.parts
+        }
+        return workspace, views
 
 
 def _preprocess(
     call: Call, out: torch.Tensor, dout: torch.Tensor, workspace: torch.Tensor | None, counted: bool, signature: tuple,
 ) -> torch.Tensor:
-    """Launch ``_preprocess_kernel``: ``workspace`` (``_workspace``) zeroed, with ``counted`` the
+    """Launch ``_preprocess_kernel``: ``workspace`` (``_Workspace``) zeroed, with ``counted`` the
     Hopper dK/dV columns' work in its header; returns ``delta`` ``[B, H, Sq]`` float32.
     ``signature``: the layouts of the call, of ``dout`` and of the gradients (``attention_backward``'s)."""
     q = call.q
@@ -733,21 +742,22 @@ def _preprocess(
     delta = torch.empty(batch, num_heads, token_rows, dtype=torch.float32, device=q.device)
     has_workspace = workspace is not None
     words = workspace.numel() if has_workspace else 0
-    columns, count_tile = column_arguments(call, counted)
+    walk = call.q_lists if counted else placeholder(q.device, torch.int32)
     if not has_workspace:
-        workspace = columns[0]  # a placeholder: nothing is written
+        workspace = walk  # a placeholder: nothing is written
     extra = 1 + _zeroing_programs(words) if has_workspace else 0
 
     def build():
         block_d = configs.head_dim_block(head_dim)
+        columns, count_tile = column_arguments(call, counted)
         args = [
-            out, dout, delta, workspace, columns[0], *out.stride()[:3], *dout.stride()[:3], token_rows, num_heads, head_dim,
-            words, *columns[1:], _DELTA_ROWS, block_d, has_workspace, counted, *count_tile,
+            out, dout, delta, workspace, walk, *out.stride()[:3], *dout.stride()[:3], token_rows, num_heads, head_dim,
+            words, *columns, _DELTA_ROWS, block_d, has_workspace, counted, *count_tile,
         ]
         return args, (out.dtype, block_d, has_workspace, counted)
 
     preprocess_launcher.launch(
-        (signature, out.dtype, dout.dtype, out.stride(), words, counted), [out, dout, delta, workspace, columns[0]], build,
+        (signature, out.dtype, dout.dtype, out.stride(), words, counted), [out, dout, delta, workspace, walk], build,
         configs.single_program_config, lambda meta: (extra + cdiv(token_rows, _DELTA_ROWS) * batch * num_heads,),
     )
     return delta
@@ -755,7 +765,7 @@ def _preprocess(
 
 def _launch_dkdv(call, dout, lse, delta, dk, dv, dbias_acc, dbias_flags, chunks, in_order, sequences, signature, sums, turns):
     """The dK/dV launch of ``attention_backward``. Query chunks add up in fp32: in chunk order
-    when ``in_order``, else by atomics into ``sums`` (``_zeroed_parts``), each key tile's last
+    when ``in_order``, else by atomics into ``sums`` (``_Workspace``), each key tile's last
     chunk writing it; ``turns`` (zeroed) counts each key tile's chunks, their turns or arrivals
     (both None with one chunk; ``sums`` None in order).
     ``signature``: the layouts of the call, of ``dout`` and of the gradients (``attention_backward``'s)."""
@@ -860,8 +870,7 @@ def attention_backward(
     device = q.device
     dk = torch.empty(k.shape, dtype=grad_dtype, device=device)
     dv = torch.empty_like(dk)
-    zeroed = _zeroed_parts(call, plan, sequences)
-    workspace, parts = _workspace(zeroed, device) if zeroed is not None else (None, {})
+    workspace, parts = plan.workspace.allocate(device) if plan.workspace is not None else (None, {})
     delta = _preprocess(call, out, dout, workspace, plan.counted, signature)
     gradient = plan.bias_gradient
     dbias_acc = None if gradient is None else torch.zeros(gradient.shape, dtype=gradient.dtype, device=device)
@@ -911,6 +920,7 @@ class _Plan(NamedTuple):
     chunks: int  # query chunks of dK/dV (``query_chunks``)
     counted: bool  # the Hopper dK/dV kernel takes at most ``chunks``, as its columns' work wants
     bias_gradient: BiasGradient | None  # None when not asked for, or zero
+    workspace: _Workspace | None  # the zeroed scratch, None when there is none
 
 
 _PLANS = Memo()
@@ -942,4 +952,5 @@ def _plan(call: Call, dout: torch.Tensor, bias_requires_grad: bool, num_query_ch
         gradient = bias_gradient(
             call.bias, batch, num_heads, num_kv_heads, seqlen_k, call.deterministic, chunks, hopper_dkdv, per_head_walk,
         )
-    return _Plan(hopper_dkdv, hopper_dq, chunks, counted, gradient)
+    zeroed = _zeroed_parts(call, hopper_dkdv, hopper_dq, chunks, sequences)
+    return _Plan(hopper_dkdv, hopper_dq, chunks, counted, gradient, None if zeroed is None else _Workspace.of(zeroed))

@@ -857,17 +857,17 @@ def _tile(head_dim: int) -> triton.Config:
 
 
 def column_arguments(call: Call, counted: bool) -> tuple[list, tuple[int, int]]:
-    """``count_columns``'s arguments for ``call`` (whose ``q_lists`` is its transposed block
-    summary ``[Bm, Hm, NKB, 2, 2, NQB + 1]``): the runtime ones but ``seqlen_q`` (its caller has
-    it), then its tile ``(BLOCK_M, BLOCK_N)``. Not ``counted``: placeholders of the same count."""
+    """``count_columns``'s int arguments for ``call`` (whose ``q_lists`` is its transposed block
+    summary ``[Bm, Hm, NKB, 2, 2, NQB + 1]``, the ``Walk``): all but ``seqlen_q`` (its caller has
+    it), then its tile ``(BLOCK_M, BLOCK_N)``. Not ``counted``: zeros of the same count."""
     q, k, walk = call.q, call.k, call.q_lists
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     tile = _tile(head_dim)
     if not counted:
-        return [placeholder(q.device, torch.int32), *[0] * 14], (tile.kwargs["BLOCK_M"], tile.kwargs["BLOCK_N"])
+        return [0] * 14, (tile.kwargs["BLOCK_M"], tile.kwargs["BLOCK_N"])
     args = [
-        walk, *broadcast_strides(walk)[:3], walk.shape[-1], head_divisor(walk, num_heads), batch, seqlen_k,
+        *broadcast_strides(walk)[:3], walk.shape[-1], head_divisor(walk, num_heads), batch, seqlen_k,
         num_kv_heads, num_heads // num_kv_heads, walks_per_group(walk, num_heads, num_kv_heads),
         call.list_block_q, call.list_block_k, *launch_band(call, seqlen_q, seqlen_k, tiles.SEQ_FIXED),
     ]

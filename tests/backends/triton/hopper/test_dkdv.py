@@ -14,7 +14,7 @@ import torch
 from flash_dma import build_block_mask
 from flash_dma.backends.triton import tiles
 from flash_dma.backends.triton.hopper.common import launch_band
-from flash_dma.backends.triton.backward import _preprocess, _workspace
+from flash_dma.backends.triton.backward import _preprocess, _Workspace
 from flash_dma.backends.triton.hopper.dkdv import TILE, write_gradients
 from flash_dma.integers import cdiv
 from tests.helpers import DEVICE, KERNEL_DTYPES, Case, kernel_call, make_inputs
@@ -64,7 +64,7 @@ def test_the_preprocess_counts_each_columns_listed_query_tiles(case):
     window = (case.window[0], 0) if case.causal else case.window
     call = kernel_call(inputs, summary, softmax_scale=0.25, window=window)
     out, dout = torch.randn_like(call.q), torch.randn_like(call.q)
-    workspace, _ = _workspace({"sums": (torch.float32, (5, 7))}, call.q.device)
+    workspace, _ = _Workspace.of({"sums": (torch.float32, (5, 7))}).allocate(call.q.device)
     workspace.fill_(-1)  # every word is the preprocess's to write
     delta = _preprocess(call, out, dout, workspace, True, ("test_count_columns", str(case)))
     longest, total = _expected(call, summary)
