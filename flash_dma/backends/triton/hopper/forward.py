@@ -224,6 +224,21 @@ def _value_operand(p, probs, dtype: gl.constexpr, p_layout: gl.constexpr):
 
 
 @gluon.jit
+def _operand_of(p, probs, dtype: gl.constexpr, p_layout: gl.constexpr, converted: gl.constexpr):
+    """``probs`` as ``P V``'s A operand: itself where it was ``converted`` already."""
+    operand = probs
+    if not converted:
+        operand = _value_operand(p, probs, dtype, p_layout)
+    return operand
+
+
+@gluon.jit
+def _rescaled(acc, alpha):
+    """The accumulator ``acc`` ``[ROWS, D]`` with each row times its ``alpha`` ``[ROWS]``."""
+    return acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+
+
+@gluon.jit
 def _issue_value_product(p, bufs, stage, probs, acc, first_key, span, zeroings, HALF: gl.constexpr):
     """Issue ``O += P V`` for the V tile at ring position ``stage`` (``probs`` in the operand's
     layout; ``first_key`` its first key, in an entry whose :class:`Span` is ``span``),
@@ -262,8 +277,12 @@ def _softmax_item(p, bufs, index, items_done, consumed, zeroings, HALF: gl.const
     Within a work item, the product of the next tile ``S = Q K^T`` is issued with ``O += P V`` of
     this one, before the next softmax, as in FlashAttention-3's intra-warpgroup overlap. ptxas
     (triton 3.6) still places the wait for ``P V`` before that softmax (docs/design-notes.md,
-    "Forward softmax"), so the tensor cores overlap a warpgroup's softmax only with the other
+    "Hopper forward"), so the tensor cores overlap a warpgroup's softmax only with the other
     warpgroup's products.
+
+    Where P becomes its operand and where the accumulator is rescaled set what stays live beside
+    the next ``S`` in flight; both are chosen by measurement, per dtype and head dim (design notes,
+    "P's operand and the rescale, placed").
     """
     ROWS: gl.constexpr = p.BLOCK_M // 2
     D: gl.constexpr = p.HEAD_DIM
@@ -280,6 +299,12 @@ def _softmax_item(p, bufs, index, items_done, consumed, zeroings, HALF: gl.const
     # latency then overlaps it), chosen by measurement (llm shape, keep 1/8): 3.6% faster at D = 64
     # (16K); 4-6% slower at D = 128 (16K-128K), where ptxas issues the loads between the two products.
     READ_KEYS_EARLY: gl.constexpr = D == 64
+    # 16 bits, D >= 128: P made the operand as its softmax ends, so the fp32 tile is dead before
+    # the next S is issued (4% faster at D = 128, fewer spills); 3% slower at D = 64.
+    P_AT_SOFTMAX: gl.constexpr = not p.FP8 and D >= 128
+    # FP8, D = 128: the accumulator rescaled once the next S is issued, as FlashAttention-3 does
+    # (2.5% faster); 16 bits spill more with it, FP8 at D = 64 and 256 measured 5% and 2% slower.
+    RESCALE_AFTER_NEXT_S: gl.constexpr = p.FP8 and D == 128
 
     batch, head, first_row, rows, q_slot, count, span = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
     q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
@@ -296,15 +321,19 @@ def _softmax_item(p, bufs, index, items_done, consumed, zeroings, HALF: gl.const
         qk, staged = wait_for_scores(p, bufs, qk, 0, stage, keys_of_s, READ_KEYS_EARLY)
         s = visible_scores(p, bufs, _descaled(p, qk, qk_descale), staged, stage, batch, head, span, first_row, rows, keys_of_s, ROWS, HALF)
         mbarrier.arrive(bufs.k_empty.index(stage), count=1)
-        probs, m_i, _, l_i = _online_softmax(p, s, m_i, l_i)
+        probs, m_i, alpha, l_i = _online_softmax(p, s, m_i, l_i)  # alpha = 0: acc holds nothing yet
+        if P_AT_SOFTMAX:
+            probs = _value_operand(p, probs, dtype, p_layout)
         for _ in range(1, count):
             following = (consumed + 1) % p.KV_STAGES
             mbarrier.wait(bufs.k_ready.index(following), ((consumed + 1) // p.KV_STAGES) & 1)
             k = bufs.k.index(following).reshape([p.BLOCK_N, D])
             qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+            if RESCALE_AFTER_NEXT_S:
+                acc = _rescaled(acc, alpha)
             mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
             pv, zeroings = _issue_value_product(
-                p, bufs, stage, _value_operand(p, probs, dtype, p_layout), acc, staged[0], span, zeroings, HALF,
+                p, bufs, stage, _operand_of(p, probs, dtype, p_layout, P_AT_SOFTMAX), acc, staged[0], span, zeroings, HALF,
             )
             # The product of the next tile; P V may still run.
             qk, staged = wait_for_scores(p, bufs, qk, 1, following, keys_of_s, READ_KEYS_EARLY)
@@ -313,14 +342,19 @@ def _softmax_item(p, bufs, index, items_done, consumed, zeroings, HALF: gl.const
             )
             mbarrier.arrive(bufs.k_empty.index(following), count=1)
             probs, m_i, alpha, l_i = _online_softmax(p, s, m_i, l_i)
+            if P_AT_SOFTMAX:
+                probs = _value_operand(p, probs, dtype, p_layout)
             acc = warpgroup_mma_wait(0, deps=[pv])
             mbarrier.arrive(bufs.v_empty.index(stage), count=1)
-            acc = acc * gl.convert_layout(alpha, rows_of_o)[:, None]
+            if not RESCALE_AFTER_NEXT_S:
+                acc = _rescaled(acc, alpha)
             consumed += 1
             stage = following
+        if RESCALE_AFTER_NEXT_S:
+            acc = _rescaled(acc, alpha)
         mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
         pv, zeroings = _issue_value_product(
-            p, bufs, stage, _value_operand(p, probs, dtype, p_layout), acc, staged[0], span, zeroings, HALF,
+            p, bufs, stage, _operand_of(p, probs, dtype, p_layout, P_AT_SOFTMAX), acc, staged[0], span, zeroings, HALF,
         )
         acc = warpgroup_mma_wait(0, deps=[pv])
         mbarrier.arrive(bufs.v_empty.index(stage), count=1)
