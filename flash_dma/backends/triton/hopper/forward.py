@@ -133,6 +133,13 @@ FP8_PROBS_LOG2_SCALE = gl.constexpr(8.0)
 
 
 @gluon.jit
+def _rescaled(acc, alpha):
+    """``acc`` ``[ROWS, N]`` (the output's accumulator, or the row sums) with each row times its
+    ``alpha`` ``[ROWS]``."""
+    return acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+
+
+@gluon.jit
 def _online_softmax(p, s, m_i, l_i):
     """One tile of the online softmax: ``(probs, m_new, alpha, l_new)``, with ``l`` the rows'
     sums per thread (``_thread_row_sums``); FP8 probabilities scaled by ``FP8_PROBS_LOG2_SCALE``."""
@@ -144,7 +151,7 @@ def _online_softmax(p, s, m_i, l_i):
     else:
         probs = gl.exp2(s - m_shift[:, None])
     alpha = gl.exp2(m_i - m_shift)
-    return probs, m_new, alpha, l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + _thread_row_sums(probs)
+    return probs, m_new, alpha, _rescaled(l_i, alpha) + _thread_row_sums(probs)
 
 
 @gluon.jit
@@ -230,12 +237,6 @@ def _operand_of(p, probs, dtype: gl.constexpr, p_layout: gl.constexpr, converted
     if not converted:
         operand = _value_operand(p, probs, dtype, p_layout)
     return operand
-
-
-@gluon.jit
-def _rescaled(acc, alpha):
-    """The accumulator ``acc`` ``[ROWS, D]`` with each row times its ``alpha`` ``[ROWS]``."""
-    return acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
 
 
 @gluon.jit
