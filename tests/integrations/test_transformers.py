@@ -115,10 +115,16 @@ def test_generate_matches_sdpa_at_every_step(llama_pair, cache, pads):
 def batching_config(page: int, **batching) -> ContinuousBatchingConfig:
     """``ContinuousBatchingConfig`` with pages of ``page`` tokens, under the field's name in the
     installed transformers (``page_size`` from 5.23, ``block_size`` before), and a small static
-    budget, so that tests sharing one GPU do not each size the cache from its free memory."""
+    budget, so that tests sharing one GPU do not each size the cache from its free memory.
+
+    Batching is synchronous: transformers' asynchronous batching, its default for flash-named
+    implementations on a GPU, sometimes hands requests that join a running batch wrong tokens,
+    whatever the attention computes (``docs/transformers.md``, "Continuous batching")."""
     fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
     page_field = "page_size" if "page_size" in fields else "block_size"
     batching.setdefault("max_batch_tokens", 64)
+    if "use_async_batching" in fields:
+        batching.setdefault("use_async_batching", False)
     return ContinuousBatchingConfig(**{page_field: page}, **batching)
 
 
