@@ -616,6 +616,13 @@ CASES = {
                    deterministic=True),
         _attention("attn-keys-d64-pair-bias-chunks", batch=2, seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=64,
                    mask="B,Hkv,1,Sk", bias="B,H,Sq,Sk", causal=True, walk="listed", query_chunks=3),
+        # A key list's chunk sums (its kept slots' rows alone zeroed and read) and a per-key bias gradient the chunks add to.
+        *[
+            _attention(f"attn-keys-d128-key-bias-chunks{suffix}", batch=2, seqlen_q=300, seqlen_k=700, heads=4, kv_heads=2,
+                       head_dim=128, mask="B,Hkv,1,Sk", bias="B,H,1,Sk", causal=True, walk="listed", query_chunks=3,
+                       deterministic=deterministic)
+            for suffix, deterministic in (("", False), ("-deterministic", True))
+        ],
         _attention("attn-blockmask-d64-window", batch=2, seqlen_q=129, seqlen_k=129, heads=4, kv_heads=2, head_dim=64,
                    mask="1,1,Sq,Sk", mask_kind="blocks", bias="B,H,Sq,1", window=(40, 40), walk="summary"),
         # BitMasks: the Hopper kernels read the words (and a D = 64 per-pair bias) staged by TMA.

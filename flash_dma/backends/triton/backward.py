@@ -37,7 +37,15 @@ from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.dispatch import HOPPER, device_kind, form_of, route
 from flash_dma.backends.triton.forward import packed_sequences
 from flash_dma.backends.triton.hopper.common import kept_keys
-from flash_dma.backends.triton.hopper.dkdv import column_arguments, count_columns, hopper_dkdv
+from flash_dma.backends.triton.hopper.dkdv import (
+    count_columns,
+    hopper_dkdv,
+    live_walk,
+    sums_shape,
+    sums_words_live,
+    walk_arguments,
+    walked,
+)
 from flash_dma.backends.triton.hopper.dq import hopper_dq
 from flash_dma.backends.triton.launch import Launcher, kernels_side_by_side
 from flash_dma.backends.triton.layout import (
@@ -102,27 +110,29 @@ _HEADER_WORDS = tl.constexpr(32)
 
 @triton.jit(do_not_specialize=[
     "seqlen_q", "num_heads", "workspace_words", "stride_wb", "stride_wh", "stride_wr", "walk_width", "walk_head_div", "batch",
-    "seqlen_k", "num_kv_heads", "group", "walks", "list_block_q", "list_block_k", "band_lo", "band_hi",
+    "seqlen_k", "num_kv_heads", "group", "walks", "list_block_q", "list_block_k", "band_lo", "band_hi", "sums_first",
 ])
 def _preprocess_kernel(
     Out, DOut, Delta, Workspace, Walk,
     stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
     seqlen_q, num_heads, head_dim, workspace_words,
     stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_k, num_kv_heads, group, walks,
-    list_block_q, list_block_k, band_lo, band_hi,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WORKSPACE: tl.constexpr, COUNT: tl.constexpr,
+    list_block_q, list_block_k, band_lo, band_hi, sums_first,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, WORKSPACE: tl.constexpr, COUNT: tl.constexpr, LIVE: tl.constexpr,
     COUNT_BLOCK_M: tl.constexpr, COUNT_BLOCK_N: tl.constexpr,
 ):
     """What the backward's kernels need before they start, in one launch (as FlashAttention-3's
-    preprocess also clears its dQ accumulator): with WORKSPACE, program 0 writes the workspace's
-    header (zeros; with COUNT the Hopper dK/dV columns' work, ``hopper/dkdv.count_columns``) and
-    the next programs zero the rest, ``workspace_words`` in all, ``_ZERO_WORDS`` each; the others
-    compute ``delta = rowsum(dO * O)``, ``BLOCK_M`` rows of one (batch, head) each."""
-    first_delta = 0
+    preprocess also clears its dQ accumulator): ``delta = rowsum(dO * O)``, ``BLOCK_M`` rows of
+    one (batch, head) a program; with WORKSPACE, program 0 writes the workspace's header (zeros;
+    with COUNT the Hopper dK/dV columns' work, ``hopper/dkdv.count_columns``) and the others also
+    zero the rest, ``workspace_words`` in all, ``_ZERO_WORDS`` each, but for the Hopper dK/dV's
+    chunk sums from word ``sums_first`` on whose rows that kernel never adds to by the walk LIVE
+    (``hopper/dkdv.column_live``). A program's zeroing and its delta rows go side by side: the
+    walk's loads that tell whether to zero wait beside those of O and dO."""
+    pid = tl.program_id(0)
+    part = pid  # the workspace's chunk this program zeroes and the rows of delta it computes
     if WORKSPACE:
-        zeroing = tl.cdiv(workspace_words - _HEADER_WORDS, _ZERO_WORDS)
-        first_delta = 1 + zeroing
-        pid = tl.program_id(0)
+        part = pid - 1
         if pid == 0:
             words = tl.arange(0, _HEADER_WORDS)  # [HEADER]
             header = tl.zeros([_HEADER_WORDS], tl.int32)
@@ -133,17 +143,25 @@ def _preprocess_kernel(
                 )
                 header = tl.where(words == 1, longest, tl.where(words == 2, total, header))
             tl.store(Workspace + words, header)
-        elif pid < first_delta:
-            words = _HEADER_WORDS + (pid - 1).to(tl.int64) * _ZERO_WORDS + tl.arange(0, _ZERO_WORDS)  # [ZERO]
-            tl.store(Workspace + words, tl.zeros([_ZERO_WORDS], tl.int32))  # ``_Workspace`` holds whole programs' words
-    pid = tl.program_id(0) - first_delta
-    if pid >= 0:
+        elif part < tl.cdiv(workspace_words - _HEADER_WORDS, _ZERO_WORDS):
+            first = _HEADER_WORDS + part.to(tl.int64) * _ZERO_WORDS
+            live = True
+            if LIVE != WALK_DENSE:
+                live = sums_words_live(
+                    Walk, stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_k, num_kv_heads, group, walks,
+                    list_block_q, list_block_k, band_lo, band_hi, seqlen_q, head_dim, first - sums_first, _ZERO_WORDS, LIVE,
+                    COUNT_BLOCK_M, COUNT_BLOCK_N,
+                )
+            if live:
+                words = first + tl.arange(0, _ZERO_WORDS)  # [ZERO]
+                tl.store(Workspace + words, tl.zeros([_ZERO_WORDS], tl.int32))  # ``_Workspace`` holds whole programs' words
+    batch_heads = batch * num_heads
+    if (part >= 0) & (part < tl.cdiv(seqlen_q, BLOCK_M) * batch_heads):
         # Heads first: neighbouring programs read the same rows of neighbouring heads, neighbouring
         # runs of [B, S, H, D] (docs/design-notes.md, "The delta pass").
-        batch_heads = (tl.num_programs(0) - first_delta) // tl.cdiv(seqlen_q, BLOCK_M)
-        pid_m = pid // batch_heads
-        b = pid % batch_heads // num_heads
-        h = pid % num_heads
+        pid_m = part // batch_heads
+        b = part % batch_heads // num_heads
+        h = part % num_heads
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < seqlen_q
         o = load_tile(Out + b.to(tl.int64) * stride_ob + h * stride_oh, offs_m, row_ok, stride_os, head_dim, True, BLOCK_D)
@@ -564,8 +582,9 @@ def bias_gradient(
     Programs own one (query chunk, batch, kv head). Where the bias is shared across programs
     (batch or kv heads broadcast), the deterministic path gives each program its own slice
     (extra memory: B or Hkv times the bias) and sums them afterwards; the default path
-    accumulates with fp32 atomics. A per-key bias also gets one slice per query chunk (summed
-    afterwards); a full bias needs none, as chunks own disjoint query rows.
+    accumulates with fp32 atomics. So do a per-key bias's query chunks, or, deterministic, each
+    chunk gets a slice of its own (summed afterwards); a full bias needs neither, as chunks own
+    disjoint query rows.
 
     The ``hopper`` kernel writes each element of a per-pair gradient once, in the bias's dtype
     (it adds a group's heads in registers), unless programs share it; a walk that differs per
@@ -581,13 +600,14 @@ def bias_gradient(
     shared_batch = bb == 1 and batch > 1
     shared_kv = bh == 1 and num_kv_heads > 1
     full = bq > 1
+    chunked = not full and query_chunks > 1
     heads_apart = hopper and full and per_head_walk and bh != num_heads
-    atomic = (shared_batch or shared_kv or heads_apart) and not deterministic
+    atomic = (shared_batch or shared_kv or heads_apart or chunked) and not deterministic
     rows_b = batch if shared_batch and deterministic else bb
     rows_h = bh
     if deterministic:
         rows_h = num_heads if heads_apart else num_kv_heads if shared_kv else bh
-    chunks = 1 if full else query_chunks
+    chunks = query_chunks if chunked and deterministic else 1
     summed = (rows_b, rows_h) != (bb, bh)
     dtype = bias.dtype if hopper and full and not atomic and not summed else torch.float32
     return BiasGradient((chunks, rows_b, rows_h, bq, bk), dtype, DBIAS_FULL if full else DBIAS_PER_KEY, atomic, rows_h != num_heads)
@@ -688,12 +708,12 @@ def forced_query_chunks(chunks: int | None, counted: bool = False):
 def _zeroed_parts(call: Call, hopper_dkdv: bool, hopper_dq: bool, chunks: int, sequences) -> dict | None:
     """The parts of the backward's workspace (``_Workspace``) that its kernels need zeroed, by
     name, as ``(dtype, shape)``: ``sums``, dK's and dV's chunks added by atomics ``[2, B, Sk, Hkv,
-    D]`` float32; ``turns``, the Triton dK/dV kernel's counter per key tile (any BLOCK_N),
+    D]`` float32 (the Hopper kernel's: ``[2, *hopper/dkdv.sums_shape]``); ``turns``, the Triton dK/dV kernel's counter per key tile (any BLOCK_N),
     ``[B * Hkv * cdiv(Sk, 16)]`` int32. None when there is nothing to zero, not even the Hopper
     kernels' queues."""
     parts = {}
     if chunks > 1 and not call.deterministic:
-        parts["sums"] = (torch.float32, (2, *call.k.shape))
+        parts["sums"] = (torch.float32, (2, *(sums_shape(call) if hopper_dkdv else call.k.shape)))
     if chunks > 1 and not hopper_dkdv:
         batch, _, seqlen_k = grid_sizes(call.q, call.k, sequences)
         parts["turns"] = (torch.int32, (batch * call.k.shape[2] * cdiv(seqlen_k, _SMALLEST_BLOCK_N),))
@@ -730,35 +750,47 @@ class _Workspace(NamedTuple):
         }
         return workspace, views
 
+    def first_word(self, name: str) -> int | None:
+        """Where part ``name`` starts, None if there is no such part."""
+        return next((first for part, first, _, _ in self.parts if part == name), None)
+
 
 def _preprocess(
-    call: Call, out: torch.Tensor, dout: torch.Tensor, workspace: torch.Tensor | None, counted: bool, signature: tuple,
+    call: Call, out: torch.Tensor, dout: torch.Tensor, workspace: torch.Tensor | None, counted: bool,
+    live_sums: tuple[int, int] | None, signature: tuple,
 ) -> torch.Tensor:
     """Launch ``_preprocess_kernel``: ``workspace`` (``_Workspace``) zeroed, with ``counted`` the
-    Hopper dK/dV columns' work in its header; returns ``delta`` ``[B, H, Sq]`` float32.
-    ``signature``: the layouts of the call, of ``dout`` and of the gradients (``attention_backward``'s)."""
+    Hopper dK/dV columns' work in its header; ``live_sums`` ``(first word, walk)``: where the
+    Hopper dK/dV's chunk sums start, of which only the rows the walk says it adds to are zeroed
+    (``hopper/dkdv.live_walk``). Returns ``delta`` ``[B, H, Sq]`` float32. ``signature``: the
+    layouts of the call, of ``dout`` and of the gradients (``attention_backward``'s)."""
     q = call.q
     batch, token_rows, num_heads, head_dim = q.shape  # delta is per token: packed sequences need no bounds
     delta = torch.empty(batch, num_heads, token_rows, dtype=torch.float32, device=q.device)
     has_workspace = workspace is not None
     words = workspace.numel() if has_workspace else 0
-    walk = call.q_lists if counted else placeholder(q.device, torch.int32)
+    sums_first, live = live_sums or (0, WALK_DENSE.value)
+    walk_kind = WALK_BLOCKS.value if counted else live
+    walk_tensor = walked(call, walk_kind)
+    walk = placeholder(q.device, torch.int32) if walk_tensor is None else walk_tensor
     if not has_workspace:
         workspace = walk  # a placeholder: nothing is written
-    extra = 1 + _zeroing_programs(words) if has_workspace else 0
+    programs = cdiv(token_rows, _DELTA_ROWS) * batch * num_heads
+    if has_workspace:  # the header's, and as many as zero the workspace or compute delta
+        programs = 1 + max(programs, _zeroing_programs(words))
 
     def build():
         block_d = configs.head_dim_block(head_dim)
-        columns, count_tile = column_arguments(call, counted)
+        walk_args, tile = walk_arguments(call, walk_kind)
         args = [
             out, dout, delta, workspace, walk, *out.stride()[:3], *dout.stride()[:3], token_rows, num_heads, head_dim,
-            words, *columns, _DELTA_ROWS, block_d, has_workspace, counted, *count_tile,
+            words, *walk_args, sums_first, _DELTA_ROWS, block_d, has_workspace, counted, live, *tile,
         ]
-        return args, (out.dtype, block_d, has_workspace, counted)
+        return args, (out.dtype, block_d, has_workspace, counted, live)
 
     preprocess_launcher.launch(
-        (signature, out.dtype, dout.dtype, out.stride(), words, counted), [out, dout, delta, workspace, walk], build,
-        configs.single_program_config, lambda meta: (extra + cdiv(token_rows, _DELTA_ROWS) * batch * num_heads,),
+        (signature, out.dtype, dout.dtype, out.stride(), words, counted, live_sums), [out, dout, delta, workspace, walk], build,
+        configs.single_program_config, lambda meta: (programs,),
     )
     return delta
 
@@ -871,7 +903,7 @@ def attention_backward(
     dk = torch.empty(k.shape, dtype=grad_dtype, device=device)
     dv = torch.empty_like(dk)
     workspace, parts = plan.workspace.allocate(device) if plan.workspace is not None else (None, {})
-    delta = _preprocess(call, out, dout, workspace, plan.counted, signature)
+    delta = _preprocess(call, out, dout, workspace, plan.counted, plan.live_sums, signature)
     gradient = plan.bias_gradient
     dbias_acc = None if gradient is None else torch.zeros(gradient.shape, dtype=gradient.dtype, device=device)
     dbias_flags = (DBIAS_NONE, False, False) if gradient is None else (gradient.kind, gradient.atomic, gradient.head_shared)
@@ -919,6 +951,7 @@ class _Plan(NamedTuple):
     hopper_dq: bool
     chunks: int  # query chunks of dK/dV (``query_chunks``)
     counted: bool  # the Hopper dK/dV kernel takes at most ``chunks``, as its columns' work wants
+    live_sums: tuple[int, int] | None  # where its chunk sums start in the workspace, and the walk that tells their live rows
     bias_gradient: BiasGradient | None  # None when not asked for, or zero
     workspace: _Workspace | None  # the zeroed scratch, None when there is none
 
@@ -953,4 +986,7 @@ def _plan(call: Call, dout: torch.Tensor, bias_requires_grad: bool, num_query_ch
             call.bias, batch, num_heads, num_kv_heads, seqlen_k, call.deterministic, chunks, hopper_dkdv, per_head_walk,
         )
     zeroed = _zeroed_parts(call, hopper_dkdv, hopper_dq, chunks, sequences)
-    return _Plan(hopper_dkdv, hopper_dq, chunks, counted, gradient, None if zeroed is None else _Workspace.of(zeroed))
+    workspace = None if zeroed is None else _Workspace.of(zeroed)
+    sums_first = None if workspace is None else workspace.first_word("sums")
+    live_sums = (sums_first, live_walk(call, sequences)) if hopper_dkdv and sums_first is not None else None
+    return _Plan(hopper_dkdv, hopper_dq, chunks, counted, live_sums, gradient, workspace)

@@ -298,19 +298,24 @@ VARIANTS = [
         **_UNION_KEYS, "HAS_BIAS": False, "SOFTCAP": True, "BLOCK_N": 32, "DBIAS_PER_HEAD": False, "DBIAS_KEYS": False,
     }),
     Variant("topk-union-lists", union.BUILD_LAUNCHER, 4, 1, dict(QUERIES=16, CHUNK=1024)),
-    # The backward's preprocess: delta alone, with the workspace zeroed, and with the Hopper dK/dV's columns counted too.
+    # The backward's preprocess: delta alone, with the workspace zeroed, with the Hopper dK/dV's
+    # columns counted too, and zeroing only the chunk sums' rows it adds to, walking a key list.
     *[
         Variant(f"backward-preprocess{name}", preprocess_launcher, 4, 1, dict(
-            BLOCK_M=_DELTA_ROWS, BLOCK_D=128, WORKSPACE=workspace, COUNT=count,
+            BLOCK_M=_DELTA_ROWS, BLOCK_D=128, WORKSPACE=workspace, COUNT=count, LIVE=live,
             COUNT_BLOCK_M=hopper_dkdv.TILE.kwargs["BLOCK_M"], COUNT_BLOCK_N=hopper_dkdv.TILE.kwargs["BLOCK_N"],
         ))
-        for name, workspace, count in (("", False, False), ("-workspace", True, False), ("-counted", True, True))
+        for name, workspace, count, live in (
+            ("", False, False, WALK_DENSE), ("-workspace", True, False, WALK_DENSE), ("-counted", True, True, WALK_BLOCKS),
+            ("-key-list", True, False, WALK_KEYS),
+        )
     ],
     *[
-        Variant(f"dkdv-write-gradients-{chunks}", hopper_dkdv._write_gradients_launcher, 4, 1, dict(
-            CHUNKS=chunks, BLOCK=hopper_dkdv._WRITE_BLOCK,
+        Variant(f"dkdv-write-gradients-{chunks}{name}", hopper_dkdv._write_gradients_launcher, 4, 1, dict(
+            CHUNKS=chunks, LIVE=live, SLOTS=hopper_dkdv._WRITE_SLOTS, BLOCK_D=128,
+            BLOCK_M=hopper_dkdv.TILE.kwargs["BLOCK_M"], BLOCK_N=hopper_dkdv.TILE.kwargs["BLOCK_N"],
         ))
-        for chunks in (1, 4)
+        for chunks, name, live in ((1, "", WALK_DENSE), (4, "-blocks", WALK_BLOCKS), (4, "-key-list", WALK_KEYS))
     ],
     Variant("kept-count", count_launcher, 4, 1, dict(CHUNK=1024)),
     Variant("key-list", key_list_launcher, 4, 1, dict(CHUNK=1024, CHUNKS=1024)),

@@ -20,7 +20,8 @@ group, so K and V are read once per item. Items are taken first key tiles first 
 band they see the most queries). With one query chunk, dK and dV are written directly. With
 several, their parts add up in fp32 scratch: by atomics into zeroed scratch, or, deterministic
 (SLICES), each chunk into a slice of its own; ``write_gradients`` then writes dK and dV from it
-(the slices summed in chunk order). Walking a block summary, the chunks follow the mask's real
+(the slices summed in chunk order). The scratch holds the items' slots, so that a key list's kept
+keys' rows lie first (``sums_shape``), and only those are zeroed and read. Walking a block summary, the chunks follow the mask's real
 density: a Triton function counts every column's query tiles first, in the backward's
 preprocess (``count_columns``), and the loader takes as many chunks as make the longest column's
 items no larger than a program's share (``_counted_chunks``), up to the host's count. (Chunks
@@ -161,7 +162,7 @@ class _Problem:
     stride_wh: gl.tensor
     stride_wr: gl.tensor
     walk_width: gl.tensor
-    stride_gb: gl.tensor
+    stride_gb: gl.tensor  # the rows the items write: dK's and dV's with one chunk, else the chunk sums'
     stride_gs: gl.tensor
     stride_gh: gl.tensor
     stride_dbc: gl.tensor
@@ -666,14 +667,19 @@ def _gradient_item(p, bufs, index, count, kv_taken, consumed, HALF: gl.constexpr
 
     if OWNS_DK:
         dk = dk * p.scale  # dS is the gradient of scale * q.k
-    out_keys = gl.convert_layout(keys, gl.SliceLayout(1, acc_layout))
-    out_written = _slots_below(first_key, span.seqlen_k, KEYS, gl.SliceLayout(1, acc_layout))
+    # One chunk writes dK and dV at the keys' rows (zeros for a key list's dropped keys); several
+    # add into the chunk sums' rows of the slots (``sums_shape``), the kept ones alone, as
+    # ``write_gradients`` reads no others.
+    out_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    direct = p.chunks == 1
+    slots = first_key + gl.arange(0, KEYS, out_rows)  # [KEYS]
+    rows = gl.where(direct, gl.convert_layout(keys, out_rows), slots)
     cols = gl.arange(0, D, gl.SliceLayout(0, acc_layout))
     offsets = (
         span.tokens.to(gl.int64) * p.stride_gb + kv_head * p.stride_gh
-        + ((span.k_start + out_keys).to(gl.int64) * p.stride_gs)[:, None] + cols[None, :]
+        + ((span.k_start + rows).to(gl.int64) * p.stride_gs)[:, None] + cols[None, :]
     )
-    ok = out_written[:, None] & (cols < p.COLUMNS)[None, :]
+    ok = (slots < gl.where(direct, span.seqlen_k, kept))[:, None] & (cols < p.COLUMNS)[None, :]
     if OWNS_DK:
         _store_gradient(p, p.DK, p.ScratchK, chunk, offsets, dk, ok)
     if OWNS_DV:
@@ -814,6 +820,27 @@ _WORK_COLUMNS = tl.constexpr(256)
 
 
 @triton.jit
+def _column_work(
+    Walk, stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, b, kv_head, key_tile, seqlen_q, seqlen_k, group,
+    walks, list_block_q, list_block_k, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The query tiles of the columns (``b``, ``kv_head``, ``key_tile``), scalars or alike
+    tensors, over the group's heads, walking a block summary (``tiles.query_walk``): ``walks``
+    per column, one for a group whose heads share it (``layout.walks_per_group``)."""
+    first_key = key_tile * BLOCK_N
+    base = Walk + b.to(tl.int64) * stride_wb
+    work = key_tile * 0
+    for g in range(0, walks):
+        walk = base + ((kv_head * group + g) // walk_head_div).to(tl.int64) * stride_wh
+        _, _, _, partial_lo, partial_hi, lo, _, _, hi = tiles.query_walk(
+            walk, walk_width, stride_wr, key_tile, first_key, first_key + BLOCK_N - 1, seqlen_q, seqlen_k, band_lo, band_hi,
+            list_block_q, list_block_k, 0, 1, tiles.WALK_BLOCKS, BLOCK_M, BLOCK_N,
+        )
+        work += (partial_hi - partial_lo) + (hi - lo)
+    return work * (group // walks)
+
+
+@triton.jit
 def count_columns(
     Walk, stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_q, seqlen_k, num_kv_heads, group,
     walks, list_block_q, list_block_k, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -821,8 +848,7 @@ def count_columns(
     """The work of the columns (key tile, batch entry, key/value head) of a dK/dV call that walks
     a block summary over fixed sequences, for ``_counted_chunks``: ``(longest, total)``, the most
     query tiles (over the group's heads) a column has and their sum. One program counts every
-    column's walk (``tiles.query_walk``), ``_WORK_COLUMNS`` at a time: ``walks`` per column, one for
-    a group whose heads share it (``layout.walks_per_group``). It runs in the backward's preprocess
+    column (``_column_work``), ``_WORK_COLUMNS`` at a time. It runs in the backward's preprocess
     (``backward._preprocess_kernel``), beside the delta pass, which reads far more per column."""
     key_tiles = tl.cdiv(seqlen_k, BLOCK_N)
     columns = batch * num_kv_heads * key_tiles
@@ -832,23 +858,66 @@ def count_columns(
         index = first + tl.arange(0, _WORK_COLUMNS)  # [COLUMNS]
         inside = index < columns
         index = tl.minimum(index, columns - 1)
-        key_tile = index % key_tiles
         batch_head = index // key_tiles
-        first_head = (batch_head % num_kv_heads) * group
-        first_key = key_tile * BLOCK_N
-        base = Walk + (batch_head // num_kv_heads).to(tl.int64) * stride_wb
-        work = tl.zeros([_WORK_COLUMNS], tl.int32)
-        for g in range(0, walks):
-            walk = base + ((first_head + g) // walk_head_div).to(tl.int64) * stride_wh
-            _, _, _, partial_lo, partial_hi, lo, _, _, hi = tiles.query_walk(
-                walk, walk_width, stride_wr, key_tile, first_key, first_key + BLOCK_N - 1, seqlen_q, seqlen_k, band_lo, band_hi,
-                list_block_q, list_block_k, 0, 1, tiles.WALK_BLOCKS, BLOCK_M, BLOCK_N,
-            )
-            work += (partial_hi - partial_lo) + (hi - lo)
-        work = tl.where(inside, work * (group // walks), 0)
+        work = _column_work(
+            Walk, stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch_head // num_kv_heads,
+            batch_head % num_kv_heads, index % key_tiles, seqlen_q, seqlen_k, group, walks, list_block_q, list_block_k,
+            band_lo, band_hi, BLOCK_M, BLOCK_N,
+        )
+        work = tl.where(inside, work, 0)
         longest = tl.maximum(longest, tl.max(work, 0))
         total += tl.sum(work, 0)
     return longest, total
+
+
+@triton.jit
+def column_live(
+    Walk, stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_k, num_kv_heads, group, walks,
+    list_block_q, list_block_k, band_lo, band_hi, seqlen_q, b, kv_head, slots,
+    LIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Whether the dK/dV kernel adds to the chunk sums' rows of ``slots`` (a scalar, or a tensor
+    within one key tile) of (``b``, ``kv_head``): with LIVE (``live_walk``) WALK_KEYS, the slots
+    below the key list ``Walk``'s kept count; WALK_BLOCKS, every slot of a column with query
+    tiles in the block summary ``Walk`` (``_column_work``); WALK_DENSE, all. The other rows are
+    never added to, so they need no zeroing, and read as zeros (``write_gradients``)."""
+    if LIVE == tiles.WALK_KEYS:
+        rank = Walk + b.to(tl.int64) * stride_wb + (kv_head * group // walk_head_div).to(tl.int64) * stride_wh + walk_width
+        return slots < tl.load(rank + seqlen_k)  # the rank of position Sk: the kept count
+    elif LIVE == tiles.WALK_BLOCKS:
+        work = _column_work(
+            Walk, stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, b, kv_head, slots // BLOCK_N, seqlen_q, seqlen_k,
+            group, walks, list_block_q, list_block_k, band_lo, band_hi, BLOCK_M, BLOCK_N,
+        )
+        return work > 0
+    else:
+        return slots >= 0
+
+
+@triton.jit
+def sums_words_live(
+    Walk, stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_k, num_kv_heads, group, walks,
+    list_block_q, list_block_k, band_lo, band_hi, seqlen_q, head_dim, first,
+    WORDS: tl.constexpr, LIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Whether any of ``WORDS`` words from ``first`` on, counted from the start of dK's and dV's
+    chunk sums ``[2, B, Hkv, Sk, D]`` (``sums_shape``), lies in a row the dK/dV kernel adds to
+    (``column_live``). Words outside the sums, or over two columns, count as live."""
+    run = seqlen_k.to(tl.int64) * head_dim  # the words of one (dK or dV, batch entry, key/value head)
+    start = tl.maximum(first, 0)
+    last = first + WORDS - 1
+    slot = start % run // head_dim
+    within = (
+        (first >= 0) & (last < 2 * batch * num_kv_heads * run) & (start // run == last // run)
+        & (slot // BLOCK_N == last % run // head_dim // BLOCK_N)
+    )
+    entry = start // run % (batch * num_kv_heads)
+    live = column_live(
+        Walk, stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_k, num_kv_heads, group, walks,
+        list_block_q, list_block_k, band_lo, band_hi, seqlen_q, entry // num_kv_heads, entry % num_kv_heads, slot.to(tl.int32),
+        LIVE, BLOCK_M, BLOCK_N,
+    )
+    return (not within) | live
 
 
 def _tile(head_dim: int) -> triton.Config:
@@ -856,63 +925,142 @@ def _tile(head_dim: int) -> triton.Config:
     return WIDE_TILE if wide_tiles(head_dim) else TILE
 
 
-def column_arguments(call: Call, counted: bool) -> tuple[list, tuple[int, int]]:
-    """``count_columns``'s int arguments for ``call`` (whose ``q_lists`` is its transposed block
-    summary ``[Bm, Hm, NKB, 2, 2, NQB + 1]``, the ``Walk``): all but ``seqlen_q`` (its caller has
-    it), then its tile ``(BLOCK_M, BLOCK_N)``. Not ``counted``: zeros of the same count."""
-    q, k, walk = call.q, call.k, call.q_lists
+def live_walk(call: Call, sequences: Sequences | None) -> int:
+    """The walk by which the preprocess and ``write_gradients`` tell the chunk sums' rows the
+    kernel adds to from the others (``column_live``): a key list's or a block summary's, over fixed
+    sequences; else WALK_DENSE, every row."""
+    if sequences is not None:
+        return tiles.WALK_DENSE.value
+    if call.key_list is not None:
+        return tiles.WALK_KEYS.value
+    return tiles.WALK_DENSE.value if call.q_lists is None else tiles.WALK_BLOCKS.value
+
+
+def walked(call: Call, walk: int) -> torch.Tensor | None:
+    """The tensor of ``call`` that the walk ``walk`` (a ``tiles.WALK_*``) reads, as ``count_columns``
+    and ``column_live`` do: ``call.q_lists``, the transposed block summary ``[Bm, Hm, NKB, 2, 2,
+    NQB + 1]``, or ``call.key_list``; None for WALK_DENSE."""
+    return {tiles.WALK_BLOCKS.value: call.q_lists, tiles.WALK_KEYS.value: call.key_list}.get(walk)
+
+
+def walk_arguments(call: Call, walk: int) -> tuple[list, tuple[int, int]]:
+    """The int arguments of ``count_columns`` and ``column_live`` up to ``band_hi`` for the walk
+    ``walk`` of ``call`` (``walked``; for WALK_DENSE the sizes alone), and the kernel's tile
+    ``(BLOCK_M, BLOCK_N)``."""
+    q, k = call.q, call.k
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     tile = _tile(head_dim)
-    if not counted:
-        return [0] * 14, (tile.kwargs["BLOCK_M"], tile.kwargs["BLOCK_N"])
+    tile_sizes = (tile.kwargs["BLOCK_M"], tile.kwargs["BLOCK_N"])
+    walk_tensor = walked(call, walk)
+    sizes = [batch, seqlen_k, num_kv_heads, num_heads // num_kv_heads]
+    if walk_tensor is None:
+        return [0, 0, 0, 0, 1, *sizes, 1, 0, 0, 0, 0], tile_sizes
     args = [
-        *broadcast_strides(walk)[:3], walk.shape[-1], head_divisor(walk, num_heads), batch, seqlen_k,
-        num_kv_heads, num_heads // num_kv_heads, walks_per_group(walk, num_heads, num_kv_heads),
-        call.list_block_q, call.list_block_k, *launch_band(call, seqlen_q, seqlen_k, tiles.SEQ_FIXED),
+        *broadcast_strides(walk_tensor)[:3], walk_tensor.shape[-1], head_divisor(walk_tensor, num_heads), *sizes,
+        walks_per_group(walk_tensor, num_heads, num_kv_heads), call.list_block_q, call.list_block_k,
+        *launch_band(call, seqlen_q, seqlen_k, tiles.SEQ_FIXED),
     ]
-    return args, (tile.kwargs["BLOCK_M"], tile.kwargs["BLOCK_N"])
+    return args, tile_sizes
 
 
-_WRITE_BLOCK = 2048  # elements of dK and of dV per program of ``_write_gradients_kernel``
+def sums_shape(call: Call) -> tuple[int, int, int, int]:
+    """How the chunk sums of dK (and of dV) lie in memory: ``[B, Hkv, Sk, D]``, rows of the
+    items' slots (``write_gradients``), each column's rows together, so that the preprocess zeroes
+    and ``write_gradients`` reads only those the kernel adds to (``column_live``)."""
+    batch, seqlen_k, num_kv_heads, head_dim = call.k.shape
+    return batch, num_kv_heads, seqlen_k, head_dim
+
+
+def sums_view(sums: torch.Tensor) -> torch.Tensor:
+    """Chunk sums laid out as ``sums_shape`` says (behind any leading dims), seen as ``[..., B, Sk, Hkv, D]``."""
+    return sums.transpose(-3, -2)
+
+
+_WRITE_SLOTS = 32  # slots of one (batch entry, key/value head) per program of ``_write_gradients_kernel``
 
 
 @triton.jit
-def _write_gradient(Parts, Out, offs, ok, numel, CHUNKS: tl.constexpr):
-    """``Out``'s elements ``offs`` (where ``ok``): the sum of their ``CHUNKS`` fp32 parts
-    ``Parts`` ``[CHUNKS, numel]``, added in chunk order."""
-    acc = tl.load(Parts + offs, mask=ok, other=0.0)  # [BLOCK]
+def _write_gradient(Parts, Out, parts_rows, out_rows, cols, read, write, stride_chunk, CHUNKS: tl.constexpr):
+    """Rows ``out_rows`` of ``Out`` (where ``write``): the sum of their ``CHUNKS`` fp32 parts at
+    ``parts_rows`` of ``Parts``, ``stride_chunk`` apart, added in chunk order (zeros where not ``read``)."""
+    acc = tl.load(Parts + parts_rows[:, None] + cols[None, :], mask=read, other=0.0)  # [SLOTS, BLOCK_D]
     for c in tl.static_range(1, CHUNKS):
-        acc += tl.load(Parts + c * numel + offs, mask=ok, other=0.0)
-    tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=ok)
+        acc += tl.load(Parts + c * stride_chunk + parts_rows[:, None] + cols[None, :], mask=read, other=0.0)
+    tl.store(Out + out_rows[:, None] + cols[None, :], acc.to(Out.dtype.element_ty), mask=write)
 
 
-@triton.jit
-def _write_gradients_kernel(Sums, DK, DV, numel, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
-    """dK and dV, ``numel`` elements each, from their chunks' fp32 parts ``Sums``
-    ``[2, CHUNKS, numel]`` (``write_gradients``)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    ok = offs < numel
-    _write_gradient(Sums, DK, offs, ok, numel.to(tl.int64), CHUNKS)
-    _write_gradient(Sums + CHUNKS * numel.to(tl.int64), DV, offs, ok, numel.to(tl.int64), CHUNKS)
+@triton.jit(do_not_specialize=[
+    "stride_wb", "stride_wh", "stride_wr", "walk_width", "walk_head_div", "batch", "seqlen_k", "num_kv_heads", "group",
+    "walks", "list_block_q", "list_block_k", "band_lo", "band_hi", "seqlen_q",
+])
+def _write_gradients_kernel(
+    Sums, DK, DV, Walk,
+    stride_sp, stride_sc, stride_sb, stride_ss, stride_sh, stride_gb, stride_gs, stride_gh, head_dim,
+    stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_k, num_kv_heads, group, walks,
+    list_block_q, list_block_k, band_lo, band_hi, seqlen_q,
+    CHUNKS: tl.constexpr, LIVE: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK and dV ``[B, Sk, Hkv, D]``, ``SLOTS`` rows of one (batch entry, key/value head) per
+    program, from their chunks' fp32 parts ``Sums`` ``[2, CHUNKS, B, Sk, Hkv, D]`` (any strides),
+    whose rows are the dK/dV kernel's slots: with LIVE WALK_KEYS, those of the key list ``Walk``
+    (``key_list.py``), so that slot ``s``'s row goes to the key ``order[s]``. Only the rows the
+    kernel added to are read (``column_live``); the others are zeros."""
+    tl.static_assert(BLOCK_N % SLOTS == 0)  # a program's slots lie in one key tile (``column_live``)
+    slots = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)  # [SLOTS]
+    b = tl.program_id(1) // num_kv_heads
+    kv_head = tl.program_id(1) % num_kv_heads
+    inside = slots < seqlen_k
+    live = inside & column_live(
+        Walk, stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_k, num_kv_heads, group, walks,
+        list_block_q, list_block_k, band_lo, band_hi, seqlen_q, b, kv_head, slots, LIVE, BLOCK_M, BLOCK_N,
+    )
+    keys = slots
+    if LIVE == tiles.WALK_KEYS:
+        order = Walk + b.to(tl.int64) * stride_wb + (kv_head * group // walk_head_div).to(tl.int64) * stride_wh
+        keys = tl.load(order + slots, mask=inside, other=0)
+    cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    columns = (cols < head_dim)[None, :]
+    parts = b.to(tl.int64) * stride_sb + kv_head * stride_sh + slots.to(tl.int64) * stride_ss  # [SLOTS]
+    out = b.to(tl.int64) * stride_gb + kv_head * stride_gh + keys.to(tl.int64) * stride_gs  # [SLOTS]
+    read, write = live[:, None] & columns, inside[:, None] & columns  # [SLOTS, BLOCK_D]
+    _write_gradient(Sums, DK, parts, out, cols, read, write, stride_sc, CHUNKS)
+    _write_gradient(Sums + stride_sp, DV, parts, out, cols, read, write, stride_sc, CHUNKS)
 
 
-_write_gradients_launcher = Launcher(_write_gradients_kernel, tensors=("Sums", "DK", "DV"), specialized=("numel",))
+_write_gradients_launcher = Launcher(
+    _write_gradients_kernel, tensors=("Sums", "DK", "DV", "Walk"),
+    specialized=("stride_sp", "stride_sc", "stride_sb", "stride_ss", "stride_sh", "stride_gb", "stride_gs", "stride_gh", "head_dim"),
+)
 
 
-def write_gradients(sums: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    """Write ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` (contiguous) from their chunks' fp32 parts
-    ``sums``: ``[2, B, Sk, Hkv, D]`` added up by atomics, or ``[2, chunks, B, Sk, Hkv, D]``
-    slices, summed in chunk order (the same bits on every run). One launch for both."""
-    chunks = sums.shape[1] if sums.dim() == dk.dim() + 2 else 1
-    numel = dk.numel()
+def write_gradients(sums: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, call: Call, live: int, signature: tuple) -> None:
+    """Write ``dk`` and ``dv`` ``[B, Sk, Hkv, D]`` from their chunks' fp32 parts ``sums``
+    ``[2, B, Sk, Hkv, D]``, added up by atomics, or ``[2, chunks, B, Sk, Hkv, D]``, slices summed
+    in chunk order (the same bits on every run); any strides, one launch for both. Reads only the
+    rows the dK/dV kernel of ``call`` added to, by the walk ``live`` (``live_walk``; zeros for the
+    others); walking a key list, row ``s`` of ``sums`` holds the sums of the key ``order[s]``.
+    ``signature``: the call's layout (``backward.attention_backward``'s); the launch is prepared once per signature."""
+    slices = sums.dim() == dk.dim() + 2
+    chunks = sums.shape[1] if slices else 1
+    batch, seqlen_k, num_kv_heads, head_dim = dk.shape
+    walk_tensor = walked(call, live)
+    walk = placeholder(dk.device, torch.int32) if walk_tensor is None else walk_tensor
 
     def build():
-        return [sums, dk, dv, numel, chunks, _WRITE_BLOCK], (dk.dtype, chunks)
+        walk_args, tile = walk_arguments(call, live)
+        args = [
+            sums, dk, dv, walk, sums.stride(0), sums.stride(1) if slices else 0, *sums.stride()[-4:-1], *dk.stride()[:3], head_dim,
+            *walk_args, call.q.shape[1], chunks, live, _WRITE_SLOTS, configs.head_dim_block(head_dim), *tile,
+        ]
+        return args, (dk.dtype, chunks, live)
 
+    # The walk's arguments follow from the call's layout, which ``signature`` holds.
+    layout = (signature, sums.shape, sums.stride(), dk.dtype, dk.stride(), live)
     _write_gradients_launcher.launch(
-        (tuple(sums.shape), dk.dtype), [sums, dk, dv], build, configs.single_program_config,
-        lambda meta: (cdiv(numel, _WRITE_BLOCK),),
+        layout, [sums, dk, dv, walk], build, configs.single_program_config,
+        lambda meta: (cdiv(seqlen_k, _WRITE_SLOTS), batch * num_kv_heads),
     )
 
 
@@ -931,8 +1079,8 @@ def hopper_dkdv(
     ``dbias_flags`` is ``(kind, atomic, head_shared)`` of ``backward.bias_gradient``;
     ``chunks`` splits each key tile's queries (``counted``: into at most ``chunks``, as many as
     the columns' work wants, ``count_columns``); their parts add up by atomics into ``sums``
-    ``[2, B, Sk, Hkv, D]`` float32, zeroed (dK's, then dV's; None with one chunk or
-    deterministic), or, for a deterministic call, go to fp32 slices (``chunks`` times dK and dV in
+    ``[2, *sums_shape(call)]`` float32, zeroed (dK's, then dV's; a key list's kept slots' rows
+    alone; None with one chunk or deterministic), or, for a deterministic call, go to fp32 slices (``chunks`` times dK and dV in
     memory), summed in chunk order. ``queue`` ``[3]``
     int32: the queue's counter, zeroed, then ``count_columns``'s counts; ``kept`` the keys
     ``common.kept_keys`` gave (a key list's, gathered once for dK/dV and dQ). ``signature`` holds
@@ -957,9 +1105,9 @@ def hopper_dkdv(
     scratch = None
     scratch_k = scratch_v = placeholder(device, torch.float32)
     if slices:  # dK's, then dV's [chunks, B, Sk, Hkv, D], every element written once
-        scratch = torch.empty((2, chunks, *dk.shape), dtype=torch.float32, device=device)
+        scratch = sums_view(torch.empty((2, chunks, *sums_shape(call)), dtype=torch.float32, device=device))
     elif chunks > 1:
-        scratch = sums
+        scratch = sums_view(sums)
     if scratch is not None:
         scratch_k, scratch_v = scratch
     dbias_target = placeholder(device, torch.float32) if dbias_acc is None else dbias_acc
@@ -972,7 +1120,7 @@ def hopper_dkdv(
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag, seq)
         dbias_slice = None if dbias_acc is None else dbias_acc[0]
         own = [
-            *dout.stride()[:3], *dk.stride()[:3],
+            *dout.stride()[:3], *(dk.stride()[:3] if scratch is None else scratch_k.stride()[-4:-1]),
             0 if dbias_acc is None or dbias_acc.shape[0] == 1 else dbias_acc.stride(0), *broadcast_strides(dbias_slice),
             head_divisor(dbias_slice, num_heads), 0 if dbias_slice is None else dbias_slice.numel() // seqlen_k,
             chunks, items, int(counted), entries, *dbias_flags, slices, Q_STAGES[head_dim_tile(head_dim)], 1 if wide else 2, wide, seq,
@@ -986,6 +1134,6 @@ def hopper_dkdv(
 
     def finish():
         if scratch is not None:
-            write_gradients(scratch, dk, dv)
+            write_gradients(scratch, dk, dv, call, live_walk(call, sequences), signature)
 
     return finish
