@@ -709,8 +709,8 @@ def _zeroed_parts(call: Call, hopper_dkdv: bool, hopper_dq: bool, chunks: int, s
     """The parts of the backward's workspace (``_Workspace``) that its kernels need zeroed, by
     name, as ``(dtype, shape)``: ``sums``, dK's and dV's chunks added by atomics ``[2, B, Sk, Hkv,
     D]`` float32 (the Hopper kernel's ``[2, *hopper/dkdv.sums_shape]``); ``turns``, the Triton
-    dK/dV kernel's counter per key tile (any BLOCK_N), ``[B * Hkv * cdiv(Sk, 16)]`` int32. None when there is nothing to zero, not even the Hopper
-    kernels' queues."""
+    dK/dV kernel's counter per key tile (any BLOCK_N), ``[B * Hkv * cdiv(Sk, 16)]`` int32. None
+    when there is nothing to zero, not even the Hopper kernels' queues."""
     parts = {}
     if chunks > 1 and not call.deterministic:
         parts["sums"] = (torch.float32, (2, *(sums_shape(call) if hopper_dkdv else call.k.shape)))

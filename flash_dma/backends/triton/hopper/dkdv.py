@@ -20,13 +20,14 @@ group, so K and V are read once per item. Items are taken first key tiles first 
 band they see the most queries). With one query chunk, dK and dV are written directly. With
 several, their parts add up in fp32 scratch: by atomics into zeroed scratch, or, deterministic
 (SLICES), each chunk into a slice of its own; ``write_gradients`` then writes dK and dV from it
-(the slices summed in chunk order). The scratch holds the items' slots, so that a key list's kept
-keys' rows lie first (``sums_shape``), and only those are zeroed and read. Walking a block summary, the chunks follow the mask's real
-density: a Triton function counts every column's query tiles first, in the backward's
-preprocess (``count_columns``), and the loader takes as many chunks as make the longest column's
-items no larger than a program's share (``_counted_chunks``), up to the host's count. (Chunks
-that waited for their turn to add, as the Triton kernel's do, made the step 2.9x slower: a
-chunk's program can be two items behind its neighbours'.)
+(the slices summed in chunk order). The scratch holds the items' slots, each column's rows
+together (``sums_shape``), and only the rows the kernel adds to are zeroed and read
+(``column_live``). Walking a block summary, the chunks follow the mask's real density: a Triton
+function counts every column's query tiles first, in the backward's preprocess
+(``count_columns``), and the loader takes as many chunks as make the longest column's items no
+larger than a program's share (``_counted_chunks``), up to the host's count. (Chunks that waited
+for their turn to add, as the Triton kernel's do, made the step 2.9x slower: a chunk's program
+can be two items behind its neighbours'.)
 
 With a key list (a per-key mask's kept keys, ``key_list.py``) an item's keys are slots of the
 list, gathered as for the forward (``common.walked_keys``); dK and dV go back to the keys' own
@@ -871,6 +872,14 @@ def count_columns(
 
 
 @triton.jit
+def _list_row(KeyList, stride_wb, stride_wh, walk_head_div, b, kv_head, group):
+    """Where the key list's order of (``b``, ``kv_head``) starts: the first of its group's query
+    heads' (``key_list.py``: ``[..., 0, :Sk]`` the order, ``[..., 1, :]`` the rank, ``walk_width``
+    apart)."""
+    return KeyList + b.to(tl.int64) * stride_wb + (kv_head * group // walk_head_div).to(tl.int64) * stride_wh
+
+
+@triton.jit
 def column_live(
     Walk, stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_k, num_kv_heads, group, walks,
     list_block_q, list_block_k, band_lo, band_hi, seqlen_q, b, kv_head, slots,
@@ -882,7 +891,7 @@ def column_live(
     tiles in the block summary ``Walk`` (``_column_work``); WALK_DENSE, all. The other rows are
     never added to, so they need no zeroing, and read as zeros (``write_gradients``)."""
     if LIVE == tiles.WALK_KEYS:
-        rank = Walk + b.to(tl.int64) * stride_wb + (kv_head * group // walk_head_div).to(tl.int64) * stride_wh + walk_width
+        rank = _list_row(Walk, stride_wb, stride_wh, walk_head_div, b, kv_head, group) + walk_width
         return slots < tl.load(rank + seqlen_k)  # the rank of position Sk: the kept count
     elif LIVE == tiles.WALK_BLOCKS:
         work = _column_work(
@@ -1009,8 +1018,8 @@ def _write_gradients_kernel(
     kernel added to are read (``column_live``); the others are zeros."""
     tl.static_assert(BLOCK_N % SLOTS == 0)  # a program's slots lie in one key tile (``column_live``)
     slots = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)  # [SLOTS]
-    b = tl.program_id(1) // num_kv_heads
-    kv_head = tl.program_id(1) % num_kv_heads
+    kv_head = tl.program_id(1)
+    b = tl.program_id(2)
     inside = slots < seqlen_k
     live = inside & column_live(
         Walk, stride_wb, stride_wh, stride_wr, walk_width, walk_head_div, batch, seqlen_k, num_kv_heads, group, walks,
@@ -1018,8 +1027,7 @@ def _write_gradients_kernel(
     )
     keys = slots
     if LIVE == tiles.WALK_KEYS:
-        order = Walk + b.to(tl.int64) * stride_wb + (kv_head * group // walk_head_div).to(tl.int64) * stride_wh
-        keys = tl.load(order + slots, mask=inside, other=0)
+        keys = tl.load(_list_row(Walk, stride_wb, stride_wh, walk_head_div, b, kv_head, group) + slots, mask=inside, other=0)
     cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     columns = (cols < head_dim)[None, :]
     parts = b.to(tl.int64) * stride_sb + kv_head * stride_sh + slots.to(tl.int64) * stride_ss  # [SLOTS]
@@ -1060,7 +1068,7 @@ def write_gradients(sums: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, call
     layout = (signature, sums.shape, sums.stride(), dk.dtype, dk.stride(), live)
     _write_gradients_launcher.launch(
         layout, [sums, dk, dv, walk], build, configs.single_program_config,
-        lambda meta: (cdiv(seqlen_k, _WRITE_SLOTS), batch * num_kv_heads),
+        lambda meta: (cdiv(seqlen_k, _WRITE_SLOTS), num_kv_heads, batch),
     )
 
 
@@ -1079,9 +1087,9 @@ def hopper_dkdv(
     ``dbias_flags`` is ``(kind, atomic, head_shared)`` of ``backward.bias_gradient``;
     ``chunks`` splits each key tile's queries (``counted``: into at most ``chunks``, as many as
     the columns' work wants, ``count_columns``); their parts add up by atomics into ``sums``
-    ``[2, *sums_shape(call)]`` float32, zeroed (dK's, then dV's; a key list's kept slots' rows
-    alone; None with one chunk or deterministic), or, for a deterministic call, go to fp32 slices (``chunks`` times dK and dV in
-    memory), summed in chunk order. ``queue`` ``[3]``
+    ``[2, *sums_shape(call)]`` float32 (dK's, then dV's; zeroed where the kernel adds,
+    ``column_live``; None with one chunk or deterministic), or, for a deterministic call, go to
+    fp32 slices (``chunks`` times dK and dV in memory), summed in chunk order. ``queue`` ``[3]``
     int32: the queue's counter, zeroed, then ``count_columns``'s counts; ``kept`` the keys
     ``common.kept_keys`` gave (a key list's, gathered once for dK/dV and dQ). ``signature`` holds
     the layouts of the call, of ``dout`` and of the gradients (``backward.attention_backward``'s):
