@@ -705,18 +705,25 @@ def forced_query_chunks(chunks: int | None, counted: bool = False):
             forget_memos()
 
 
-def _zeroed_parts(call: Call, hopper_dkdv: bool, hopper_dq: bool, chunks: int, sequences) -> dict | None:
+def _zeroed_parts(
+    call: Call, hopper_dkdv: bool, hopper_dq: bool, chunks: int, sequences, gradient: BiasGradient | None,
+) -> dict | None:
     """The parts of the backward's workspace (``_Workspace``) that its kernels need zeroed, by
     name, as ``(dtype, shape)``: ``sums``, dK's and dV's chunks added by atomics ``[2, B, Sk, Hkv,
     D]`` float32 (the Hopper kernel's ``[2, *hopper/dkdv.sums_shape]``); ``turns``, the Triton
-    dK/dV kernel's counter per key tile (any BLOCK_N), ``[B * Hkv * cdiv(Sk, 16)]`` int32. None
-    when there is nothing to zero, not even the Hopper kernels' queues."""
+    dK/dV kernel's counter per key tile (any BLOCK_N), ``[B * Hkv * cdiv(Sk, 16)]`` int32;
+    ``dbias``, the float32 buffer of the bias ``gradient``, where the workspace lives to the
+    backward's end anyway (dQ beside dK/dV) and the gradient is cast to the bias's dtype after
+    (so that nothing returned holds the workspace): no allocation and fill of its own. None when
+    there is nothing to zero, not even the Hopper kernels' queues."""
     parts = {}
     if chunks > 1 and not call.deterministic:
         parts["sums"] = (torch.float32, (2, *(sums_shape(call) if hopper_dkdv else call.k.shape)))
     if chunks > 1 and not hopper_dkdv:
         batch, _, seqlen_k = grid_sizes(call.q, call.k, sequences)
         parts["turns"] = (torch.int32, (batch * call.k.shape[2] * cdiv(seqlen_k, _SMALLEST_BLOCK_N),))
+    if gradient is not None and hopper_dq and gradient.dtype == torch.float32 and call.bias.dtype != torch.float32:
+        parts["dbias"] = (torch.float32, gradient.shape)
     return parts if parts or hopper_dkdv or hopper_dq else None
 
 
@@ -905,7 +912,9 @@ def attention_backward(
     workspace, parts = plan.workspace.allocate(device) if plan.workspace is not None else (None, {})
     delta = _preprocess(call, out, dout, workspace, plan.counted, plan.live_sums, signature)
     gradient = plan.bias_gradient
-    dbias_acc = None if gradient is None else torch.zeros(gradient.shape, dtype=gradient.dtype, device=device)
+    dbias_acc = parts.get("dbias")
+    if gradient is not None and dbias_acc is None:
+        dbias_acc = torch.zeros(gradient.shape, dtype=gradient.dtype, device=device)
     dbias_flags = (DBIAS_NONE, False, False) if gradient is None else (gradient.kind, gradient.atomic, gradient.head_shared)
     finish_dkdv = kept = None
     if plan.hopper_dkdv or plan.hopper_dq:
@@ -985,7 +994,7 @@ def _plan(call: Call, dout: torch.Tensor, bias_requires_grad: bool, num_query_ch
         gradient = bias_gradient(
             call.bias, batch, num_heads, num_kv_heads, seqlen_k, call.deterministic, chunks, hopper_dkdv, per_head_walk,
         )
-    zeroed = _zeroed_parts(call, hopper_dkdv, hopper_dq, chunks, sequences)
+    zeroed = _zeroed_parts(call, hopper_dkdv, hopper_dq, chunks, sequences, gradient)
     workspace = None if zeroed is None else _Workspace.of(zeroed)
     sums_first = None if workspace is None else workspace.first_word("sums")
     live_sums = (sums_first, live_walk(call, sequences)) if hopper_dkdv and sums_first is not None else None

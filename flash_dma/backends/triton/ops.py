@@ -194,6 +194,14 @@ def _setup_context(ctx, inputs, output, tensors: int = CALL_TENSORS):
     ctx.mark_non_differentiable(lse)
 
 
+def _eager_setup_context(ctx, inputs, output, tensors: int = CALL_TENSORS):
+    """``_setup_context`` of the eager ``autograd.Function``s: the LSE, which takes no gradient, is
+    handed to their backward as None, not as zeros autograd would allocate and fill on every call
+    (torch.compile's trace of the custom ops has no such setting)."""
+    ctx.set_materialize_grads(False)
+    _setup_context(ctx, inputs, output, tensors)
+
+
 def _gradients(ctx, dout, backward, bias_input: int = BIAS_FIELD, bias_field: int = BIAS_FIELD):
     """``(dq, dk, dv, dbias or None)``; ``bias_input`` is the bias's place among the op's inputs,
     ``bias_field`` among the record's fields."""
@@ -325,7 +333,7 @@ class _EagerTopk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, call):
         output = topk_forward(call)
-        _setup_context(ctx, call, output, TOPK_TENSORS)
+        _eager_setup_context(ctx, call, output, TOPK_TENSORS)
         return output
 
     @staticmethod
@@ -345,7 +353,7 @@ class _EagerSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, call, packed_forward):
         output = split_forward(*call, packed_forward)
-        _setup_context(ctx, (*call, packed_forward), output, TOPK_TENSORS)
+        _eager_setup_context(ctx, (*call, packed_forward), output, TOPK_TENSORS)
         return output
 
     @staticmethod
@@ -369,7 +377,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, call):
         output = attention_forward(call)
-        _setup_context(ctx, call, output)
+        _eager_setup_context(ctx, call, output)
         return output
 
     @staticmethod

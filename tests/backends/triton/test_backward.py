@@ -97,6 +97,24 @@ def test_masked_positions_and_empty_rows_get_zero_gradients():
     assert empty_rows.any() and torch.equal(dq[empty_rows], torch.zeros_like(dq[empty_rows]))
 
 
+def test_the_eager_backward_is_handed_no_lse_gradient(monkeypatch):
+    """The LSE takes no gradient: autograd hands the backward None for it, not zeros it would
+    allocate and fill on every call."""
+    from flash_dma.backends.triton import ops
+
+    handed = []
+    backward = ops._EagerAttention.backward
+
+    def recording(ctx, dout, dlse):
+        handed.append(dlse)
+        return backward(ctx, dout, dlse)
+
+    monkeypatch.setattr(ops._EagerAttention, "backward", staticmethod(recording))
+    case = BACKWARD_CASES[0]
+    triton_call(case, make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)).sum().backward()
+    assert handed == [None]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case",

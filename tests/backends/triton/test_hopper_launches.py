@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flash_dma import build_block_mask, flash_dma_func, flash_dma_varlen_func, pack_mask
-from flash_dma.backends.triton import configs, dispatch, launch
+from flash_dma.backends.triton import backward, configs, dispatch, launch
 from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.layout import call_signature
 from tests.backends.triton.test_kvcache import CacheCase, make_cache_inputs
@@ -77,6 +77,20 @@ def test_hopper_launches_bind_to_their_kernels(case, deterministic, bound_launch
     assert {"_attn_fwd_hopper_kernel", "_dq_hopper_kernel", "_dkdv_hopper_kernel"} <= set(bound_launches), bound_launches
     # dQ starts beside the kernel launched before it (``hopper.dq.hopper_dq``): that must be dK/dV.
     assert bound_launches[bound_launches.index("_dq_hopper_kernel") - 1] == "_dkdv_hopper_kernel", bound_launches
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float16, torch.float32], ids=str)
+def test_a_per_key_bias_gradient_is_summed_in_the_zeroed_workspace(bias_dtype, bound_launches):
+    """dQ beside dK/dV keeps the backward's workspace to its end: the bias gradient's float32
+    buffer lies in it, zeroed by the preprocess, with no allocation and fill of its own; but not
+    for a float32 bias, whose gradient would be that buffer itself and hold the workspace."""
+    case = CASES[0]
+    inputs = make_inputs(case, torch.float16)
+    inputs["attn_bias"] = inputs["attn_bias"].to(bias_dtype)
+    call = kernel_call(inputs, build_block_mask(inputs["attn_mask"], block_size=case.block_size), softmax_scale=0.125)
+    plan = backward._plan(call, torch.empty_like(call.q), True, None)
+    assert plan.hopper_dq and plan.bias_gradient.dtype == torch.float32
+    assert (plan.workspace.first_word("dbias") is not None) == (bias_dtype != torch.float32)
 
 
 def test_the_fp8_forward_launch_binds_to_its_kernel(bound_launches):

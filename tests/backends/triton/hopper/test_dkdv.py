@@ -89,15 +89,16 @@ def _key_list(batch: int, heads: int, seqlen_k: int, kept: list[int]) -> torch.T
 
 
 def _zeroed_sums(call) -> torch.Tensor:
-    """Which words of the chunk sums ``[2, B, Hkv, Sk, D]`` the preprocess of ``call`` zeroes (the others it leaves alone)."""
-    space = _Workspace.of({"sums": (torch.float32, (2, *sums_shape(call)))})
+    """Which words of the chunk sums ``[2, B, Hkv, Sk, D]`` the preprocess of ``call`` zeroes (the
+    others it leaves alone); a part placed after them (a bias gradient's buffer) it zeroes whole."""
+    space = _Workspace.of({"sums": (torch.float32, (2, *sums_shape(call))), "dbias": (torch.float32, (1, 1, 2, 1, 999))})
     workspace, parts = space.allocate(call.q.device)
     workspace.fill_(-1)
     out, dout = torch.randn_like(call.q), torch.randn_like(call.q)
     walk = live_walk(call, None)
     _preprocess(call, out, dout, workspace, False, (space.first_word("sums"), walk), call_signature(call))
     sums = parts["sums"].view(torch.int32)
-    assert ((sums == 0) | (sums == -1)).all() and (workspace[:32] == 0).all()
+    assert ((sums == 0) | (sums == -1)).all() and (workspace[:32] == 0).all() and (parts["dbias"] == 0).all()
     return sums == 0
 
 
