@@ -223,6 +223,8 @@ VARIANTS = [
     *_gluon_variants(
         "dkdv-hopper", hopper_dkdv.hopper_dkdv_launcher, hopper_dkdv.TILE,
         ("per-key-blocks", _HOPPER_DKDV),
+        # The llm shape's form at keep 1/8: query chunks, whose per-key bias gradients add by atomics.
+        ("per-key-blocks-atomic", dict(_HOPPER_DKDV, DBIAS_ATOMIC=True)),
         ("dense-d64", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, COLUMNS=64, Q_STAGES=3, **_NO_DBIAS)),
         ("dense-d32", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=32, COLUMNS=32, Q_STAGES=3, **_NO_DBIAS)),
         ("pairs-d64", _HOPPER_DKDV_PAIRS),
