@@ -204,7 +204,10 @@ def _eager_setup_context(ctx, inputs, output, tensors: int = CALL_TENSORS):
 
 def _gradients(ctx, dout, backward, bias_input: int = BIAS_FIELD, bias_field: int = BIAS_FIELD):
     """``(dq, dk, dv, dbias or None)``; ``bias_input`` is the bias's place among the op's inputs,
-    ``bias_field`` among the record's fields."""
+    ``bias_field`` among the record's fields. An undefined ``dout`` (the eager functions'
+    gradients are not filled in) means zero gradients: all None."""
+    if dout is None:
+        return None, None, None, None
     *tensors, out, lse = ctx.saved_tensors
     bias_requires_grad = tensors[bias_field] is not None and ctx.needs_input_grad[bias_input]
     dq, dk, dv, dbias = backward(dout, *tensors, *ctx.settings, out, lse, bias_requires_grad)

@@ -115,6 +115,28 @@ def test_the_eager_backward_is_handed_no_lse_gradient(monkeypatch):
     assert handed == [None]
 
 
+class _NoGradient(torch.autograd.Function):
+    """The identity, whose backward leaves its input's gradient undefined."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def test_an_undefined_output_gradient_gives_zero_gradients():
+    # autograd still runs the backward, handing it None for the output (the LSE's too, above).
+    case = BACKWARD_CASES[0]
+    inputs = make_inputs(case, KERNEL_DTYPES[0], requires_grad=True)
+    out = triton_call(case, inputs)
+    (_NoGradient.apply(out).sum() + inputs["query"].sum()).backward()
+    assert torch.equal(inputs["query"].grad, torch.ones_like(inputs["query"]))
+    assert inputs["key"].grad is None and inputs["value"].grad is None and inputs["attn_bias"].grad is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
