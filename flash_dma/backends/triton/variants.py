@@ -237,6 +237,8 @@ VARIANTS = [
         ("per-key-blocks-d96", dict(_HOPPER_DKDV, COLUMNS=96)),
         ("per-key-blocks-varlen", dict(_HOPPER_DKDV, SEQ=SEQ_PACKED)),
         ("key-list", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_KEYS)),
+        # Query chunks over a key list, a bias per query head: each head's per-key gradient added by atomics.
+        ("key-list-atomic", dict(_HOPPER_DKDV, MASK=MASK_NONE.value, WALK=WALK_KEYS, DBIAS_ATOMIC=True, DBIAS_HEAD_SHARED=False)),
         ("key-list-pairs-atomic", dict(_HOPPER_DKDV_PAIRS, MASK=MASK_NONE.value, WALK=WALK_KEYS, DBIAS_ATOMIC=True)),
     ),
     *_gluon_variants(
