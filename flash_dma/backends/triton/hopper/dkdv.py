@@ -949,7 +949,9 @@ def walked(call: Call, walk: int) -> torch.Tensor | None:
     """The tensor of ``call`` that the walk ``walk`` (a ``tiles.WALK_*``) reads, as ``count_columns``
     and ``column_live`` do: ``call.q_lists``, the transposed block summary ``[Bm, Hm, NKB, 2, 2,
     NQB + 1]``, or ``call.key_list``; None for WALK_DENSE."""
-    return {tiles.WALK_BLOCKS.value: call.q_lists, tiles.WALK_KEYS.value: call.key_list}.get(walk)
+    if walk == tiles.WALK_BLOCKS.value:
+        return call.q_lists
+    return call.key_list if walk == tiles.WALK_KEYS.value else None
 
 
 def walk_arguments(call: Call, walk: int) -> tuple[list, tuple[int, int]]:
