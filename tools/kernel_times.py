@@ -22,12 +22,12 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import flash_dma
-from flash_dma.argument_types import count_list, fraction_list, length_list
+from flash_dma.argument_types import count_list
 from flash_dma.backends.triton.backward import forced_query_chunks
 from flash_dma.benchmark.inputs import make_inputs
 from flash_dma.benchmark.measure import make_step
 from flash_dma.benchmark.methods import METHODS
-from flash_dma.benchmark.suites import MODES, SUITES, build_cases
+from tools.benchmark_cases import add_case_options, selected_cases
 
 WARMUP_STEPS = 3
 NAME_WIDTH = 100  # characters of a kernel's name shown (templated CUDA kernels run to hundreds)
@@ -78,25 +78,14 @@ def time_kernels(step, leaves: tuple[torch.Tensor, ...], steps: int) -> list[Ker
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=SUITES, default="llm", help="the benchmark suite whose cases are run (default: llm)")
-    parser.add_argument("--lengths", type=length_list, default=None, help="only the cases with these key lengths (e.g. 16K,32K)")
-    parser.add_argument("--keeps", type=fraction_list, default=None, help="only the cases keeping these fractions (e.g. 1/8,1)")
-    parser.add_argument("--mode", choices=MODES, default="fwdbwd", help="forward only, or forward and backward (default)")
-    parser.add_argument("--method", choices=tuple(METHODS), default="flash-dma", help="the benchmark method run (default: flash-dma)")
+    add_case_options(parser)
     parser.add_argument("--chunks", type=count_list, default=(None,),
                         help="comma-separated dK/dV query chunk counts, one table each (default: the library's choice)")
     parser.add_argument("--steps", type=int, default=20, help="profiled steps per table (default: 20)")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps: expected a count >= 1, got {args.steps}")
-    if not torch.cuda.is_available():
-        parser.error("a CUDA device is needed: the kernels' times are the GPU's")
-    cases = [
-        case for case in build_cases(args.suite, modes=(args.mode,), methods=(args.method,), lengths=args.lengths, keeps=args.keeps)
-        if case.counts_work  # an attention call in this process, not a model or a new process
-    ]
-    if not cases:
-        parser.error(f"no attention case of suite {args.suite} runs {args.method} with those lengths and keeps")
+    cases = selected_cases(parser, args, "the kernels' times are the GPU's")
     print(f"flash_dma from {flash_dma.__file__}; torch {torch.__version__}; {torch.cuda.get_device_name()}")
     for case in cases:
         inputs = make_inputs(case, "cuda")
