@@ -20,60 +20,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
-from datetime import datetime
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 import flash_dma
+from flash_dma.benchmark.clocks import Sample, clock_log, describe, samples_between
 from flash_dma.benchmark.inputs import make_inputs
 from flash_dma.benchmark.measure import make_step
 from flash_dma.benchmark.methods import METHODS, Prepared
 from tools.benchmark_cases import add_case_options, selected_cases
 
-SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
-SMI_PERIOD_MS = 25
 HEAD_START_CYCLES = 50_000_000  # the GPU spins this long (25 ms at 2 GHz) while the host queues steps ahead
 L2_CLEAR_BYTES = 256 * 2**20  # do_bench's
-
-# NVML's clock event reasons (nvmlClocksEventReasons), bit by bit.
-REASONS = (
-    (0x1, "idle"), (0x2, "application clocks"), (0x4, "power cap"), (0x8, "hardware slowdown"),
-    (0x10, "sync boost"), (0x20, "software thermal"), (0x40, "hardware thermal"), (0x80, "power brake"),
-    (0x100, "display clock"),
-)
-
-
-class Sample(NamedTuple):
-    """One ``nvidia-smi`` reading: when (seconds since the epoch), SM MHz, watts, reason bits."""
-
-    seconds: float
-    sm_mhz: int
-    watts: float
-    reasons: int
-
-
-def parse_sample(line: str) -> Sample | None:
-    """A ``--format=csv,noheader,nounits`` line of :data:`SMI_FIELDS`, or None for any other line
-    (a field the driver does not report reads ``[N/A]``)."""
-    fields = [field.strip() for field in line.split(",")]
-    if len(fields) != 4:
-        return None
-    try:
-        stamp = datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-        return Sample(stamp, int(fields[1]), float(fields[2]), int(fields[3], 16))
-    except ValueError:
-        return None
-
-
-def reason_names(bits: int) -> str:
-    names = [name for bit, name in REASONS if bits & bit]
-    return ", ".join(names) if names else "none"
 
 
 def window_line(first: int, times_ms: list[float], samples: list[Sample], host_behind: int) -> str:
@@ -81,14 +42,7 @@ def window_line(first: int, times_ms: list[float], samples: list[Sample], host_b
     GPU ran them, and the count of its steps the host issued after the GPU had run dry."""
     line = f"   steps {first:4d}-{first + len(times_ms) - 1:4d}: {statistics.median(times_ms):8.4f} ms"
     if samples:
-        clocks = sorted(sample.sm_mhz for sample in samples)
-        reasons = 0
-        for sample in samples:
-            reasons |= sample.reasons
-        line += (
-            f"  SM {clocks[0]}-{clocks[-1]} MHz  {max(sample.watts for sample in samples):6.1f} W"
-            f"  reasons: {reason_names(reasons)}"
-        )
+        line += f"  SM {describe(samples)}  {max(sample.watts for sample in samples):6.1f} W"
     return line + f"  host behind: {host_behind}"
 
 
@@ -171,38 +125,20 @@ def main() -> int:
         parser.error(f"--idle-s: expected seconds >= 0, got {args.idle_s}")
     cases = selected_cases(parser, args, "the steps' times are the GPU's")
     print(f"flash_dma from {flash_dma.__file__}; torch {torch.__version__}; {torch.cuda.get_device_name()}")
-    uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
-    with tempfile.TemporaryDirectory() as folder:
-        log = Path(folder) / "samples.csv"
-        try:
-            with log.open("w") as out:  # nvidia-smi writes on through its own copy of the file
-                smi = subprocess.Popen(
-                    ["nvidia-smi", f"--id=GPU-{uuid}", f"--query-gpu={SMI_FIELDS}",
-                     "--format=csv,noheader,nounits", f"--loop-ms={SMI_PERIOD_MS}"],
-                    stdout=out, stderr=subprocess.DEVNULL,
-                )
-        except FileNotFoundError:
-            smi = None
-            print("nvidia-smi not found: step times only")
-        try:
-            for case in cases:
-                inputs = make_inputs(case, "cuda")
-                prepared = METHODS[args.method].prepare(case, inputs)
-                step = make_step(prepared, args.mode)
-                step()  # compiles, and sizes the caching allocator's pool
-                runs = [("eager", step)] + ([("graph", captured(prepared, args.mode))] if args.graph else [])
-                for label, fn in runs:
-                    run = sustained_run(fn, prepared.leaves, args.steps, args.idle_s)
-                    time.sleep(2 * SMI_PERIOD_MS / 1e3)  # the run's last samples are written
-                    samples = [sample for sample in map(parse_sample, log.read_text().splitlines()) if sample is not None]
-                    print(f"\n== {case.suite} {case.kind} {case.label} {args.mode}, {args.method}, {label}")
-                    print("\n".join(report(run, samples, args.window)))
-                del inputs, prepared, step, runs
-                torch.cuda.empty_cache()
-        finally:
-            if smi is not None:
-                smi.terminate()
-                smi.wait()
+    with clock_log():
+        for case in cases:
+            inputs = make_inputs(case, "cuda")
+            prepared = METHODS[args.method].prepare(case, inputs)
+            step = make_step(prepared, args.mode)
+            step()  # compiles, and sizes the caching allocator's pool
+            runs = [("eager", step)] + ([("graph", captured(prepared, args.mode))] if args.graph else [])
+            for label, fn in runs:
+                run = sustained_run(fn, prepared.leaves, args.steps, args.idle_s)
+                samples = samples_between(run.starts[0], run.starts[-1] + run.times_ms[-1] / 1e3)
+                print(f"\n== {case.suite} {case.kind} {case.label} {args.mode}, {args.method}, {label}")
+                print("\n".join(report(run, samples, args.window)))
+            del inputs, prepared, step, runs
+            torch.cuda.empty_cache()
     return 0
 
 

@@ -5,6 +5,7 @@
 - :mod:`~flash_dma.benchmark.methods`: the attention implementations, fed the same tensors.
 - :mod:`~flash_dma.benchmark.llama`: the transformers Llama of the llama and firstcall suites.
 - :mod:`~flash_dma.benchmark.measure`: warm-up, peak memory and timing of one row; host time per call.
+- :mod:`~flash_dma.benchmark.clocks`: the SM clock while a row is timed, and why it was lowered (``nvidia-smi``).
 - :mod:`~flash_dma.benchmark.first_call`: the first call in a new (child) process.
 - :mod:`~flash_dma.benchmark.metrics`: active (q, k) pairs, FLOPs and K/V bytes.
 - :mod:`~flash_dma.benchmark.runner`: runs every row, recording failures as skipped rows.

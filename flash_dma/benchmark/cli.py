@@ -114,6 +114,7 @@ def environment() -> dict:
 def main(args: argparse.Namespace) -> int:
     import torch  # here, not at the top: parsing the arguments (--help) imports no torch
 
+    from flash_dma.benchmark.clocks import clock_log
     from flash_dma.benchmark.measure import TimingOptions
     from flash_dma.benchmark.methods import MethodOptions
     from flash_dma.benchmark.plots import plot_results
@@ -143,12 +144,13 @@ def main(args: argparse.Namespace) -> int:
         write_markdown(args.out / "results.md", env, results, checks)
         return checks
 
-    results = run_cases(
-        cases,
-        MethodOptions(flex_decode=args.flex_decode),
-        TimingOptions(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, host_calls=args.host_calls),
-        on_case_done=save,
-    )
+    with clock_log():
+        results = run_cases(
+            cases,
+            MethodOptions(flex_decode=args.flex_decode),
+            TimingOptions(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, host_calls=args.host_calls),
+            on_case_done=save,
+        )
     checks = save(results)
     plotted = plot_results(args.out / "results.png", results)
     print(checks_table(checks))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from flash_dma.benchmark.clocks import clocks_between
 from flash_dma.benchmark.methods import Prepared
 
 
@@ -36,12 +37,14 @@ class Measurement:
     """``ms``: time of one call (the median on the GPU; the mean host time for host rows; the
     first call's for first-call rows); ``peak_gib``: memory one call allocates beyond what existed
     before (inputs excluded), or None; ``setup_s``: wall time before the timed calls (compilation,
-    autotuning); ``cpu_ms``: host rows' CPU time per call."""
+    autotuning); ``cpu_ms``: host rows' CPU time per call; ``sm_clock``: the SM clock while the
+    GPU rows' calls were timed, and why it was lowered (``clocks.describe``; ``""`` unsampled)."""
 
     ms: float
     peak_gib: float | None
     setup_s: float
     cpu_ms: float | None = None
+    sm_clock: str = ""
 
 
 def make_step(prepared: Prepared, mode: str) -> Callable[[], object]:
@@ -109,7 +112,8 @@ def measure(prepared: Prepared, mode: str, cuda_graph: bool, options: TimingOpti
     else:
         grads = list(prepared.leaves) if mode == "fwdbwd" else None
         ms = do_bench(step, warmup=options.warmup_ms, rep=options.rep_ms, grad_to_none=grads, return_mode="median")
-    return Measurement(ms=ms, peak_gib=peak_gib, setup_s=setup_s)
+    end = time.time()  # the timed calls took about rep_ms, after the warm-up
+    return Measurement(ms=ms, peak_gib=peak_gib, setup_s=setup_s, sm_clock=clocks_between(end - options.rep_ms / 1e3, end))
 
 
 def host_time_per_call(

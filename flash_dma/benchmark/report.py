@@ -133,6 +133,7 @@ def _rows_table(rows: list[Result], ceiling_tflops: dict[tuple, float]) -> str:
         ("peak GiB", lambda r: _num(r.peak_gib)),
         (f"time / {baseline}", relative),
         ("setup s", lambda r: "" if r.setup_s is None else f"{r.setup_s:.1f}"),
+        ("SM clock", lambda r: r.sm_clock),
         ("note", lambda r: r.note if r.ok else f"skipped: {r.note}"),
     )
     always = {"case", "kept", "method", header, "setup s", "note"}

@@ -17,7 +17,9 @@ class Result:
     (first-call rows). ``tflops`` is effective (over ``active_pairs``) and given for attention
     rows timed on the GPU; ``gbps`` counts the K/V bytes the method reads and is given for decode
     rows only; ``tokens_per_s`` is the generated tokens per second of serving rows; ``peak_gib`` excludes the inputs; ``setup_s`` is the wall time spent before timing
-    (block masks, compilation, autotuning; a new process's imports and inputs).
+    (block masks, compilation, autotuning; a new process's imports and inputs); ``sm_clock`` the
+    SM clock while a GPU row was timed and why it was lowered, e.g. ``"1800-1815 MHz (power cap)"``
+    (``""`` where not sampled: host and first-call rows, or no ``nvidia-smi``).
     """
 
     case: Case
@@ -32,6 +34,7 @@ class Result:
     active_pairs: int | None = None
     cpu_ms: float | None = None
     tokens_per_s: float | None = None
+    sm_clock: str = ""
     note: str = ""
 
     @property

@@ -76,6 +76,8 @@ def format_row(result: Result) -> str:
     if result.peak_gib is not None:
         numbers.append(f"peak {result.peak_gib:.3g} GiB")
     numbers.append(f"setup {result.setup_s:.1f} s")
+    if result.sm_clock:
+        numbers.append(f"SM {result.sm_clock}")
     return f"{head}: {', '.join(numbers)}"
 
 
@@ -162,6 +164,7 @@ def _run_method(
             active_pairs=pairs,
             cpu_ms=m.cpu_ms,
             tokens_per_s=None if case.generated_tokens is None else case.generated_tokens / (m.ms * 1e-3),
+            sm_clock=m.sm_clock,
         )
         prepare_s = 0.0
 

@@ -21,7 +21,7 @@ def _results():
         row(prefill, "flash-dma", "fwd", ms=0.05, tflops=350.0, peak_gib=0.0625),
         row(prefill, "flex", "fwd", ms=0.1),
         skipped(prefill, "sdpa-additive", "fwd", "OutOfMemoryError: CUDA out of memory"),
-        row(prefill, "flash-dma", "fwdbwd", ms=0.4),
+        row(prefill, "flash-dma", "fwdbwd", ms=0.4, sm_clock="1800-1815 MHz (power cap)"),
         row(decode, "flash-dma", "fwd", ms=0.02, gbps=840.0),
         skipped(decode, "flex", "fwd", "not run by default"),
     ]
@@ -112,6 +112,11 @@ def test_markdown_tables_show_the_columns_their_rows_have():
     assert "| ms | TFLOP/s | GB/s | peak GiB |" in decode and "vs cuDNN" not in decode
     assert "| Sk=524288 keep=1/8 | 512/4096 | flash-dma | 0.02 | 100 | 840 | 1 |" in decode
     assert "GB/s" not in llm_forward  # bandwidth only where rows have it (decode)
+
+    # The SM clock column only where a row of the table was sampled.
+    llm_step = _section(text, "llm · prefill · forward + backward")
+    assert "| setup s | SM clock | note |" in llm_step and "SM clock" not in llm_forward
+    assert "| S=4096 keep=1/4 | 8/32 | flash-dma | 0.4 |" in llm_step and "| 1800-1815 MHz (power cap) |  |" in llm_step
 
     token = _section(text, "token · prefill · forward")
     assert "| S=16384 top-2048 keys | 2048/16384 keys | flex | 1 | 100 | 1 | 10.00x |" in token

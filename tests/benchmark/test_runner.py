@@ -130,6 +130,8 @@ def test_format_row():
     assert runner.format_row(ok) == (
         "llm prefill S=512 keep=1/2 flex fwd: 0.0971 ms, 12.3 TFLOP/s, peak 0.13 GiB, setup 61.0 s"
     )
+    clocked = runner.Result(case, "flex", "fwd", ms=0.0971, setup_s=61.0, sm_clock="1980 MHz (none)")
+    assert runner.format_row(clocked) == "llm prefill S=512 keep=1/2 flex fwd: 0.0971 ms, setup 61.0 s, SM 1980 MHz (none)"
     skipped = runner.Result(case, "flex", "fwd", status="skipped", note="why")
     assert runner.format_row(skipped).endswith("flex fwd: skipped (why)")
 

@@ -12,7 +12,9 @@ def test_first_call_check_runs_cold_and_warm_children_with_and_without_compiling
     assert [(row[0], row[1]) for row in table] == [("| cold", "on"), ("| warm", "on"), ("| cold", "off"), ("| warm", "off")]
     for row in table:
         forward_s, backward_s, total_s = map(float, row[2:5])
-        assert forward_s > 0 and backward_s > 0 and abs(forward_s + backward_s - total_s) <= 0.011
+        # The backward is the first call's time less the forward's, printed to 10 ms: on a fast host it
+        # reads 0.00 (0.0 on an H200 machine's CPU, with the interpreter).
+        assert forward_s > 0 and backward_s >= 0 and abs(forward_s + backward_s - total_s) <= 0.011
         assert row[5] == "0 of 0"  # the interpreter compiles nothing
     assert "cold, compiling ahead on: none (s; kernels compiled side by side overlap)" in lines
     assert not any(line.startswith(("PASS", "MISS")) for line in lines)  # no time to check on the CPU

@@ -1,16 +1,16 @@
 """tools/sustained_load.py: step times window by window beside nvidia-smi's clock readings on the
-GPU; on the CPU, its reading of nvidia-smi's lines, its windows, and its refusals."""
+GPU; on the CPU, its windows and its refusals."""
 
 import os
 import re
 import subprocess
 import sys
-from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from tools.sustained_load import Run, Sample, parse_sample, reason_names, report
+from flash_dma.benchmark.clocks import Sample
+from tools.sustained_load import Run, report
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,28 +22,14 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_sample_line_is_read_and_anything_else_is_not():
-    stamp = datetime(2026, 11, 30, 9, 1, 2, 125000).timestamp()
-    assert parse_sample("2026/11/30 09:01:02.125, 1815, 558.46, 0x0000000000000004\n") == Sample(stamp, 1815, 558.46, 4)
-    assert parse_sample("2026/11/30 09:01:02.125, 1815, [N/A], 0x0000000000000004") is None
-    assert parse_sample("timestamp, clocks.current.sm [MHz], power.draw [W], clocks_event_reasons.active") is None
-    assert parse_sample("") is None
-
-
-def test_reasons_are_named_bit_by_bit():
-    assert reason_names(0) == "none"
-    assert reason_names(0x4) == "power cap"
-    assert reason_names(0x1 | 0x40) == "idle, hardware thermal"
-
-
 def test_each_window_takes_its_steps_and_the_samples_taken_while_they_ran():
     # Four steps of 1 ms from t = 100 s, windows of two: samples at 100.0015 and 100.0035 s fall in
     # one window each, the one at 99 s (before the run) in none.
     run = Run([1.0, 1.2, 1.4, 1.6], [100.0, 100.001, 100.002, 100.003], [False, True, False, False])
     samples = [Sample(99.0, 1980, 120.0, 1), Sample(100.0015, 1980, 300.0, 0), Sample(100.0035, 1815, 650.0, 4)]
     first, second = report(run, samples, window=2)
-    assert re.fullmatch(r" +steps +1- +2: +1\.1000 ms  SM 1980-1980 MHz +300\.0 W  reasons: none  host behind: 1", first)
-    assert re.fullmatch(r" +steps +3- +4: +1\.5000 ms  SM 1815-1815 MHz +650\.0 W  reasons: power cap  host behind: 0", second)
+    assert re.fullmatch(r" +steps +1- +2: +1\.1000 ms  SM 1980 MHz \(none\) +300\.0 W  host behind: 1", first)
+    assert re.fullmatch(r" +steps +3- +4: +1\.5000 ms  SM 1815 MHz \(power cap\) +650\.0 W  host behind: 0", second)
     last, = report(run._replace(times_ms=[1.0, 1.2, 1.4], starts=run.starts[:3]), [], window=5)
     assert last.endswith("1.2000 ms  host behind: 1")  # no sample: the times alone
 
