@@ -8,10 +8,11 @@ power recover) and with the host held ahead of the GPU (a ``torch.cuda._sleep`` 
 Each step is timed by its own pair of events, the L2 cache cleared and the leaves' gradients set
 to None before it, as ``triton.testing.do_bench`` times the benchmark's rows. Printed per window of
 ``--window`` steps: the median step time, what ``nvidia-smi`` sampled while the GPU ran them (SM
-clock, power draw as it averages it, the clock event reasons), and before how many steps the GPU
-had already finished the previous one (the host behind it). ``--graph`` runs each case a second
-time as the replay of one CUDA graph capture (the gradients by ``torch.autograd.grad``, so that
-nothing is added into a leaf's ``.grad``). A CUDA device is needed.
+clocks, the clock event reasons, the largest power draw it read, as it averages it), and before
+how many steps the GPU had already finished the previous one (the host behind it). ``--graph``
+runs each case a second time as the replay of one CUDA graph capture (the gradients by
+``torch.autograd.grad``, so that nothing is added into a leaf's ``.grad``). A CUDA device is
+needed.
 
     python3 tools/sustained_load.py --suite llm --lengths 16K,32K --keeps 1/8 --graph
 """
@@ -31,6 +32,7 @@ from flash_dma.benchmark.clocks import Sample, clock_log, describe, samples_betw
 from flash_dma.benchmark.inputs import make_inputs
 from flash_dma.benchmark.measure import make_step
 from flash_dma.benchmark.methods import METHODS, Prepared
+from flash_dma.benchmark.suites import Case
 from tools.benchmark_cases import add_case_options, selected_cases
 
 HEAD_START_CYCLES = 50_000_000  # the GPU spins this long (25 ms at 2 GHz) while the host queues steps ahead
@@ -42,7 +44,7 @@ def window_line(first: int, times_ms: list[float], samples: list[Sample], host_b
     GPU ran them, and the count of its steps the host issued after the GPU had run dry."""
     line = f"   steps {first:4d}-{first + len(times_ms) - 1:4d}: {statistics.median(times_ms):8.4f} ms"
     if samples:
-        line += f"  SM {describe(samples)}  {max(sample.watts for sample in samples):6.1f} W"
+        line += f"  SM {describe(samples)}  max {max(sample.watts for sample in samples):6.1f} W"
     return line + f"  host behind: {host_behind}"
 
 
@@ -110,6 +112,18 @@ def report(run: Run, samples: list[Sample], window: int) -> list[str]:
     return lines
 
 
+def run_case(case: Case, args: argparse.Namespace) -> None:
+    prepared = METHODS[args.method].prepare(case, make_inputs(case, "cuda"))
+    step = make_step(prepared, args.mode)
+    step()  # compiles, and sizes the caching allocator's pool
+    runs = [("eager", step)] + ([("graph", captured(prepared, args.mode))] if args.graph else [])
+    for label, fn in runs:
+        run = sustained_run(fn, prepared.leaves, args.steps, args.idle_s)
+        samples = samples_between(run.starts[0], run.starts[-1] + run.times_ms[-1] / 1e3)
+        print(f"\n== {case.suite} {case.kind} {case.label} {args.mode}, {args.method}, {label}")
+        print("\n".join(report(run, samples, args.window)))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_case_options(parser)
@@ -127,18 +141,8 @@ def main() -> int:
     print(f"flash_dma from {flash_dma.__file__}; torch {torch.__version__}; {torch.cuda.get_device_name()}")
     with clock_log():
         for case in cases:
-            inputs = make_inputs(case, "cuda")
-            prepared = METHODS[args.method].prepare(case, inputs)
-            step = make_step(prepared, args.mode)
-            step()  # compiles, and sizes the caching allocator's pool
-            runs = [("eager", step)] + ([("graph", captured(prepared, args.mode))] if args.graph else [])
-            for label, fn in runs:
-                run = sustained_run(fn, prepared.leaves, args.steps, args.idle_s)
-                samples = samples_between(run.starts[0], run.starts[-1] + run.times_ms[-1] / 1e3)
-                print(f"\n== {case.suite} {case.kind} {case.label} {args.mode}, {args.method}, {label}")
-                print("\n".join(report(run, samples, args.window)))
-            del inputs, prepared, step, runs
-            torch.cuda.empty_cache()
+            run_case(case, args)
+            torch.cuda.empty_cache()  # the case's tensors and graph went with run_case's frame
     return 0
 
 

@@ -6,18 +6,21 @@ host and the power cap").
 ``with clock_log(): ...`` samples the current GPU every :data:`PERIOD_MS` in a child ``nvidia-smi``
 for the block's length; :func:`clocks_between` then describes the samples of a stretch of wall
 time, such as a row's timed calls. Without ``nvidia-smi``, or outside such a block, there are none.
+``nvidia-smi`` stamps its samples in local time, as ``time.time()`` is compared with them: the hour
+a daylight-saving clock goes back is ambiguous (GPU machines keep UTC).
 """
 
 from __future__ import annotations
 
+import bisect
 import subprocess
-import tempfile
+import threading
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime
-from pathlib import Path
 from typing import NamedTuple
 
 FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
@@ -72,7 +75,58 @@ def describe(samples: list[Sample]) -> str:
     return f"{span} ({reason_names(bits)})"
 
 
-_LOG: ContextVar[Path | None] = ContextVar("flash_dma_clock_log", default=None)
+class ClockLog:
+    """The samples a child ``nvidia-smi`` prints, read from its pipe by a daemon thread as they come.
+
+    The pipe closes with this process: should it die without ending the child, the child's next
+    line gets SIGPIPE rather than growing a file nobody reads.
+    """
+
+    def __init__(self, child: subprocess.Popen):
+        self.child = child
+        self.samples: list[Sample] = []  # in the order taken
+        self.other: list[str] = []  # lines that are no sample (an error of nvidia-smi's)
+        self.warned = False
+        self.reader = threading.Thread(target=self._read, name="flash_dma_clock_log", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.child.stdout:
+            sample = parse_sample(line)
+            if sample is not None:
+                self.samples.append(sample)
+            elif len(self.other) < 3:
+                self.other.append(line.strip())
+
+    def between(self, start: float, end: float) -> list[Sample]:
+        """The samples taken from ``start`` to ``end`` (seconds since the epoch, ``time.time()``'s),
+        after waiting two periods for the last of them to be read; a warning, once, if the child
+        has ended."""
+        time.sleep(2 * PERIOD_MS / 1e3)
+        code = self.child.poll()
+        if code is not None and not self.warned:
+            self.warned = True
+            said = f": {self.other[0]}" if self.other else ""
+            warnings.warn(f"nvidia-smi ended (exit code {code}{said}); no SM clock is recorded after {time.ctime()}",
+                          stacklevel=3)
+        return within(list(self.samples), start, end)
+
+    def close(self) -> None:
+        self.child.terminate()
+        self.child.wait()
+        self.child.stdout.close()
+        self.reader.join()
+
+
+def within(samples: list[Sample], start: float, end: float) -> list[Sample]:
+    """The samples, in the order taken, from ``start`` to ``end``."""
+    stamps = [sample.seconds for sample in samples]
+    return samples[bisect.bisect_left(stamps, start):bisect.bisect_right(stamps, end)]
+
+
+# The log of the enclosing clock_log block. A thread started inside the block does not see it
+# (the benchmark times its rows on the thread that opened it).
+_LOG: ContextVar[ClockLog | None] = ContextVar("flash_dma_clock_log", default=None)
 
 
 @contextmanager
@@ -84,36 +138,28 @@ def clock_log(command: tuple[str, ...] = ("nvidia-smi",), gpu: str | None = None
         import torch
 
         gpu = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
-    with tempfile.TemporaryDirectory() as folder:
-        log = Path(folder) / "clocks.csv"
-        with log.open("w") as out:  # the child writes on through its own copy of the file
-            try:
-                child = subprocess.Popen(
-                    [*command, f"--id={gpu}", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits",
-                     f"--loop-ms={PERIOD_MS}"],
-                    stdout=out, stderr=subprocess.DEVNULL,
-                )
-            except OSError:
-                child = None
-        token = _LOG.set(log if child is not None else None)
-        try:
-            yield
-        finally:
-            _LOG.reset(token)
-            if child is not None:
-                child.terminate()
-                child.wait()
+    try:
+        child = subprocess.Popen(
+            [*command, f"--id={gpu}", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", f"--loop-ms={PERIOD_MS}"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+    except OSError:
+        yield
+        return
+    log = ClockLog(child)
+    token = _LOG.set(log)
+    try:
+        yield
+    finally:
+        _LOG.reset(token)
+        log.close()
 
 
 def samples_between(start: float, end: float) -> list[Sample]:
-    """The samples of the enclosing :func:`clock_log` taken from ``start`` to ``end`` (seconds
-    since the epoch, ``time.time()``'s). It waits two periods first, for the last to be written."""
+    """The samples of the enclosing :func:`clock_log` taken from ``start`` to ``end`` (seconds since
+    the epoch, ``time.time()``'s); none outside such a block."""
     log = _LOG.get()
-    if log is None:
-        return []
-    time.sleep(2 * PERIOD_MS / 1e3)
-    samples = (parse_sample(line) for line in log.read_text().splitlines())
-    return [sample for sample in samples if sample is not None and start <= sample.seconds <= end]
+    return [] if log is None else log.between(start, end)
 
 
 def clocks_between(start: float, end: float) -> str:

@@ -112,7 +112,7 @@ def measure(prepared: Prepared, mode: str, cuda_graph: bool, options: TimingOpti
     else:
         grads = list(prepared.leaves) if mode == "fwdbwd" else None
         ms = do_bench(step, warmup=options.warmup_ms, rep=options.rep_ms, grad_to_none=grads, return_mode="median")
-    end = time.time()  # the timed calls took about rep_ms, after the warm-up
+    end = time.time()  # the timed calls took about rep_ms (the budget as widened above), after the warm-up
     return Measurement(ms=ms, peak_gib=peak_gib, setup_s=setup_s, sm_clock=clocks_between(end - options.rep_ms / 1e3, end))
 
 

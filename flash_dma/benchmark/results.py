@@ -19,7 +19,8 @@ class Result:
     rows only; ``tokens_per_s`` is the generated tokens per second of serving rows; ``peak_gib`` excludes the inputs; ``setup_s`` is the wall time spent before timing
     (block masks, compilation, autotuning; a new process's imports and inputs); ``sm_clock`` the
     SM clock while a GPU row was timed and why it was lowered, e.g. ``"1800-1815 MHz (power cap)"``
-    (``""`` where not sampled: host and first-call rows, or no ``nvidia-smi``).
+    (``""`` where not sampled: host and first-call rows, no ``nvidia-smi``, or timed calls
+    shorter than its sampling period).
     """
 
     case: Case

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from flash_dma.benchmark.clocks import Sample
+from tests.helpers import ON_GPU
 from tools.sustained_load import Run, report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,8 +29,8 @@ def test_each_window_takes_its_steps_and_the_samples_taken_while_they_ran():
     run = Run([1.0, 1.2, 1.4, 1.6], [100.0, 100.001, 100.002, 100.003], [False, True, False, False])
     samples = [Sample(99.0, 1980, 120.0, 1), Sample(100.0015, 1980, 300.0, 0), Sample(100.0035, 1815, 650.0, 4)]
     first, second = report(run, samples, window=2)
-    assert re.fullmatch(r" +steps +1- +2: +1\.1000 ms  SM 1980 MHz \(none\) +300\.0 W  host behind: 1", first)
-    assert re.fullmatch(r" +steps +3- +4: +1\.5000 ms  SM 1815 MHz \(power cap\) +650\.0 W  host behind: 0", second)
+    assert re.fullmatch(r" +steps +1- +2: +1\.1000 ms  SM 1980 MHz \(none\)  max +300\.0 W  host behind: 1", first)
+    assert re.fullmatch(r" +steps +3- +4: +1\.5000 ms  SM 1815 MHz \(power cap\)  max +650\.0 W  host behind: 0", second)
     last, = report(run._replace(times_ms=[1.0, 1.2, 1.4], starts=run.starts[:3]), [], window=5)
     assert last.endswith("1.2000 ms  host behind: 1")  # no sample: the times alone
 
@@ -43,6 +44,12 @@ def test_it_refuses_fewer_than_one(option):
 def test_it_refuses_a_negative_idle_time():
     run = _run("--idle-s", "-1")
     assert run.returncode == 2 and "--idle-s: expected seconds >= 0, got -1.0" in run.stderr
+
+
+@pytest.mark.skipif(ON_GPU, reason="the refusal of a machine without a GPU")
+def test_it_refuses_to_run_without_a_gpu():
+    run = _run("--lengths", "4K", "--keeps", "1/8")
+    assert run.returncode == 2 and "a CUDA device is needed: the steps' times are the GPU's" in run.stderr
 
 
 @pytest.mark.gpu_only
