@@ -98,10 +98,16 @@ def _llm(method: str, mode: str, seqlen: int, keep: float | None = None) -> Pick
     return _pick(method, mode, suite="llm", bias="key", seqlen_k=seqlen, keep=keep)
 
 
+def _clocked(row: Result, amount: str) -> str:
+    """``"flash-dma 1.34 ms at 1800 MHz (power cap)"``: a ratio's side, with the SM clock its row
+    was timed at where that was sampled (two sides may differ: ``clocks``)."""
+    return f"{row.method} {amount}" + (f" at {row.sm_clock}" if row.sm_clock else "")
+
+
 def _time_ratio(ours: Pick, theirs: Pick) -> Measure:
     def measure(results):
         a, b = ours(results), theirs(results)
-        return a.ms / b.ms, f"{a.method} {a.ms:.3g} ms, {b.method} {b.ms:.3g} ms"
+        return a.ms / b.ms, f"{_clocked(a, f'{a.ms:.3g} ms')}, {_clocked(b, f'{b.ms:.3g} ms')}"
 
     return measure
 
@@ -109,7 +115,7 @@ def _time_ratio(ours: Pick, theirs: Pick) -> Measure:
 def _tflops_ratio(ours: Pick, theirs: Pick) -> Measure:
     def measure(results):
         a, b = ours(results), theirs(results)
-        return a.tflops / b.tflops, f"{a.method} {a.tflops:.0f} TFLOP/s, {b.method} {b.tflops:.0f} TFLOP/s"
+        return a.tflops / b.tflops, f"{_clocked(a, f'{a.tflops:.0f} TFLOP/s')}, {_clocked(b, f'{b.tflops:.0f} TFLOP/s')}"
 
     return measure
 

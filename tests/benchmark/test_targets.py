@@ -84,6 +84,18 @@ def test_a_slow_row_is_a_miss():
     assert check.detail == "flash-dma 0.5 ms, flex 0.55 ms"
 
 
+def test_a_ratios_sides_name_the_sm_clocks_they_were_timed_at():
+    case_fields = dict(suite="llm", seqlen_k=32768, keep=1 / 8)
+
+    def clocked(r):
+        if r.mode == "fwd" and all(getattr(r.case, k) == v for k, v in case_fields.items()):
+            return replace(r, sm_clock={"flash-dma": "1800 MHz (power cap)", "flex": "1980 MHz (none)"}.get(r.method, ""))
+        return r
+
+    check = _by_name(evaluate([clocked(r) for r in passing_results()]))["llm keep 1/8 S=32K fwd: flash-dma / flex time"]
+    assert check.detail == "flash-dma 0.5 ms at 1800 MHz (power cap), flex 1 ms at 1980 MHz (none)"
+
+
 def test_worst_length_checks_report_the_worst_length():
     slow = with_ms(passing_results(), "flash-dma", "fwdbwd", 3.0, suite="seed", seqlen_k=2048)
     check = _by_name(evaluate(slow))[SEED_NAME]
