@@ -26,17 +26,17 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import triton
 
 import flash_dma
 from flash_dma.benchmark.clocks import Sample, clock_log, describe, samples_between
 from flash_dma.benchmark.inputs import make_inputs
-from flash_dma.benchmark.measure import make_step
+from flash_dma.benchmark.measure import capture_graph, make_step
 from flash_dma.benchmark.methods import METHODS, Prepared
 from flash_dma.benchmark.suites import Case
 from tools.benchmark_cases import add_case_options, selected_cases
 
 HEAD_START_CYCLES = 50_000_000  # the GPU spins this long (25 ms at 2 GHz) while the host queues steps ahead
-L2_CLEAR_BYTES = 256 * 2**20  # do_bench's
 
 
 def window_line(first: int, times_ms: list[float], samples: list[Sample], host_behind: int) -> str:
@@ -55,7 +55,8 @@ class Run(NamedTuple):
 
 
 def sustained_run(step: Callable[[], object], leaves: tuple[torch.Tensor, ...], steps: int, idle_s: float) -> Run:
-    cache = torch.empty(L2_CLEAR_BYTES, dtype=torch.int8, device="cuda")
+    driver = triton.runtime.driver.active  # the L2 cache cleared as do_bench clears it
+    cache = driver.get_empty_cache_for_benchmark()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
     behind = []
@@ -64,7 +65,7 @@ def sustained_run(step: Callable[[], object], leaves: tuple[torch.Tensor, ...], 
     torch.cuda._sleep(HEAD_START_CYCLES)
     for i in range(steps):
         behind.append(i > 0 and ends[i - 1].query())
-        cache.zero_()
+        driver.clear_cache(cache)
         for leaf in leaves:
             leaf.grad = None
         starts[i].record()
@@ -80,26 +81,12 @@ def sustained_run(step: Callable[[], object], leaves: tuple[torch.Tensor, ...], 
 
 
 def captured(prepared: Prepared, mode: str) -> Callable[[], object]:
-    """The replay of a CUDA graph of one step, warmed up on a side stream first (as PyTorch's
-    whole-network capture does); its backward returns the gradients rather than adding them up."""
+    """The replay of a CUDA graph of one step (``measure.capture_graph``), whose backward returns
+    the gradients rather than adding them up."""
     if mode == "fwd":
-        step = prepared.forward
-    else:
-        dout = torch.randn_like(prepared.forward())
-
-        def step() -> object:
-            return torch.autograd.grad(prepared.forward(), prepared.leaves, dout)
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+        return capture_graph(prepared.forward)[0].replay
+    dout = torch.randn_like(prepared.forward())
+    return capture_graph(lambda: torch.autograd.grad(prepared.forward(), prepared.leaves, dout))[0].replay
 
 
 def report(run: Run, samples: list[Sample], window: int) -> list[str]:

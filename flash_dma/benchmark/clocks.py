@@ -109,7 +109,7 @@ class ClockLog:
             said = f": {self.other[0]}" if self.other else ""
             warnings.warn(f"nvidia-smi ended (exit code {code}{said}); no SM clock is recorded after {time.ctime()}",
                           stacklevel=3)
-        return within(list(self.samples), start, end)
+        return within(self.samples, start, end)  # appended to, never changed: a slice is safe to take
 
     def close(self) -> None:
         self.child.terminate()
@@ -120,8 +120,10 @@ class ClockLog:
 
 def within(samples: list[Sample], start: float, end: float) -> list[Sample]:
     """The samples, in the order taken, from ``start`` to ``end``."""
-    stamps = [sample.seconds for sample in samples]
-    return samples[bisect.bisect_left(stamps, start):bisect.bisect_right(stamps, end)]
+    def when(sample: Sample) -> float:
+        return sample.seconds
+
+    return samples[bisect.bisect_left(samples, start, key=when):bisect.bisect_right(samples, end, key=when)]
 
 
 # The log of the enclosing clock_log block. A thread started inside the block does not see it

@@ -77,17 +77,31 @@ def peak_memory_gib(step: Callable[[], object], leaves: tuple[torch.Tensor, ...]
     return (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
-def graph_replay_ms(step: Callable[[], object], options: TimingOptions) -> float:
-    """Median time of ``step`` captured once in a CUDA graph: decode-sized calls without launch overhead.
-
-    ``step`` must have run already: compilation and autotuning cannot happen inside a capture.
-    """
-    from triton.testing import do_bench
-
+def capture_graph(step: Callable[[], object], warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``step`` captured once in a CUDA graph, and what the captured call returned (the memory each
+    replay writes). It runs ``warmup`` times on a side stream first, as PyTorch's
+    whole-network capture does: compilation, autotuning and the caching allocator's first blocks
+    stay out of the capture, and a backward's leaves are not tied to the default stream. A step
+    whose backward adds into ``.grad`` would replay those additions too: pass one that returns
+    its gradients (``torch.autograd.grad``)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step()
-    return do_bench(graph.replay, warmup=options.warmup_ms, rep=options.rep_ms, return_mode="median")
+        output = step()
+    return graph, output
+
+
+def graph_replay_ms(step: Callable[[], object], options: TimingOptions) -> float:
+    """Median time of ``step`` captured once in a CUDA graph (:func:`capture_graph`): decode-sized
+    calls without launch overhead."""
+    from triton.testing import do_bench
+
+    return do_bench(capture_graph(step)[0].replay, warmup=options.warmup_ms, rep=options.rep_ms, return_mode="median")
 
 
 def measure(prepared: Prepared, mode: str, cuda_graph: bool, options: TimingOptions) -> Measurement:

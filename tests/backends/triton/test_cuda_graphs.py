@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flash_dma import flash_dma_func, flash_dma_topk_func
+from flash_dma.benchmark.measure import capture_graph
 from tests.helpers import DEVICE
 
 pytestmark = pytest.mark.gpu_only
@@ -18,20 +19,6 @@ def _fill(tensors, gen):
             t.copy_(torch.rand(t.shape, generator=gen) < 0.3)
         else:
             t.copy_(torch.randn(t.shape, generator=gen))
-
-
-def _capture(step, warmup: int = 2):
-    """Run ``step`` eagerly on a side stream (compilation, allocator), then capture it."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
-    return graph, outputs
 
 
 @pytest.mark.parametrize("mask_shape", ["1,Hkv,1,S", "1,H,S,S", None], ids=str)
@@ -55,7 +42,7 @@ def test_training_step_replays_like_eager(mask_shape):
 
     with torch.no_grad():
         _fill(inputs, gen)
-    graph, captured = _capture(step)
+    graph, captured = capture_graph(step)
     for _ in range(2):
         with torch.no_grad():
             _fill(inputs, gen)
@@ -81,7 +68,7 @@ def test_decode_step_replays_like_eager():
         return (flash_dma_func(q, k, v, keep, bias, is_causal=True),)
 
     _fill((q, k, v, bias), gen)
-    graph, captured = _capture(step)
+    graph, captured = capture_graph(step)
     for _ in range(2):
         _fill((q, k, v, bias), gen)
         graph.replay()
@@ -108,7 +95,7 @@ def test_topk_training_step_replays_like_eager(topk_walk):
             indices.copy_(torch.randint(-1, seqlen, indices.shape, generator=gen))  # -1, repeats, past the diagonal
 
     fill()
-    graph, captured = _capture(step)
+    graph, captured = capture_graph(step)
     for _ in range(2):
         fill()
         graph.replay()
