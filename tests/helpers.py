@@ -433,9 +433,10 @@ def broadcast_cases(base: Case) -> list[Case]:
     return cases
 
 
-def run_tool_on_cpu(script: str, *args: str):
-    """``tools/<script>`` run in a new process on the CPU (the Triton interpreter) from the repository
-    root: its completed process, output captured; a non-zero exit fails the test."""
+def run_tool(script: str, *args: str, check: bool = False, **env: str):
+    """``tools/<script>`` run in a new process from the repository root, with ``env`` added to this
+    process's environment: its completed process, output captured (a non-zero exit fails the test
+    with ``check``)."""
     import os
     import subprocess
     import sys
@@ -443,10 +444,15 @@ def run_tool_on_cpu(script: str, *args: str):
 
     repo = Path(__file__).resolve().parents[1]
     return subprocess.run(
-        [sys.executable, f"tools/{script}", "--device", "cpu", *args], cwd=repo, capture_output=True, text=True,
-        check=True, env={**os.environ, "PYTHONPATH": str(repo), "TRITON_INTERPRET": "1"},
+        [sys.executable, f"tools/{script}", *args], cwd=repo, capture_output=True, text=True, check=check,
+        env={**os.environ, "PYTHONPATH": str(repo), **env},
     )
 
+
+def run_tool_on_cpu(script: str, *args: str):
+    """``tools/<script>`` on the CPU (the Triton interpreter): :func:`run_tool`, a non-zero exit
+    failing the test."""
+    return run_tool(script, "--device", "cpu", *args, check=True, TRITON_INTERPRET="1")
 
 
 def speed_up_interpreter() -> None:

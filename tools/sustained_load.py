@@ -29,7 +29,7 @@ import torch
 import triton
 
 import flash_dma
-from flash_dma.benchmark.clocks import Sample, clock_log, describe, samples_between
+from flash_dma.benchmark.clocks import Sample, clock_log, describe, samples_between, within
 from flash_dma.benchmark.inputs import make_inputs
 from flash_dma.benchmark.measure import capture_graph, make_step
 from flash_dma.benchmark.methods import METHODS, Prepared
@@ -94,7 +94,7 @@ def report(run: Run, samples: list[Sample], window: int) -> list[str]:
     ends = [start + ms / 1e3 for start, ms in zip(run.starts, run.times_ms)]
     for first in range(0, len(run.times_ms), window):
         last = min(first + window, len(run.times_ms)) - 1
-        inside = [sample for sample in samples if run.starts[first] <= sample.seconds <= ends[last]]
+        inside = within(samples, run.starts[first], ends[last])
         lines.append(window_line(first + 1, run.times_ms[first:last + 1], inside, sum(run.host_behind[first:last + 1])))
     return lines
 

@@ -1,26 +1,14 @@
 """tools/kernel_times.py: each kernel's GPU time per step, by query chunk count on the GPU; on the
 CPU, its table from profiler events and its refusal to run."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from torch.autograd import DeviceType
 
+from tests.helpers import run_tool
 from tools.kernel_times import KernelTime, kernel_table
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "tools/kernel_times.py", *args], cwd=REPO, capture_output=True, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
 
 
 def test_kernel_table_adds_each_kernels_launches_per_step_longest_first():
@@ -33,13 +21,13 @@ def test_kernel_table_adds_each_kernels_launches_per_step_longest_first():
 
 
 def test_it_refuses_fewer_than_one_step():
-    run = _run("--steps", "0")
+    run = run_tool("kernel_times.py", "--steps", "0")
     assert run.returncode == 2 and "--steps: expected a count >= 1, got 0" in run.stderr
 
 
 @pytest.mark.gpu_only
 def test_it_times_the_dkdv_kernel_for_each_forced_chunk_count():
-    run = _run("--lengths", "4K", "--keeps", "1/8", "--chunks", "1,2", "--steps", "2")
+    run = run_tool("kernel_times.py", "--lengths", "4K", "--keeps", "1/8", "--chunks", "1,2", "--steps", "2")
     assert run.returncode == 0, run.stderr
     headers = re.findall(r"== llm prefill (.+) fwdbwd, flash-dma, dK/dV query chunks: (\d+)", run.stdout)
     labels = ("S=4096 keep=1/8", "S=4096 keep=1/8 bias[1,16,Sq,Sk]")  # per-key bias, per-pair bias

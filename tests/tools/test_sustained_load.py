@@ -1,26 +1,13 @@
 """tools/sustained_load.py: step times window by window beside nvidia-smi's clock readings on the
 GPU; on the CPU, its windows and its refusals."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from flash_dma.benchmark.clocks import Sample
-from tests.helpers import ON_GPU
+from tests.helpers import ON_GPU, run_tool
 from tools.sustained_load import Run, report
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "tools/sustained_load.py", *args], cwd=REPO, capture_output=True, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
 
 
 def test_each_window_takes_its_steps_and_the_samples_taken_while_they_ran():
@@ -37,24 +24,24 @@ def test_each_window_takes_its_steps_and_the_samples_taken_while_they_ran():
 
 @pytest.mark.parametrize("option", ["--steps", "--window"])
 def test_it_refuses_fewer_than_one(option):
-    run = _run(option, "0")
+    run = run_tool("sustained_load.py", option, "0")
     assert run.returncode == 2 and f"{option}: expected a count >= 1, got 0" in run.stderr
 
 
 def test_it_refuses_a_negative_idle_time():
-    run = _run("--idle-s", "-1")
+    run = run_tool("sustained_load.py", "--idle-s", "-1")
     assert run.returncode == 2 and "--idle-s: expected seconds >= 0, got -1.0" in run.stderr
 
 
 @pytest.mark.skipif(ON_GPU, reason="the refusal of a machine without a GPU")
 def test_it_refuses_to_run_without_a_gpu():
-    run = _run("--lengths", "4K", "--keeps", "1/8")
+    run = run_tool("sustained_load.py", "--lengths", "4K", "--keeps", "1/8")
     assert run.returncode == 2 and "a CUDA device is needed: the steps' times are the GPU's" in run.stderr
 
 
 @pytest.mark.gpu_only
 def test_it_times_each_case_eager_and_replayed_window_by_window():
-    run = _run("--lengths", "4K", "--keeps", "1/8", "--steps", "20", "--window", "10", "--idle-s", "0", "--graph")
+    run = run_tool("sustained_load.py", "--lengths", "4K", "--keeps", "1/8", "--steps", "20", "--window", "10", "--idle-s", "0", "--graph")
     assert run.returncode == 0, run.stderr
     headers = re.findall(r"== llm prefill (.+) fwdbwd, flash-dma, (\w+)", run.stdout)
     labels = ("S=4096 keep=1/8", "S=4096 keep=1/8 bias[1,16,Sq,Sk]")  # per-key bias, per-pair bias
