@@ -99,7 +99,8 @@ def query_topk_indices(case: Case, gen: torch.Generator) -> torch.Tensor:
 # <u_i, c_j> / sqrt(rank) plus per-pair noise, with u_i interpolated between random anchors
 # OVERLAP_PERIOD queries apart, so that neighbouring queries pick many of the same keys, as an
 # indexer whose scores are smooth in the query does. At 32K a block of 16 queries lists about 0.19
-# x 16 x 2048 distinct keys (H100 run, design notes "Top-k index attention").
+# x 16 x 2048 distinct keys (H100 run, design notes "Top-k index attention: the union of a query
+# block's keys").
 OVERLAP_PERIOD = 64
 OVERLAP_RANK = 32
 OVERLAP_NOISE = 0.5

@@ -508,6 +508,14 @@ def pair_bias(p, batch, head, rows, keys, KEYS_FIRST: gl.constexpr):
 
 
 @gluon.constexpr_function
+def keys_scored(BIAS, MASK, WALK):
+    """Whether the loader stages key scores with each K tile (``_load_key_tile``) for the math
+    warpgroups to add: a bias or a mask per key, or a key list (its slots past the kept count
+    score -inf)."""
+    return BIAS == BIAS_KEYS or MASK == MASK_KEYS or WALK == tiles.WALK_KEYS
+
+
+@gluon.constexpr_function
 def tests_pairs(MASK):
     """Whether the mask is tested per pair, on the tiles the walk marks PARTIAL (the loader hands
     the mark to the math warpgroups): a BitMask's bits or key intervals."""
@@ -745,7 +753,7 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
     (bias per key in log2 units, -inf for keys masked out or past the end), K and V (from batch
     row ``kv_batch``, ``_cache_row``)."""
     KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
-    SCORED: gl.constexpr = p.BIAS == BIAS_KEYS or p.MASK == MASK_KEYS or KEYS
+    SCORED: gl.constexpr = keys_scored(p.BIAS, p.MASK, p.WALK)
     key_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_N // 32], [32], [1], [0])
     tile, partial = tile_at(p, it, j)
     first_key = tile * p.BLOCK_N
@@ -990,7 +998,7 @@ def staged_keys(p, bufs, stage, keys_layout: gl.constexpr):
         first_key = get(bufs.spans.index(stage)) * p.BLOCK_N
         last_key = first_key + p.BLOCK_N - 1
     key_scores = gl.zeros([p.BLOCK_N], gl.float32, keys_layout)  # unread where there are none
-    if p.BIAS == BIAS_KEYS or p.MASK == MASK_KEYS or KEYS:
+    if keys_scored(p.BIAS, p.MASK, p.WALK):
         key_scores = bufs.key_scores.index(stage).load(keys_layout)
     return first_key, last_key, key_scores
 
@@ -1015,7 +1023,8 @@ def _tanh(x, APPROXIMATE: gl.constexpr):
     2^-11, one special-function instruction, as FlashAttention-3 and FlexAttention's examples use it);
     else as ``tiles.tanh`` (the Triton kernels'), odd-symmetric, neither overflowing nor losing
     precision near 0, its division approximate (2 ulp): two special-function instructions and five
-    others, which set the softmax warpgroups' pace (docs/design-notes.md, "Softcap on Hopper")."""
+    others, which set the softmax warpgroups' pace (docs/design-notes.md, "Softcap on the Hopper
+    kernels")."""
     if APPROXIMATE:
         t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
     else:
@@ -1065,7 +1074,7 @@ def visible_scores(
     KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
     first_key, last_key, key_scores = staged
     s = log2_scores(p, qk)
-    if p.BIAS == BIAS_KEYS or p.MASK == MASK_KEYS or KEYS:
+    if keys_scored(p.BIAS, p.MASK, p.WALK):
         s = s + key_scores[None, :]
     if p.STAGED_BIAS:
         s = s + bufs.bias.index(stage).slice(HALF * ROWS, ROWS).load(qk.type.layout).to(gl.float32) * tiles.LOG2E

@@ -18,13 +18,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from flash_dma.backends.triton import configs, tiles
+from flash_dma.backends.triton import configs
 from flash_dma.backends.triton.hopper.common import (
-    BIAS_KEYS,
     CACHE_CONTIGUOUS,
     COMMON_TENSORS,
     LOADER_REGISTERS,
-    MASK_KEYS,
     MATH_REGISTERS,
     MAX_REGISTERS,
     PLAIN,
@@ -35,6 +33,7 @@ from flash_dma.backends.triton.hopper.common import (
     hopper_tensors,
     init_barriers,
     jit_with_runtime_scalars,
+    keys_scored,
     load_partition,
     pair_buffers,
     pair_descriptors,
@@ -102,8 +101,8 @@ def _dq_item(p, bufs, index, items_done, consumed, HALF: gl.constexpr):
     dtype: gl.constexpr = p.q_desc.dtype
     # Staged key scores are read while the two products run (ptxas issues the loads between them),
     # not after S is waited for: up to 3% off the backward with a bias (docs/design-notes.md,
-    # "Backward profile"). Without key scores there is nothing to read early.
-    READ_KEYS_EARLY: gl.constexpr = p.BIAS == BIAS_KEYS or p.MASK == MASK_KEYS or p.WALK == tiles.WALK_KEYS
+    # "Hopper backward: profile and variants"). Without key scores there is nothing to read early.
+    READ_KEYS_EARLY: gl.constexpr = keys_scored(p.BIAS, p.MASK, p.WALK)
 
     batch, head, first_row, rows, q_slot, count, span = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
     q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]

@@ -15,7 +15,8 @@ or, with ``deterministic=True``, key-outer with every sum in a fixed order (bit-
    key/value head and walks its run of slots in order, ``BLOCK_E`` slots x the group's heads per
    chunk, recomputing P and dS per (slot, head) row; it writes dK, dV (zeros for a key no query
    picked) and, for a per-key bias, the sum of dS. It gathers Q and dO of every entry, the group's
-   heads each: several times the bytes of the atomic walk (design notes, "Top-k index attention").
+   heads each: several times the bytes of the atomic walk (design notes, "Top-k index attention:
+   the union of a query block's keys").
 
 Bias gradients come out per (batch, key/value head[, head of the group]) in fp32 and are summed
 over the bias's broadcast dimensions afterwards, in a fixed order.
