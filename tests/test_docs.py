@@ -1,4 +1,5 @@
-"""The docs stay true: every ```python block of the README and docs/ runs as written.
+"""The docs stay true: every ```python block of the README and docs/ runs as written, and every
+section of the design notes that the code or the docs cite by name is there.
 
 Each block runs in a fresh namespace, on the CPU with the reference backend where no GPU is
 present (the blocks pick ``device = "cuda" if torch.cuda.is_available() else "cpu"`` themselves).
@@ -99,3 +100,23 @@ def test_benchmark_readme_lists_the_cli_suites():
     text = (ROOT / "benchmarks" / "README.md").read_text()
     assert f"`--suite {{{','.join((*SUITES, 'all'))}}}`" in text
     assert "H100 machine" not in text
+
+
+# A citation: design notes, "Section" (or docs/design-notes.md, "Section"), its name possibly
+# wrapped over comment or docstring lines.
+_CITATION = re.compile(r'design[- ]notes(?:\.md)?,?\s*"([^"]+)"')
+
+
+def _cited_sections(text: str) -> set[str]:
+    unwrapped = re.sub(r"\n\s*(?:#\s*)?", " ", text)
+    return {re.sub(r"\s+", " ", name).strip() for name in _CITATION.findall(unwrapped)}
+
+
+def test_cited_design_note_sections_exist():
+    notes = ROOT / "docs" / "design-notes.md"
+    headings = {line.lstrip("#").strip() for line in notes.read_text().splitlines() if line.startswith("#")}
+    sources = [*DOCUMENTS, *(path for folder in ("flash_dma", "tools", "benchmarks", "tests")
+                            for path in sorted((ROOT / folder).rglob("*.py")))]
+    cited = {name: path for path in sources if path != Path(__file__) for name in _cited_sections(path.read_text())}
+    missing = {name: str(path.relative_to(ROOT)) for name, path in cited.items() if name not in headings}
+    assert cited and not missing
