@@ -146,6 +146,22 @@ class FlashDmaNoMask(Method):
         return Prepared(forward, inputs.leaves)
 
 
+class FlashDmaNoBias(Method):
+    name = "flash-dma-nobias"
+    description = (
+        "`flash_dma_func(q, k, v, is_causal=True)`: no mask and no bias, dense causal attention, against the "
+        "dense ceilings: what the contract's bias costs (llm)"
+    )
+    applies_mask = False
+    skips_masked_keys = False
+
+    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        def forward() -> torch.Tensor:
+            return flash_dma_func(inputs.query, inputs.key, inputs.value, is_causal=True)
+
+        return Prepared(forward, (inputs.query, inputs.key, inputs.value))
+
+
 class FlashDmaTopk(Method):
     """``flash_dma_topk_func`` on a case's top-k indices: its passes as the cost model plans them
     (``dispatch.topk_plan``), or each pass forced to one walk, so that a run measures the walks
@@ -785,6 +801,7 @@ METHODS: dict[str, Method] = {
         FlashDma(reuse_block_mask=False),
         FlashDma(reuse_block_mask=True, backend="flex"),
         FlashDmaNoMask(),
+        FlashDmaNoBias(),
         FlashDmaBits(),
         Flex(),
         SdpaAdditive(),

@@ -26,7 +26,7 @@ from flash_dma.benchmark.suites import SEED_SWEEP_LENGTH, format_fraction
 PALETTE = ("tab:red", "tab:orange", "tab:blue", "tab:purple", "tab:pink", "tab:gray", "tab:green", "tab:brown",
            "tab:olive", "tab:cyan", "black", "gold", "darkred", "darkorange", "teal", "slateblue", "darkkhaki",
            "navy", "crimson", "indigo", "olivedrab", "maroon", "darkviolet", "peru", "darkgoldenrod", "lightseagreen",
-           "rosybrown", "darkslategray", "mediumvioletred", "steelblue")
+           "rosybrown", "darkslategray", "mediumvioletred", "steelblue", "darkseagreen")
 COLORS = dict(zip(METHODS, PALETTE, strict=True))
 LLM_PLOT_KEEP = 1 / 8
 LLM_KEEP_PLOT_LENGTH = 16384

@@ -92,6 +92,8 @@ DENSE_METHODS = ("sdpa-flash", "sdpa-cudnn")
 # The per-call summary variant shows what reusing the block mask saves, and the Flex backend what
 # flash-dma's contract costs on Flex; one suite is enough for both.
 LLM_MASKED_METHODS = ("flash-dma", "flash-dma-percall", "flash-dma-flex", "flex", "sdpa-additive")
+# Beside the llm shape's dense ceilings, flash-dma with neither mask nor bias: what the bias costs.
+LLM_DENSE_METHODS = (*DENSE_METHODS, "flash-dma-nobias")
 # cuDNN, the dense ceiling, is what the "vs cuDNN" column of the report compares each row with.
 CEILING = "sdpa-cudnn"
 
@@ -393,9 +395,11 @@ def _window_keep(window: int, seqlen: int) -> float:
     return min(1.0, window / seqlen)
 
 
-def _with_dense(masked_methods: tuple[str, ...], first_of_shape: bool) -> tuple[str, ...]:
+def _with_dense(
+    masked_methods: tuple[str, ...], first_of_shape: bool, dense_methods: tuple[str, ...] = DENSE_METHODS,
+) -> tuple[str, ...]:
     """Dense methods ignore the mask, so they run once per shape: in its first case."""
-    return masked_methods + (DENSE_METHODS if first_of_shape else ())
+    return masked_methods + (dense_methods if first_of_shape else ())
 
 
 def seed_cases(quick: bool = False) -> list[Case]:
@@ -471,7 +475,7 @@ def llm_cases(quick: bool = False) -> list[Case]:
     keeps = QUICK_LLM_KEEPS if quick else LLM_KEEPS
     cases = [
         Case("llm", "prefill", **LLM_SHAPE, seqlen_q=s, seqlen_k=s, keep=keep,
-             methods=_with_dense(LLM_MASKED_METHODS, first_of_shape=i == 0), modes=MODES)
+             methods=_with_dense(LLM_MASKED_METHODS, first_of_shape=i == 0, dense_methods=LLM_DENSE_METHODS), modes=MODES)
         for s in lengths
         for i, keep in enumerate(keeps)
     ]

@@ -129,6 +129,15 @@ def test_dense_sdpa_is_causal_attention_without_mask(name):
     torch.testing.assert_close(_bshd(out, case), expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["gqa-prefill", "full-bias"])
+def test_flash_dma_nobias_is_the_dense_ceilings_attention(name):
+    case = _case(name)
+    inputs = _float32_inputs(case)
+    out = METHODS["flash-dma-nobias"].prepare(case, inputs).forward()
+    expected = METHODS["sdpa-flash"].prepare(case, inputs).forward()  # neither mask nor bias
+    torch.testing.assert_close(out, _bshd(expected, case), atol=2e-5, rtol=1e-4)
+
+
 def test_dense_sdpa_refuses_unaligned_causal_shapes():
     case = replace(_case("gqa-prefill"), seqlen_q=100)
     with pytest.raises(ValueError, match="Sq == Sk or Sq == 1"):
