@@ -130,36 +130,35 @@ class FlashDma(Method):
         return Prepared(forward, inputs.leaves)
 
 
-class FlashDmaNoMask(Method):
-    name = "flash-dma-nomask"
-    description = (
-        "the same `flash_dma_func` call with `attn_mask=None` (the bias kept): what the mask's selection "
-        "costs or saves (per-query suites)"
-    )
+class FlashDmaUnmasked(Method):
+    """``flash_dma_func`` with ``attn_mask=None``: the bias kept (what the mask's selection costs or
+    saves), or dropped too (dense causal attention beside the dense ceilings: what the bias costs)."""
+
     applies_mask = False
     skips_masked_keys = False
 
+    def __init__(self, keeps_bias: bool):
+        self.keeps_bias = keeps_bias
+        if keeps_bias:
+            self.name = "flash-dma-nomask"
+            self.description = (
+                "the same `flash_dma_func` call with `attn_mask=None` (the bias kept): what the mask's selection "
+                "costs or saves (per-query suites)"
+            )
+        else:
+            self.name = "flash-dma-nobias"
+            self.description = (
+                "`flash_dma_func(q, k, v, is_causal=True)`: no mask and no bias, dense causal attention, against "
+                "the dense ceilings: what the contract's bias costs (llm)"
+            )
+
     def prepare(self, case: Case, inputs: Inputs) -> Prepared:
+        bias = inputs.bias if self.keeps_bias else None
+
         def forward() -> torch.Tensor:
-            return flash_dma_func(inputs.query, inputs.key, inputs.value, attn_bias=inputs.bias, is_causal=True)
+            return flash_dma_func(inputs.query, inputs.key, inputs.value, attn_bias=bias, is_causal=True)
 
-        return Prepared(forward, inputs.leaves)
-
-
-class FlashDmaNoBias(Method):
-    name = "flash-dma-nobias"
-    description = (
-        "`flash_dma_func(q, k, v, is_causal=True)`: no mask and no bias, dense causal attention, against the "
-        "dense ceilings: what the contract's bias costs (llm)"
-    )
-    applies_mask = False
-    skips_masked_keys = False
-
-    def prepare(self, case: Case, inputs: Inputs) -> Prepared:
-        def forward() -> torch.Tensor:
-            return flash_dma_func(inputs.query, inputs.key, inputs.value, is_causal=True)
-
-        return Prepared(forward, (inputs.query, inputs.key, inputs.value))
+        return Prepared(forward, inputs.leaves if self.keeps_bias else (inputs.query, inputs.key, inputs.value))
 
 
 class FlashDmaTopk(Method):
@@ -800,8 +799,8 @@ METHODS: dict[str, Method] = {
         FlashDma(reuse_block_mask=True),
         FlashDma(reuse_block_mask=False),
         FlashDma(reuse_block_mask=True, backend="flex"),
-        FlashDmaNoMask(),
-        FlashDmaNoBias(),
+        FlashDmaUnmasked(keeps_bias=True),
+        FlashDmaUnmasked(keeps_bias=False),
         FlashDmaBits(),
         Flex(),
         SdpaAdditive(),
