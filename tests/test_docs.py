@@ -117,6 +117,6 @@ def test_cited_design_note_sections_exist():
     headings = {line.lstrip("#").strip() for line in notes.read_text().splitlines() if line.startswith("#")}
     sources = [*DOCUMENTS, *(path for folder in ("flash_dma", "tools", "benchmarks", "tests")
                             for path in sorted((ROOT / folder).rglob("*.py")))]
-    cited = {name: path for path in sources if path != Path(__file__) for name in _cited_sections(path.read_text())}
+    cited = {name: path for path in sources if path != Path(__file__).resolve() for name in _cited_sections(path.read_text())}
     missing = {name: str(path.relative_to(ROOT)) for name, path in cited.items() if name not in headings}
     assert cited and not missing
