@@ -16,7 +16,6 @@ from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.key_list import build_key_list
 from flash_dma.backends.triton.launch import forget_choices
 from flash_dma.backends.triton.layout import call_signature
-from flash_dma.inputs import FP8_DTYPE as FP8
 from tests.backends.triton.test_kvcache import CacheCase, make_cache_inputs, poison_unwritten
 from tests.backends.triton.test_kvcache import run as run_cache
 from tests.backends.triton.test_varlen import VarlenCase, make_varlen_inputs, reference_varlen
