@@ -680,6 +680,9 @@ CASES = {
                    head_dim=256, bias="1,Hkv,Sq,Sk", causal=True, softcap=5.0),
         _attention("attn-rows-d128-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=128,
                    mask="B,Hkv,Sq,1", bias="1,H,Sq,1", causal=True),
+        # A per-key bias on the dense walk: the Hopper forward's tensor cores add it (``adds_key_bias_by_mma``).
+        _attention("attn-dense-d128-key-bias-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=128,
+                   bias="1,Hkv,1,Sk", causal=True),
         _attention("attn-dense-d32-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=32,
                    bias="B,H,1,1", causal=True),
         _attention("attn-dense-d64-window", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=64,

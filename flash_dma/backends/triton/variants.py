@@ -203,6 +203,9 @@ VARIANTS = [
             ("key-list-cache", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_KEYS, SEQ=SEQ_CACHE)),
             ("per-key-cache-rows", dict(_HOPPER, WALK=WALK_DENSE, SEQ=SEQ_CACHE, CACHE=CACHE_ROWS.value)),
             ("per-key-cache-pages", dict(_HOPPER, WALK=WALK_DENSE, SEQ=SEQ_CACHE, CACHE=CACHE_PAGES.value)),
+            # A 16-bit per-key bias, added by the tensor cores (not on the per-key-block walk) (``common.adds_key_bias_by_mma``).
+            ("dense-bias-mma", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, STAGED_BIAS=True)),
+            ("key-list-bias-mma", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_KEYS, STAGED_BIAS=True)),
         )),
     ),
     *_gluon_variants(
@@ -210,6 +213,8 @@ VARIANTS = [
         ("per-key-blocks-d256", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, Q_SLOTS=1, FP8=False, SEQ=SEQ_FIXED, CACHE=CACHE_CONTIGUOUS.value)),
         ("per-key-blocks-d192", dict(_HOPPER, HEAD_DIM=256, COLUMNS=192, Q_SLOTS=1, FP8=False, SEQ=SEQ_FIXED, CACHE=CACHE_CONTIGUOUS.value)),
         ("per-key-blocks-d256-fp8", dict(_HOPPER, HEAD_DIM=256, COLUMNS=256, Q_SLOTS=1, FP8=True, SEQ=SEQ_FIXED, CACHE=CACHE_CONTIGUOUS.value)),
+        ("dense-d192-bias-mma", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=256, COLUMNS=192, Q_SLOTS=1, FP8=False,
+                                    SEQ=SEQ_FIXED, CACHE=CACHE_CONTIGUOUS.value, STAGED_BIAS=True)),
     ),
     Variant("dkdv-key-list", dkdv_launcher, 4, 3, {**_KEYS, **_DKDV, "DBIAS": DBIAS_PER_KEY}),
     Variant("dkdv-per-key-blocks", dkdv_launcher, 4, 3, {**_PER_KEY, **_DKDV, "DBIAS": DBIAS_PER_KEY}),

@@ -11,11 +11,11 @@ from flash_dma import build_block_mask, flash_dma_varlen_func, pack_mask
 from flash_dma.backends.triton import forward as forward_module
 from flash_dma.backends.triton.dispatch import HOPPER, form_of, route
 from flash_dma.backends.triton.forward import attention_forward
-from flash_dma.backends.triton.hopper.common import stages_pair_bias
+from flash_dma.backends.triton.hopper.common import adds_key_bias_by_mma, stages_pair_bias
 from flash_dma.backends.triton.hopper.forward import hopper_forward
 from flash_dma.backends.triton.key_list import build_key_list
 from flash_dma.backends.triton.launch import forget_choices
-from flash_dma.backends.triton.layout import call_signature
+from flash_dma.backends.triton.layout import WALK_BLOCKS, WALK_DENSE, WALK_KEYS, call_signature, walk_kind
 from tests.backends.triton.test_kvcache import CacheCase, make_cache_inputs, poison_unwritten
 from tests.backends.triton.test_kvcache import run as run_cache
 from tests.backends.triton.test_varlen import VarlenCase, make_varlen_inputs, reference_varlen
@@ -71,6 +71,12 @@ CASES = [
     Case(seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=256, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
     Case(batch=2, seqlen_q=1000, seqlen_k=1000, heads=4, kv_heads=2, head_dim=192, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
     Case(seqlen_q=200, seqlen_k=300, head_dim=256, bias="B,H,Sq,Sk", window=(40, 40), softcap=2.0),
+    # A per-key bias the tensor cores add (``adds_key_bias_by_mma``): a last tile past the keys'
+    # end, a per-key mask on the dense walk (the loader writes -inf for the keys it drops); and a
+    # float32 bias, which the loader stages as key scores.
+    Case(batch=2, seqlen_q=1000, seqlen_k=1000, heads=4, kv_heads=2, head_dim=128, bias=PER_KEY, causal=True),
+    Case(seqlen_q=300, seqlen_k=260, head_dim=64, bias="1,H,1,Sk", bias_fp32=True),
+    Case(batch=2, seqlen_q=777, seqlen_k=1000, head_dim=128, mask=PER_KEY, bias=PER_KEY, causal=True),
 ]
 
 PAIR_CASES = HOPPER_PAIR_CASES
@@ -147,6 +153,44 @@ def test_the_seed_form_stages_its_bias_with_tma():
     assert stages_pair_bias(call, 0)
     assert not stages_pair_bias(call._replace(bias=call.bias[..., :-1]), 0)  # rows of 999 keys: not 16-byte rows
     assert not stages_pair_bias(call._replace(bias=call.bias.float()), 0)
+
+
+def test_the_tensor_cores_add_a_16_bit_per_key_bias():
+    """A per-key bias of Q's 16-bit dtype, through any strides, goes to S by a product of its own
+    on the dense walk and a key list's; the per-key-block walk, a float32 bias, softcap, a scale
+    whose inverse the dtype does not hold and a KV cache keep the loader's key scores."""
+    case = Case(batch=2, seqlen_q=64, seqlen_k=999, heads=4, kv_heads=2, head_dim=64, bias=PER_KEY)
+    call = _call(case, make_inputs(case, torch.bfloat16))
+    bias = call.bias
+    assert adds_key_bias_by_mma(call, WALK_DENSE, False) and adds_key_bias_by_mma(call, WALK_KEYS, False)
+    assert adds_key_bias_by_mma(call._replace(q=call.q.half(), bias=bias.half()), WALK_DENSE, False)
+    assert adds_key_bias_by_mma(call._replace(bias=bias.transpose(0, 1).contiguous().transpose(0, 1)), WALK_DENSE, False)
+    assert not adds_key_bias_by_mma(call, WALK_BLOCKS, False)
+    assert not adds_key_bias_by_mma(call, WALK_DENSE, True)
+    assert not adds_key_bias_by_mma(call._replace(bias=bias.float()), WALK_DENSE, False)
+    assert not adds_key_bias_by_mma(call._replace(softcap=5.0), WALK_DENSE, False)
+    assert not adds_key_bias_by_mma(call._replace(softmax_scale=0.0), WALK_DENSE, False)
+    assert not adds_key_bias_by_mma(call._replace(softmax_scale=1e39), WALK_DENSE, False)  # 1 / scale is no normal bfloat16
+    assert not adds_key_bias_by_mma(call._replace(bias=None), WALK_DENSE, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("head_dim", [96, 128, 192])
+@pytest.mark.parametrize("walk", ["dense", "key-list"])
+def test_infinite_key_biases_drop_their_keys(walk, head_dim, dtype):
+    """The tensor cores add the bias by weights ``hi + lo`` of one sign, so a -inf bias drops its
+    key (at D = 96 and 192 ``1 / scale`` rounds up to nearest: inf - inf would be NaN); a masked
+    key's +inf bias is dropped with it (the loader writes -inf in its place in the operand)."""
+    case = Case(batch=2, seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=head_dim, mask=PER_KEY, bias=PER_KEY, causal=True)
+    inputs = make_inputs(case, dtype)
+    bias = inputs["attn_bias"].detach().clone()
+    bias[..., ::7] = float("-inf")
+    bias = torch.where(inputs["attn_mask"], bias, float("inf"))
+    inputs["attn_bias"] = bias
+    key_list = build_key_list(inputs["attn_mask"], case.seqlen_k) if walk == "key-list" else None
+    call = _call(case, inputs, key_list)
+    assert adds_key_bias_by_mma(call, walk_kind(call.kv_lists, call.key_list), False)
+    _check(case, inputs, call, dtype)
 
 
 def test_packed_query_view_is_read_through_its_strides():

@@ -38,6 +38,7 @@ from flash_dma.backends.triton.layout import (
     SEQ_CACHE,
     SEQ_FIXED,
     SEQ_PACKED,
+    WALK_BLOCKS,
     WALK_KEYS,
     Call,
     Sequences,
@@ -92,6 +93,7 @@ cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 MATH_REGISTERS = gl.constexpr(240)
 LOADER_REGISTERS = gl.constexpr(24)
 MAX_REGISTERS = 168
+KEY_BIAS_COLUMNS = gl.constexpr(16)  # a 16-bit product's reduction step: the per-key bias operand's width
 PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rows of small shared arrays
 WORD_BITS = gl.constexpr(32)  # bits per word of a BitMask (``bit_mask.py``)
 
@@ -152,6 +154,25 @@ def stages_pair_bias(call: Call, walk_flag: int) -> bool:
     )
 
 
+def adds_key_bias_by_mma(call: Call, walk_flag: int, cached: bool) -> bool:
+    """Whether the forward has the tensor cores add a per-key bias to each ``S`` tile: a product of
+    its own, of the bias's row (``_store_key_bias``, in the ring beside K) by weights that carry ``1 /
+    softmax_scale`` (``forward._key_bias_weights``), so that the math warpgroups neither read nor
+    add it; the operand holds -inf for the keys a per-key mask or a key list drops. For a 16-bit bias
+    of Q's dtype (the product's operand as it comes) and a nonzero scale whose inverse the dtype
+    holds as a normal number; not with softcap (which caps ``S`` before the bias is added), nor over
+    a KV cache (a decode step's few rows spend little on the bias), nor on the per-key-block walk,
+    where it measured slower (docs/design-notes.md, "Hopper forward: what a per-key bias costs").
+    Otherwise the loader stages the bias as a key score (``_load_key_tile``)."""
+    bias = call.bias
+    if input_form(bias) != "keys" or bias.shape[3] == 1 or walk_flag == WALK_BLOCKS or cached or call.softcap > 0:
+        return False
+    if bias.dtype != call.q.dtype or bias.element_size() != 2 or call.softmax_scale == 0:
+        return False
+    limits = torch.finfo(bias.dtype)
+    return limits.tiny <= abs(1 / call.softmax_scale) < limits.max / 2
+
+
 def hopper_tensors(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.Tensor | None) -> list:
     """The pointer parameters every Hopper kernel begins with: ``Q, K, V, Mask, Bias, Walk`` (``k``
     and ``v`` as the kernel copies them: gathered for a key list)."""
@@ -165,6 +186,7 @@ def hopper_tensors(call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.Ten
 
 def hopper_arguments(
     call: Call, k: torch.Tensor, v: torch.Tensor, walk: torch.Tensor | None, walk_flag: int, seq: int = SEQ_FIXED,
+    key_bias_by_mma: bool = False,
 ) -> tuple[list, list]:
     """``(runtime, constexprs)``: the parameters every Hopper kernel begins with after
     :func:`hopper_tensors`' pointers.
@@ -174,6 +196,9 @@ def hopper_arguments(
     ``batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, group``, the head divisors of mask,
     bias and walk, the summary's block sizes, the band (``launch_band``: ``seq`` is the kernel's SEQ) and
     ``scale, scale_log2``; ``constexprs`` ``MASK, BIAS, WALK, HEAD_DIM, COLUMNS, STAGED_BIAS, SOFTCAP``.
+    STAGED_BIAS: the loader stages the bias in shared memory beside K: a per-pair bias's tiles by
+    TMA (``stages_pair_bias``) or, where the caller found it (``key_bias_by_mma``), a per-key bias
+    as the tensor cores' operand (``adds_key_bias_by_mma``).
     """
     q, mask, bias = call.q, call.mask, call.bias
     batch, seqlen_q, num_heads, head_dim = q.shape
@@ -191,7 +216,7 @@ def hopper_arguments(
     ]
     constexprs = [
         MASK_CODES[input_form(mask, call.mask_kind)], BIAS_CODES[input_form(bias)], walk_flag, head_dim_tile(head_dim), head_dim,
-        stages_pair_bias(call, walk_flag), call.softcap > 0,
+        stages_pair_bias(call, walk_flag) or key_bias_by_mma, call.softcap > 0,
     ]
     return runtime, constexprs
 
@@ -432,13 +457,15 @@ def tile_descriptor(
 
 
 @gluon.jit
-def pair_buffers(
-    words_desc, bias_desc, MASK: gl.constexpr, STAGED_BIAS: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_M: gl.constexpr = 0,
+def staged_buffers(
+    words_desc, bias_desc, Bias, MASK: gl.constexpr, BIAS: gl.constexpr, STAGED_BIAS: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr = 0,
 ):
     """``(words, bias)``: shared-memory rings of ``STAGES`` tiles of a BitMask's words
     (``words_staged``), or with ``BLOCK_M`` of key intervals' row words (``_store_row_words``: the
-    forward's and dQ's), and of a staged per-pair bias (one word each where there is none)."""
+    forward's and dQ's), and of the bias the loader stages (a per-pair bias's tiles, a per-key
+    bias's operand ``[BLOCK_N, KEY_BIAS_COLUMNS]``, ``_store_key_bias``; one word each where there
+    is none)."""
     words = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
     bias = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
     if words_staged(MASK, BLOCK_N):
@@ -446,7 +473,11 @@ def pair_buffers(
     if MASK == MASK_INTERVALS and BLOCK_M > 0:
         rows_of_words: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         words = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_M // WORD_BITS, BLOCK_N], rows_of_words)
-    if STAGED_BIAS:
+    if key_bias_staged(BIAS, STAGED_BIAS):
+        dtype: gl.constexpr = Bias.dtype.element_ty
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, KEY_BIAS_COLUMNS], dtype)
+        bias = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, KEY_BIAS_COLUMNS], layout)
+    elif STAGED_BIAS:
         bias = gl.allocate_shared_memory(bias_desc.dtype, [STAGES] + bias_desc.block_type.shape, bias_desc.layout)
     return words, bias
 
@@ -508,11 +539,18 @@ def pair_bias(p, batch, head, rows, keys, KEYS_FIRST: gl.constexpr):
 
 
 @gluon.constexpr_function
-def keys_scored(BIAS, MASK, WALK):
+def key_bias_staged(BIAS, STAGED_BIAS):
+    """Whether the loader stages a per-key bias's operand with each K tile, for the tensor cores to
+    add (``adds_key_bias_by_mma``)."""
+    return BIAS == BIAS_KEYS and STAGED_BIAS
+
+
+@gluon.constexpr_function
+def keys_scored(BIAS, MASK, WALK, STAGED_BIAS):
     """Whether the loader stages key scores with each K tile (``_load_key_tile``) for the math
     warpgroups to add: a bias or a mask per key, or a key list (its slots past the kept count
-    score -inf)."""
-    return BIAS == BIAS_KEYS or MASK == MASK_KEYS or WALK == tiles.WALK_KEYS
+    score -inf); not where it stages the bias as an operand, which carries the -inf too."""
+    return (BIAS == BIAS_KEYS or MASK == MASK_KEYS or WALK == tiles.WALK_KEYS) and not key_bias_staged(BIAS, STAGED_BIAS)
 
 
 @gluon.constexpr_function
@@ -587,8 +625,9 @@ def staged_pair_row(T, stride_b, stride_h, stride_q, head_div, batch, head, row)
 
 
 @gluon.jit
-def pair_descriptors(Mask, Bias, fallback, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq,
-                     MASK: gl.constexpr, STAGED_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def staged_descriptors(Mask, Bias, fallback, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq,
+                       MASK: gl.constexpr, BIAS: gl.constexpr, STAGED_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr):
     """``(words_desc, bias_desc)``: TMA descriptors of a BitMask's words (``words_staged``) and of
     a staged per-pair bias, in tiles of a work item's rows and one key tile (``fallback`` where
     there is none)."""
@@ -596,7 +635,7 @@ def pair_descriptors(Mask, Bias, fallback, mask_rows, mask_cols, bias_rows, bias
     bias_desc = fallback
     if words_staged(MASK, BLOCK_N):
         words_desc = pair_descriptor(Mask, mask_rows, mask_cols, stride_mq, BLOCK_M, BLOCK_N // WORD_BITS)
-    if STAGED_BIAS:
+    if STAGED_BIAS and BIAS == BIAS_PAIRS:
         bias_desc = pair_descriptor(Bias, bias_rows, bias_cols, stride_bq, BLOCK_M, BLOCK_N)
     return words_desc, bias_desc
 
@@ -750,10 +789,12 @@ def kept_by_row_words(s, words):
 def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv_batch):
     """The j-th key tile of work item ``it`` into ring position ``loaded``: the span of its keys'
     positions (with a key list also the positions), whether its pair bits are read, its key scores
-    (bias per key in log2 units, -inf for keys masked out or past the end), K and V (from batch
-    row ``kv_batch``, ``_cache_row``)."""
+    (bias per key in log2 units, -inf for keys masked out or past the end) or its per-key bias as
+    the tensor cores' operand (``_store_key_bias``, -inf for those keys), K and V (from batch row ``kv_batch``,
+    ``_cache_row``)."""
     KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
-    SCORED: gl.constexpr = keys_scored(p.BIAS, p.MASK, p.WALK)
+    SCORED: gl.constexpr = keys_scored(p.BIAS, p.MASK, p.WALK, p.STAGED_BIAS)
+    STAGES_KEY_BIAS: gl.constexpr = key_bias_staged(p.BIAS, p.STAGED_BIAS)
     key_layout: gl.constexpr = gl.BlockedLayout([p.BLOCK_N // 32], [32], [1], [0])
     tile, partial = tile_at(p, it, j)
     first_key = tile * p.BLOCK_N
@@ -761,22 +802,27 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
     if p.CACHE == CACHE_PAGES:  # the tile lies within one page: ``dispatch.form_of`` wants pages of whole tiles
         page = gl.load(p.BlockTable + it.batch.to(gl.int64) * p.stride_table + key_row // p.page_size)
         key_row = gl.minimum(gl.maximum(page, 0), p.cache_last) * p.page_size + key_row % p.page_size
-    if SCORED:  # read before waiting for the buffer: the loads overlap the wait
+    if SCORED or STAGES_KEY_BIAS:  # read before waiting for the buffer: the loads overlap the wait
         keys = first_key + gl.arange(0, p.BLOCK_N, key_layout)  # [BLOCK_N]
         key_ok = keys < span.seqlen_k
         if KEYS:  # slots of the key list: kept positions (ascending) up to its kept count
             key_ok = keys < it.key_limit
             keys = gl.load(it.lists + keys, mask=key_ok, other=0)
             first_key = gl.min(gl.where(key_ok, keys, span.seqlen_k), 0)
+        bias_keys = keys
+        if p.CACHE == CACHE_PAGES:  # a paged cache's bias lies in the pool, beside its keys
+            bias_keys = key_row + gl.arange(0, p.BLOCK_N, key_layout)
         scores = gl.full([p.BLOCK_N], 0.0, gl.float32, key_layout)
-        if p.BIAS == BIAS_KEYS:
-            bias_keys = keys
-            if p.CACHE == CACHE_PAGES:  # a paged cache's bias lies in the pool, beside its keys
-                bias_keys = key_row + gl.arange(0, p.BLOCK_N, key_layout)
+        if STAGES_KEY_BIAS:  # in its own dtype: the operand's
+            key_bias = gl.load(bias_row + bias_keys * p.stride_bk, mask=key_ok, other=0.0)  # [BLOCK_N]
+        elif p.BIAS == BIAS_KEYS:
             scores = gl.load(bias_row + bias_keys * p.stride_bk, mask=key_ok, other=0.0).to(gl.float32) * tiles.LOG2E
         if p.MASK == MASK_KEYS:
             key_ok = key_ok & (gl.load(mask_row + keys * p.stride_mk, mask=key_ok & partial, other=1) != 0)
-        scores = gl.where(key_ok, scores, float("-inf"))
+        if STAGES_KEY_BIAS:  # -inf in place of a dropped key's bias, which may be inf or NaN
+            key_bias = gl.where(key_ok, key_bias, float("-inf"))
+        else:
+            scores = gl.where(key_ok, scores, float("-inf"))
     if p.MASK == MASK_INTERVALS:  # the keys' rows, for a PARTIAL tile; read before the wait, as the scores
         keys = first_key + gl.arange(0, p.BLOCK_N, gl.SliceLayout(0, _row_words_layout(p.BLOCK_N)))
         start, end = interval_rows(p, mask_row, keys, (keys < span.seqlen_k) & partial)
@@ -798,16 +844,18 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
         put(bufs.partial.index(stage), partial.to(gl.int32))
     if SCORED:
         bufs.key_scores.index(stage).store(scores)
+    if STAGES_KEY_BIAS:
+        _store_key_bias(bufs.bias.index(stage), key_bias)
     # A BitMask's words and a per-pair bias come with K: the math warpgroups read them with S.
     words_bytes: gl.constexpr = p.words_desc.block_type.nbytes if words_staged(p.MASK, p.BLOCK_N) else 0
-    bias_bytes: gl.constexpr = p.bias_desc.block_type.nbytes if p.STAGED_BIAS else 0
+    bias_bytes: gl.constexpr = p.bias_desc.block_type.nbytes if p.STAGED_BIAS and not STAGES_KEY_BIAS else 0
     k_bytes: gl.constexpr = kv_bytes + words_bytes + bias_bytes
     expect_after_stores(bufs.k_ready.index(stage), k_bytes)
     tma_load(p.k_desc, [kv_batch, key_row, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage))
     if words_staged(p.MASK, p.BLOCK_N):
         row = staged_pair_row(p.Mask, p.stride_mb, p.stride_mh, p.stride_mq, p.mask_head_div, it.batch, it.head, first_row)
         tma_load(p.words_desc, [row, tile * (p.BLOCK_N // WORD_BITS)], bufs.k_ready.index(stage), bufs.words.index(stage))
-    if p.STAGED_BIAS:
+    if p.STAGED_BIAS and not STAGES_KEY_BIAS:
         row = staged_pair_row(p.Bias, p.stride_bb, p.stride_bh, p.stride_bq, p.bias_head_div, it.batch, it.head, first_row)
         tma_load(p.bias_desc, [row, tile * p.BLOCK_N], bufs.k_ready.index(stage), bufs.bias.index(stage))
     mbarrier.wait(bufs.v_empty.index(stage), phase)
@@ -817,6 +865,22 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
     else:
         v_tile = [kv_batch, key_row, kv_head, 0]
     tma_load(p.v_desc, v_tile, bufs.v_ready.index(stage), bufs.v.index(stage))
+
+
+@gluon.jit
+def _store_key_bias(slot, key_bias):
+    """A K tile's per-key bias ``[BLOCK_N]`` into its ring slot as the B operand of the product
+    that adds it to ``S`` (``adds_key_bias_by_mma``), ``[BLOCK_N, KEY_BIAS_COLUMNS]``: each key's
+    bias in columns 0 and 1, which meet the weights' two parts (``forward._key_bias_weights``),
+    zeros elsewhere. Fenced: the tensor cores read it through the async proxy, once the barrier
+    that the loader arrives on next hands it over (``expect_after_stores``)."""
+    BLOCK_N: gl.constexpr = key_bias.shape[0]
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32, KEY_BIAS_COLUMNS], [32, 1], [1, 1], [1, 0])
+    columns = gl.arange(0, KEY_BIAS_COLUMNS, gl.SliceLayout(0, layout))  # [KEY_BIAS_COLUMNS]
+    key_bias = gl.convert_layout(key_bias, gl.SliceLayout(1, layout))  # the same lanes and registers
+    zeros = gl.zeros([BLOCK_N, KEY_BIAS_COLUMNS], key_bias.dtype, layout)
+    slot.store(gl.where(columns[None, :] < 2, key_bias[:, None], zeros))  # [BLOCK_N, KEY_BIAS_COLUMNS]
+    fence_async_shared()
 
 
 @gluon.jit
@@ -998,7 +1062,7 @@ def staged_keys(p, bufs, stage, keys_layout: gl.constexpr):
         first_key = get(bufs.spans.index(stage)) * p.BLOCK_N
         last_key = first_key + p.BLOCK_N - 1
     key_scores = gl.zeros([p.BLOCK_N], gl.float32, keys_layout)  # unread where there are none
-    if keys_scored(p.BIAS, p.MASK, p.WALK):
+    if keys_scored(p.BIAS, p.MASK, p.WALK, p.STAGED_BIAS):
         key_scores = bufs.key_scores.index(stage).load(keys_layout)
     return first_key, last_key, key_scores
 
@@ -1074,9 +1138,9 @@ def visible_scores(
     KEYS: gl.constexpr = p.WALK == tiles.WALK_KEYS
     first_key, last_key, key_scores = staged
     s = log2_scores(p, qk)
-    if keys_scored(p.BIAS, p.MASK, p.WALK):
+    if keys_scored(p.BIAS, p.MASK, p.WALK, p.STAGED_BIAS):
         s = s + key_scores[None, :]
-    if p.STAGED_BIAS:
+    if p.BIAS == BIAS_PAIRS and p.STAGED_BIAS:
         s = s + bufs.bias.index(stage).slice(HALF * ROWS, ROWS).load(qk.type.layout).to(gl.float32) * tiles.LOG2E
     elif p.BIAS == BIAS_PAIRS:
         if KEYS:

@@ -83,8 +83,6 @@ from flash_dma.backends.triton.hopper.common import (
     let_next_kernel_start,
     log2_scores,
     pair_bias,
-    pair_buffers,
-    pair_descriptors,
     pair_inside,
     pair_offsets,
     put,
@@ -92,6 +90,8 @@ from flash_dma.backends.triton.hopper.common import (
     record,
     row_statistics,
     softcap_slope,
+    staged_buffers,
+    staged_descriptors,
     staged_pair_row,
     tile_at,
     tile_count,
@@ -218,7 +218,7 @@ class _Problem:
 class _Buffers:
     """Shared memory: the queue's next items (index, tile count), two K/V tiles (this item's and
     the next's), a ring of Q/dO tiles with their BitMask words and per-pair bias
-    (``common.pair_buffers``), tile numbers, heads, whether their pair bits are read, LSEs and
+    (``common.staged_buffers``), tile numbers, heads, whether their pair bits are read, LSEs and
     deltas; each gradient warpgroup's tile of a per-pair bias gradient on its way out; the barriers."""
 
     item_index: gl.shared_memory_descriptor
@@ -739,10 +739,10 @@ def _dkdv_hopper_kernel(
     do_desc = tile_descriptor(DO, batch, seqlen_q, num_heads, COLUMNS, stride_dob, stride_dos, stride_doh, BLOCK_M, BLOCK_M, HEAD_DIM)
     k_desc = tile_descriptor(K, batch, seqlen_k, num_kv_heads, COLUMNS, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
     v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, COLUMNS, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
-    words_desc, bias_desc = pair_descriptors(
-        Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, STAGED_BIAS, BLOCK_M, BLOCK_N,
+    words_desc, bias_desc = staged_descriptors(
+        Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, BIAS, STAGED_BIAS, BLOCK_M, BLOCK_N,
     )
-    words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, Q_STAGES, BLOCK_N)
+    words, bias = staged_buffers(words_desc, bias_desc, Bias, MASK, BIAS, STAGED_BIAS, Q_STAGES, BLOCK_N)
     # A per-pair bias gradient written once per element leaves as the bias came in: by TMA.
     STAGED_DBIAS: gl.constexpr = (
         STAGED_BIAS and DBIAS == _FULL and not DBIAS_ATOMIC and DBias.dtype.element_ty == Bias.dtype.element_ty

@@ -35,10 +35,10 @@ from flash_dma.backends.triton.hopper.common import (
     jit_with_runtime_scalars,
     keys_scored,
     load_partition,
-    pair_buffers,
-    pair_descriptors,
     record,
     softcap_slope,
+    staged_buffers,
+    staged_descriptors,
     store_rows,
     take_rows,
     taken_item,
@@ -102,7 +102,7 @@ def _dq_item(p, bufs, index, items_done, consumed, HALF: gl.constexpr):
     # Staged key scores are read while the two products run (ptxas issues the loads between them),
     # not after S is waited for: up to 3% off the backward with a bias (docs/design-notes.md,
     # "Hopper backward: profile and variants"). Without key scores there is nothing to read early.
-    READ_KEYS_EARLY: gl.constexpr = keys_scored(p.BIAS, p.MASK, p.WALK)
+    READ_KEYS_EARLY: gl.constexpr = keys_scored(p.BIAS, p.MASK, p.WALK, p.STAGED_BIAS)
 
     batch, head, first_row, rows, q_slot, count, span = take_rows(p, bufs, index, items_done, HALF, rows_of_s)
     q = bufs.q.index(q_slot).reshape([p.BLOCK_M, D]).slice(HALF * ROWS, ROWS)  # [ROWS, D]
@@ -179,10 +179,10 @@ def _dq_hopper_kernel(
     dq_desc = tile_descriptor(DQ, batch, seqlen_q, num_heads, COLUMNS, stride_dqb, stride_dqs, stride_dqh, BLOCK_M // 2, BLOCK_M, HEAD_DIM)
     k_desc = tile_descriptor(K, batch, seqlen_k, num_kv_heads, COLUMNS, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_N, HEAD_DIM)
     v_desc = tile_descriptor(V, batch, seqlen_k, num_kv_heads, COLUMNS, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
-    words_desc, bias_desc = pair_descriptors(
-        Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, STAGED_BIAS, BLOCK_M, BLOCK_N,
+    words_desc, bias_desc = staged_descriptors(
+        Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, BIAS, STAGED_BIAS, BLOCK_M, BLOCK_N,
     )
-    words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, KV_STAGES, BLOCK_N, BLOCK_M)
+    words, bias = staged_buffers(words_desc, bias_desc, Bias, MASK, BIAS, STAGED_BIAS, KV_STAGES, BLOCK_N, BLOCK_M)
     barrier: gl.constexpr = mbarrier.MBarrierLayout()
     bufs = _Buffers(
         gl.allocate_shared_memory(q_desc.dtype, [Q_SLOTS] + q_desc.block_type.shape, q_desc.layout),

@@ -40,6 +40,7 @@ from flash_dma.backends.triton.hopper.common import (
     CACHE_PAGES,
     CACHE_ROWS,
     COMMON_TENSORS,
+    KEY_BIAS_COLUMNS,
     LOADER_REGISTERS,
     MASK_ROWS,
     MATH_REGISTERS,
@@ -47,6 +48,7 @@ from flash_dma.backends.triton.hopper.common import (
     PLAIN,
     TILES,
     Problem,
+    adds_key_bias_by_mma,
     head_dim_tile,
     hopper_arguments,
     hopper_tensors,
@@ -54,11 +56,12 @@ from flash_dma.backends.triton.hopper.common import (
     input_base,
     jit_with_runtime_scalars,
     kept_keys,
+    key_bias_staged,
     load_partition,
-    pair_buffers,
-    pair_descriptors,
     record,
     row_values,
+    staged_buffers,
+    staged_descriptors,
     stages_pair_bias,
     store_rows,
     take_rows,
@@ -87,11 +90,12 @@ STAGED_BIAS_KV_STAGES = 2  # D <= 64 with a per-pair bias staged beside K and V:
 @record
 class _Buffers:
     """Shared memory: two Q tiles (this item's and the next's) with their items' numbers and tile
-    counts, a ring of K/V tiles with their BitMask words (or key intervals' row words) and per-pair bias
-    (``common.pair_buffers``), the spans and (key lists) positions of their keys, whether their
+    counts, a ring of K/V tiles with their BitMask words (or key intervals' row words) and staged
+    bias (``common.staged_buffers``), the spans and (key lists) positions of their keys, whether their
     pairs are tested and their key scores, the barriers (``zeroed``: a cache's V tile whose rows
-    past the entry's keys the lower warpgroup has zeroed, ``_issue_value_product``), and with
-    FP8 a bfloat16 output tile (``common.store_rows``; one word otherwise)."""
+    past the entry's keys the lower warpgroup has zeroed, ``_issue_value_product``), with FP8 a
+    bfloat16 output tile (``common.store_rows``), and with a staged per-key bias the weights that
+    the tensor cores multiply it by (``_key_bias_weights``; one word each otherwise)."""
 
     q: gl.shared_memory_descriptor
     k: gl.shared_memory_descriptor
@@ -112,6 +116,7 @@ class _Buffers:
     v_empty: gl.shared_memory_descriptor
     zeroed: gl.shared_memory_descriptor
     out_tile: gl.shared_memory_descriptor
+    bias_weights: gl.shared_memory_descriptor
 
 
 @gluon.jit
@@ -317,8 +322,7 @@ def _softmax_item(p, bufs, index, items_done, consumed, zeroings, HALF: gl.const
     if count > 0:
         stage = consumed % p.KV_STAGES
         mbarrier.wait(bufs.k_ready.index(stage), (consumed // p.KV_STAGES) & 1)
-        k = bufs.k.index(stage).reshape([p.BLOCK_N, D])
-        qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        qk = _issue_scores(p, bufs, q, stage, s_layout)
         qk, staged = wait_for_scores(p, bufs, qk, 0, stage, keys_of_s, READ_KEYS_EARLY)
         s = visible_scores(p, bufs, _descaled(p, qk, qk_descale), staged, stage, batch, head, span, first_row, rows, keys_of_s, ROWS, HALF)
         mbarrier.arrive(bufs.k_empty.index(stage), count=1)
@@ -328,8 +332,7 @@ def _softmax_item(p, bufs, index, items_done, consumed, zeroings, HALF: gl.const
         for _ in range(1, count):
             following = (consumed + 1) % p.KV_STAGES
             mbarrier.wait(bufs.k_ready.index(following), ((consumed + 1) // p.KV_STAGES) & 1)
-            k = bufs.k.index(following).reshape([p.BLOCK_N, D])
-            qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+            qk = _issue_scores(p, bufs, q, following, s_layout)
             if RESCALE_AFTER_NEXT_S:
                 acc = _rescaled(acc, alpha)
             mbarrier.wait(bufs.v_ready.index(stage), (consumed // p.KV_STAGES) & 1)
@@ -369,6 +372,20 @@ def _softmax_item(p, bufs, index, items_done, consumed, zeroings, HALF: gl.const
 
 
 @gluon.jit
+def _issue_scores(p, bufs, q, stage, s_layout: gl.constexpr):
+    """Issue ``S = Q K^T`` ``[ROWS, BLOCK_N]`` for the K tile at ring position ``stage``, unscaled;
+    with a staged per-key bias, a second product adds it, the loader's operand (``common._store_key_bias``)
+    by the weights (``_key_bias_weights``): the tensor cores add the bias, which the math
+    warpgroups then neither read nor add (``common.adds_key_bias_by_mma``)."""
+    ROWS: gl.constexpr = q.shape[0]
+    k = bufs.k.index(stage).reshape([p.BLOCK_N, p.HEAD_DIM])
+    qk = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([ROWS, p.BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    if key_bias_staged(p.BIAS, p.STAGED_BIAS):
+        qk = warpgroup_mma(bufs.bias_weights, bufs.bias.index(stage).permute((1, 0)), qk, is_async=True)
+    return qk
+
+
+@gluon.jit
 def _softmax_rows(p, bufs, HALF: gl.constexpr):
     """One warpgroup: rows ``[HALF * 64, HALF * 64 + 64)`` of every work item of this program
     (``_softmax_item``)."""
@@ -390,6 +407,30 @@ def _softmax_lower(p, bufs):
 @gluon.jit
 def _softmax_upper(p, bufs):
     _softmax_rows(p, bufs, 1)
+
+
+@gluon.jit
+def _key_bias_weights(dtype: gl.constexpr, ROWS: gl.constexpr, scale):
+    """The A operand of the product that adds a per-key bias to ``S`` (``_issue_scores``) ``[ROWS,
+    KEY_BIAS_COLUMNS]``, in shared memory: ``1 / scale`` split in two values of ``dtype``, ``hi +
+    lo`` (16 significant bits in bfloat16), in the two columns that meet the bias's two copies
+    (``common._store_key_bias``), zeros elsewhere. ``S`` is the unscaled ``Q K^T``: its scale then
+    gives back the bias. Both are nonzero (halves of ``hi`` where ``lo`` is 0) and of one sign, or
+    an infinite bias would make NaN (times 0, or as inf - inf)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, KEY_BIAS_COLUMNS], [32, 1], [gl.num_warps(), 1], [1, 0])
+    columns = gl.arange(0, KEY_BIAS_COLUMNS, gl.SliceLayout(0, layout))[None, :] + gl.zeros([ROWS, KEY_BIAS_COLUMNS], gl.int32, layout)
+    inverse = gl.full([ROWS, KEY_BIAS_COLUMNS], 1.0, gl.float32, layout) / scale
+    hi = inverse.to(dtype, fp_downcast_rounding="rtz").to(gl.float32)  # toward 0: lo has hi's sign
+    lo = (inverse - hi).to(dtype).to(gl.float32)
+    first = gl.where(lo == 0, hi * 0.5, hi)
+    second = gl.where(lo == 0, hi * 0.5, lo)
+    weights = gl.where(columns == 0, first, gl.where(columns == 1, second, 0.0))
+    tile = gl.allocate_shared_memory(
+        dtype, [ROWS, KEY_BIAS_COLUMNS], gl.NVMMASharedLayout.get_default_for([ROWS, KEY_BIAS_COLUMNS], dtype),
+    )
+    tile.store(weights.to(dtype))
+    fence_async_shared()  # the tensor cores read it
+    return tile
 
 
 @jit_with_runtime_scalars
@@ -422,14 +463,17 @@ def _attn_fwd_hopper_kernel(
     else:
         v_desc = tile_descriptor(V, kv_batch, seqlen_k, num_kv_heads, COLUMNS, stride_vb, stride_vs, stride_vh, BLOCK_N, BLOCK_N, HEAD_DIM)
     o_desc = tile_descriptor(Out, batch, seqlen_q, num_heads, COLUMNS, stride_ob, stride_os, stride_oh, BLOCK_M // 2, BLOCK_M, HEAD_DIM)
-    words_desc, bias_desc = pair_descriptors(
-        Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, STAGED_BIAS, BLOCK_M, BLOCK_N,
+    words_desc, bias_desc = staged_descriptors(
+        Mask, Bias, q_desc, mask_rows, mask_cols, bias_rows, bias_cols, stride_mq, stride_bq, MASK, BIAS, STAGED_BIAS, BLOCK_M, BLOCK_N,
     )
-    words, bias = pair_buffers(words_desc, bias_desc, MASK, STAGED_BIAS, KV_STAGES, BLOCK_N, BLOCK_M)
+    words, bias = staged_buffers(words_desc, bias_desc, Bias, MASK, BIAS, STAGED_BIAS, KV_STAGES, BLOCK_N, BLOCK_M)
     barrier: gl.constexpr = mbarrier.MBarrierLayout()
     out_tile = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
     if FP8:
         out_tile = gl.allocate_shared_memory(o_desc.dtype, [1, BLOCK_M, 1, HEAD_DIM], o_desc.layout)
+    bias_weights = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
+    if key_bias_staged(BIAS, STAGED_BIAS):
+        bias_weights = _key_bias_weights(q_desc.dtype, BLOCK_M // 2, scale)
     bufs = _Buffers(
         gl.allocate_shared_memory(q_desc.dtype, [Q_SLOTS] + q_desc.block_type.shape, q_desc.layout),
         gl.allocate_shared_memory(k_desc.dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout),
@@ -450,6 +494,7 @@ def _attn_fwd_hopper_kernel(
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
         gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], barrier),
         out_tile,
+        bias_weights,
     )
     init_barriers(bufs, KV_STAGES)
     for i in gl.static_range(KV_STAGES):
@@ -497,6 +542,7 @@ def hopper_forward(
     if fp8:
         v = transposed_values(v)
     tensors = hopper_tensors(call, k, v, walk)
+    key_bias_by_mma = adds_key_bias_by_mma(call, walk_flag, cache is not None)
     descale = call.descale if fp8 else placeholder(q.device, torch.float32)
 
     rows, table, page_size, cache_last = cache_tables(cache, k)
@@ -509,7 +555,7 @@ def hopper_forward(
     row_width = max(32, head_dim_tile(head_dim) * q.element_size() // 2)
 
     def build():
-        runtime, flags = hopper_arguments(call, k, v, walk, walk_flag, seq)
+        runtime, flags = hopper_arguments(call, k, v, walk, walk_flag, seq, key_bias_by_mma)
         stages = STAGED_BIAS_KV_STAGES if stages_pair_bias(call, walk_flag) else KV_STAGES[row_width]
         own = [
             *out.stride()[:3], *lse.stride()[:2], items, row_blocks,
@@ -519,7 +565,7 @@ def hopper_forward(
         return [*tensors, descale, *seq_tables, *runtime, *flags, out, lse, *own], (q.dtype, *flags, kind)
 
     hopper_launcher.launch(
-        (signature, tensor_layout(rows), tensor_layout(table), page_size),
+        (signature, tensor_layout(rows), tensor_layout(table), page_size, key_bias_by_mma),
         [*tensors, descale, *seq_tables, out, lse, rows, table], build, lambda: [WIDE_TILE if wide else TILE],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )
