@@ -680,9 +680,14 @@ CASES = {
                    head_dim=256, bias="1,Hkv,Sq,Sk", causal=True, softcap=5.0),
         _attention("attn-rows-d128-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=128,
                    mask="B,Hkv,Sq,1", bias="1,H,Sq,1", causal=True),
-        # A per-key bias on the dense walk: the Hopper forward's tensor cores add it (``adds_key_bias_by_mma``).
+        # A 16-bit per-key bias the Hopper forward's tensor cores add (``adds_key_bias_by_mma``): on the
+        # dense walk, in tiles of 128 and 256 columns, and on a key list's (its dropped keys' -inf in the operand).
         _attention("attn-dense-d128-key-bias-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=128,
                    bias="1,Hkv,1,Sk", causal=True),
+        _attention("attn-dense-d192-key-bias", batch=2, seqlen_q=129, seqlen_k=300, heads=4, kv_heads=2, head_dim=192,
+                   bias="B,H,1,Sk"),
+        _attention("attn-keys-d128-key-bias-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=128,
+                   mask="B,Hkv,1,Sk", bias="1,Hkv,1,Sk", causal=True, walk="listed"),
         _attention("attn-dense-d32-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=32,
                    bias="B,H,1,1", causal=True),
         _attention("attn-dense-d64-window", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2, head_dim=64,
