@@ -477,7 +477,7 @@ def staged_buffers(
         dtype: gl.constexpr = Bias.dtype.element_ty
         layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, KEY_BIAS_COLUMNS], dtype)
         bias = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, KEY_BIAS_COLUMNS], layout)
-    elif STAGED_BIAS:
+    if pair_bias_staged(BIAS, STAGED_BIAS):
         bias = gl.allocate_shared_memory(bias_desc.dtype, [STAGES] + bias_desc.block_type.shape, bias_desc.layout)
     return words, bias
 
@@ -543,6 +543,12 @@ def key_bias_staged(BIAS, STAGED_BIAS):
     """Whether the loader stages a per-key bias's operand with each K tile, for the tensor cores to
     add (``adds_key_bias_by_mma``)."""
     return BIAS == BIAS_KEYS and STAGED_BIAS
+
+
+@gluon.constexpr_function
+def pair_bias_staged(BIAS, STAGED_BIAS):
+    """Whether the loader copies a per-pair bias's tiles with TMA beside K (``stages_pair_bias``)."""
+    return BIAS == BIAS_PAIRS and STAGED_BIAS
 
 
 @gluon.constexpr_function
@@ -635,7 +641,7 @@ def staged_descriptors(Mask, Bias, fallback, mask_rows, mask_cols, bias_rows, bi
     bias_desc = fallback
     if words_staged(MASK, BLOCK_N):
         words_desc = pair_descriptor(Mask, mask_rows, mask_cols, stride_mq, BLOCK_M, BLOCK_N // WORD_BITS)
-    if STAGED_BIAS and BIAS == BIAS_PAIRS:
+    if pair_bias_staged(BIAS, STAGED_BIAS):
         bias_desc = pair_descriptor(Bias, bias_rows, bias_cols, stride_bq, BLOCK_M, BLOCK_N)
     return words_desc, bias_desc
 
@@ -812,17 +818,16 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
         bias_keys = keys
         if p.CACHE == CACHE_PAGES:  # a paged cache's bias lies in the pool, beside its keys
             bias_keys = key_row + gl.arange(0, p.BLOCK_N, key_layout)
-        scores = gl.full([p.BLOCK_N], 0.0, gl.float32, key_layout)
-        if STAGES_KEY_BIAS:  # in its own dtype: the operand's
-            key_bias = gl.load(bias_row + bias_keys * p.stride_bk, mask=key_ok, other=0.0)  # [BLOCK_N]
-        elif p.BIAS == BIAS_KEYS:
-            scores = gl.load(bias_row + bias_keys * p.stride_bk, mask=key_ok, other=0.0).to(gl.float32) * tiles.LOG2E
+        # The key scores (the bias in log2 units), or the bias in its own dtype as the operand; -inf
+        # for a dropped key, in place of its bias, which may be inf or NaN.
+        scores = gl.full([p.BLOCK_N], 0.0, gl.float32, key_layout)  # [BLOCK_N]
+        if p.BIAS == BIAS_KEYS:
+            scores = gl.load(bias_row + bias_keys * p.stride_bk, mask=key_ok, other=0.0)
+            if not STAGES_KEY_BIAS:
+                scores = scores.to(gl.float32) * tiles.LOG2E
         if p.MASK == MASK_KEYS:
             key_ok = key_ok & (gl.load(mask_row + keys * p.stride_mk, mask=key_ok & partial, other=1) != 0)
-        if STAGES_KEY_BIAS:  # -inf in place of a dropped key's bias, which may be inf or NaN
-            key_bias = gl.where(key_ok, key_bias, float("-inf"))
-        else:
-            scores = gl.where(key_ok, scores, float("-inf"))
+        scores = gl.where(key_ok, scores, float("-inf"))
     if p.MASK == MASK_INTERVALS:  # the keys' rows, for a PARTIAL tile; read before the wait, as the scores
         keys = first_key + gl.arange(0, p.BLOCK_N, gl.SliceLayout(0, _row_words_layout(p.BLOCK_N)))
         start, end = interval_rows(p, mask_row, keys, (keys < span.seqlen_k) & partial)
@@ -845,17 +850,17 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
     if SCORED:
         bufs.key_scores.index(stage).store(scores)
     if STAGES_KEY_BIAS:
-        _store_key_bias(bufs.bias.index(stage), key_bias)
+        _store_key_bias(bufs.bias.index(stage), scores)
     # A BitMask's words and a per-pair bias come with K: the math warpgroups read them with S.
     words_bytes: gl.constexpr = p.words_desc.block_type.nbytes if words_staged(p.MASK, p.BLOCK_N) else 0
-    bias_bytes: gl.constexpr = p.bias_desc.block_type.nbytes if p.STAGED_BIAS and not STAGES_KEY_BIAS else 0
+    bias_bytes: gl.constexpr = p.bias_desc.block_type.nbytes if pair_bias_staged(p.BIAS, p.STAGED_BIAS) else 0
     k_bytes: gl.constexpr = kv_bytes + words_bytes + bias_bytes
     expect_after_stores(bufs.k_ready.index(stage), k_bytes)
     tma_load(p.k_desc, [kv_batch, key_row, kv_head, 0], bufs.k_ready.index(stage), bufs.k.index(stage))
     if words_staged(p.MASK, p.BLOCK_N):
         row = staged_pair_row(p.Mask, p.stride_mb, p.stride_mh, p.stride_mq, p.mask_head_div, it.batch, it.head, first_row)
         tma_load(p.words_desc, [row, tile * (p.BLOCK_N // WORD_BITS)], bufs.k_ready.index(stage), bufs.words.index(stage))
-    if p.STAGED_BIAS and not STAGES_KEY_BIAS:
+    if pair_bias_staged(p.BIAS, p.STAGED_BIAS):
         row = staged_pair_row(p.Bias, p.stride_bb, p.stride_bh, p.stride_bq, p.bias_head_div, it.batch, it.head, first_row)
         tma_load(p.bias_desc, [row, tile * p.BLOCK_N], bufs.k_ready.index(stage), bufs.bias.index(stage))
     mbarrier.wait(bufs.v_empty.index(stage), phase)
@@ -1140,7 +1145,7 @@ def visible_scores(
     s = log2_scores(p, qk)
     if keys_scored(p.BIAS, p.MASK, p.WALK, p.STAGED_BIAS):
         s = s + key_scores[None, :]
-    if p.BIAS == BIAS_PAIRS and p.STAGED_BIAS:
+    if pair_bias_staged(p.BIAS, p.STAGED_BIAS):
         s = s + bufs.bias.index(stage).slice(HALF * ROWS, ROWS).load(qk.type.layout).to(gl.float32) * tiles.LOG2E
     elif p.BIAS == BIAS_PAIRS:
         if KEYS:
