@@ -276,10 +276,14 @@ def triton_call(case: Case, inputs: dict, **kwargs):
 # on PARTIAL tiles, FULL and EMPTY tiles from the summary), biases per pair (read per tile; their
 # gradients written per tile, added over a group's heads in registers, or by atomics where
 # programs share them), and masks and biases per query row (read once per work item).
+# The seeds' form: one bias and one mask shared by the group's heads, causal.
+# (Sk a multiple of 8 at D = 64: the loader stages the bias with TMA, and dK/dV stores its gradient so.)
+SEED_FORM_CASE = Case(
+    batch=1, seqlen_q=1000, seqlen_k=1000, heads=2, kv_heads=1, head_dim=64, mask="1,1,Sq,Sk", bias="1,1,Sq,Sk", causal=True, packed=True,
+    block_size=(128, 128),
+)
 HOPPER_PAIR_CASES = [
-    # The seeds' form: one bias and one mask shared by the group's heads, causal.
-    # (Sk a multiple of 8 at D = 64: the loader stages the bias with TMA, and dK/dV stores its gradient so.)
-    Case(batch=1, seqlen_q=1000, seqlen_k=1000, heads=2, kv_heads=1, head_dim=64, mask="1,1,Sq,Sk", bias="1,1,Sq,Sk", causal=True, packed=True, block_size=(128, 128)),
+    SEED_FORM_CASE,
     Case(seqlen_q=904, seqlen_k=1000, heads=4, kv_heads=2, head_dim=64, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),
     Case(seqlen_q=1023, seqlen_k=1024, heads=2, kv_heads=1, head_dim=64, mask="1,1,Sq,Sk", bias="1,1,Sq,Sk", window=(300, 0), packed=True, block_size=(128, 128)),
     Case(seqlen_q=700, seqlen_k=900, head_dim=128, mask="B,Hkv,Sq,Sk", bias="B,H,Sq,Sk", mask_kind="tiles", causal=True, packed=True, block_size=(128, 128)),

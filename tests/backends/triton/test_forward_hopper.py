@@ -25,6 +25,7 @@ from tests.helpers import (
     HOPPER_ONLY,
     HOPPER_PAIR_CASES,
     KERNEL_DTYPES,
+    SEED_FORM_CASE,
     Case,
     assert_close,
     assert_gradients_close,
@@ -39,19 +40,31 @@ from tests.helpers import (
 pytestmark = HOPPER_ONLY
 
 PER_KEY = "B,Hkv,1,Sk"
+# FP8 inputs (e4m3, descales per (batch, key/value head)) run on the forms that change how the kernel
+# reads them: summaries and per-key inputs, GQA, the dense walk, softcap, head dims of 32, 96 and 256,
+# a per-pair bias staged by TMA (D = 64) and one read by the math warpgroups (``also_fp8``).
+FP8_CASES = []
+
+
+def also_fp8(case: Case) -> Case:
+    """``case``, also run with FP8 inputs (``test_hopper_fp8_forward_matches_reference``)."""
+    FP8_CASES.append(case)
+    return case
+
+
 CASES = [
     # A per-key mask in 16-key runs: 128-key tiles are PARTIAL, some FULL or EMPTY.
     Case(seqlen_q=130, seqlen_k=239, head_dim=64, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
-    Case(seqlen_q=1023, seqlen_k=1023, head_dim=128, mask=PER_KEY, bias="1,H,1,Sk", mask_kind="blocks", causal=True, block_size=(128, 128)),
-    Case(seqlen_q=239, seqlen_k=1023, heads=6, kv_heads=2, head_dim=128, mask="1,1,1,Sk", bias="B,1,1,Sk", mask_kind="blocks", block_size=(128, 128)),
+    also_fp8(Case(seqlen_q=1023, seqlen_k=1023, head_dim=128, mask=PER_KEY, bias="1,H,1,Sk", mask_kind="blocks", causal=True, block_size=(128, 128))),
+    also_fp8(Case(seqlen_q=239, seqlen_k=1023, heads=6, kv_heads=2, head_dim=128, mask="1,1,1,Sk", bias="B,1,1,Sk", mask_kind="blocks", block_size=(128, 128))),
     # Summary blocks of two tiles, and summary rows of two row blocks.
     Case(seqlen_q=600, seqlen_k=777, head_dim=64, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(256, 256)),
     # Causal with Sq > Sk: the top rows see nothing (out 0, lse -inf).
     Case(seqlen_q=300, seqlen_k=63, heads=3, kv_heads=1, head_dim=128, mask=PER_KEY, bias=PER_KEY, causal=True, block_size=(128, 128)),
     # Ragged lengths, no summary: the dense walk, with and without a bias, and a per-key mask read on every tile.
-    Case(seqlen_q=1, seqlen_k=1, head_dim=64, bias=PER_KEY),
+    also_fp8(Case(seqlen_q=1, seqlen_k=1, head_dim=64, bias=PER_KEY)),
     Case(seqlen_q=17, seqlen_k=1023, head_dim=128, bias="1,H,1,Sk", bias_fp32=True, causal=True),
-    Case(seqlen_q=1023, seqlen_k=17, head_dim=64, causal=True),
+    also_fp8(Case(seqlen_q=1023, seqlen_k=17, head_dim=64, causal=True)),
     Case(seqlen_q=113, seqlen_k=113, heads=8, kv_heads=8, head_dim=128),
     Case(seqlen_q=200, seqlen_k=300, head_dim=128, mask=PER_KEY, bias=PER_KEY, causal=True),
     # Windows: narrow, both sides, and wider than the keys.
@@ -61,16 +74,16 @@ CASES = [
     # Many work items per program (the persistent grid wraps around several times).
     Case(batch=3, seqlen_q=2048, seqlen_k=2048, heads=16, kv_heads=4, head_dim=128, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
     # Softcap (Gemma's form): the cap before the bias, on a summary walk and on the dense one.
-    Case(seqlen_q=600, seqlen_k=777, head_dim=128, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128), softcap=5.0),
+    also_fp8(Case(seqlen_q=600, seqlen_k=777, head_dim=128, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128), softcap=5.0)),
     Case(seqlen_q=130, seqlen_k=239, heads=6, kv_heads=2, head_dim=64, bias="B,H,Sq,Sk", window=(40, 40), softcap=2.0),
     # Head dims of 32, and of 96 in tiles of 128 columns (the copies fill the last 32 with zeros).
-    Case(seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=32, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
-    Case(seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=96, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
+    also_fp8(Case(seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=32, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128))),
+    also_fp8(Case(seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=96, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128))),
     Case(seqlen_q=200, seqlen_k=300, head_dim=96, bias="B,H,Sq,Sk", window=(40, 40), softcap=2.0),
     # Head dims of 256 (tiles of 64 keys, one Q slot) and 192 in them: the forward alone is Hopper's.
-    Case(seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=256, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
+    also_fp8(Case(seqlen_q=300, seqlen_k=400, heads=4, kv_heads=2, head_dim=256, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128))),
     Case(batch=2, seqlen_q=1000, seqlen_k=1000, heads=4, kv_heads=2, head_dim=192, mask=PER_KEY, bias=PER_KEY, mask_kind="blocks", causal=True, block_size=(128, 128)),
-    Case(seqlen_q=200, seqlen_k=300, head_dim=256, bias="B,H,Sq,Sk", window=(40, 40), softcap=2.0),
+    also_fp8(Case(seqlen_q=200, seqlen_k=300, head_dim=256, bias="B,H,Sq,Sk", window=(40, 40), softcap=2.0)),
     # A per-key bias the tensor cores add (``adds_key_bias_by_mma``): a last tile past the keys'
     # end, a per-key mask on the dense walk (the loader writes -inf for the keys it drops); and a
     # float32 bias, which the loader stages as key scores.
@@ -148,7 +161,7 @@ def test_hopper_forward_gathers_kept_keys(case, dtype, poison_outputs):
 
 def test_the_seed_form_stages_its_bias_with_tma():
     """A 16-bit, contiguous per-pair bias of 16-byte rows at D = 64 is copied by the loader."""
-    case = PAIR_CASES[0]
+    case = SEED_FORM_CASE
     call = _call(case, make_inputs(case, KERNEL_DTYPES[0]))
     assert stages_pair_bias(call, 0)
     assert not stages_pair_bias(call._replace(bias=call.bias[..., :-1]), 0)  # rows of 999 keys: not 16-byte rows
@@ -228,10 +241,8 @@ def _walk(summary) -> dict:
     return dict(kv_lists=summary.kv_lists, q_lists=summary.q_lists, list_block_q=summary.block_size[0], list_block_k=summary.block_size[1])
 
 
-# FP8 inputs (e4m3, descales per (batch, key/value head)): the forms of CASES and PAIR_CASES that
-# change how the kernel reads them: summaries and per-key inputs, GQA, the dense walk, softcap, head
-# dims of 32, 96 and 256, a per-pair bias staged by TMA (D = 64) and one read by the math warpgroups.
-FP8_CASES = [CASES[1], CASES[2], CASES[5], CASES[7], CASES[14], CASES[16], CASES[17], CASES[19], CASES[21], PAIR_CASES[0], PAIR_CASES[3]]
+also_fp8(SEED_FORM_CASE)
+also_fp8(next(case for case in PAIR_CASES if case.head_dim == 128 and case.bias == "B,H,Sq,Sk"))  # read by the math warpgroups
 
 
 @pytest.mark.parametrize("case", FP8_CASES, ids=str)
