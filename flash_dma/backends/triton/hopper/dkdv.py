@@ -83,6 +83,7 @@ from flash_dma.backends.triton.hopper.common import (
     let_next_kernel_start,
     log2_scores,
     pair_bias,
+    pair_bias_staged,
     pair_inside,
     pair_offsets,
     put,
@@ -372,7 +373,7 @@ def _load_query_tile(p, bufs, loaded, batch, head, g, key_tile, tile, partial, s
     (``common.row_statistics``), Q and dO, and its pairs with key tile ``key_tile``'s keys: a
     BitMask's words and a staged per-pair bias."""
     words_bytes: gl.constexpr = p.words_desc.block_type.nbytes if words_staged(p.MASK, p.BLOCK_N) else 0
-    bias_bytes: gl.constexpr = p.bias_desc.block_type.nbytes if p.STAGED_BIAS else 0
+    bias_bytes: gl.constexpr = p.bias_desc.block_type.nbytes if pair_bias_staged(p.BIAS, p.STAGED_BIAS) else 0
     q_bytes: gl.constexpr = 2 * p.q_desc.block_type.nbytes + words_bytes + bias_bytes
     # LSE and delta are [B, H, Sq] (packed: [1, H, total]); the entry's rows start at q_start.
     row_offset = (span.tokens * p.num_heads + head).to(gl.int64) * p.seqlen_q + span.q_start
@@ -394,7 +395,7 @@ def _load_query_tile(p, bufs, loaded, batch, head, g, key_tile, tile, partial, s
     if words_staged(p.MASK, p.BLOCK_N):
         row = staged_pair_row(p.Mask, p.stride_mb, p.stride_mh, p.stride_mq, p.mask_head_div, batch, head, tile * p.BLOCK_M)
         tma_load(p.words_desc, [row, key_tile * (p.BLOCK_N // WORD_BITS)], bufs.q_ready.index(stage), bufs.words.index(stage))
-    if p.STAGED_BIAS:
+    if pair_bias_staged(p.BIAS, p.STAGED_BIAS):
         row = staged_pair_row(p.Bias, p.stride_bb, p.stride_bh, p.stride_bq, p.bias_head_div, batch, head, tile * p.BLOCK_M)
         tma_load(p.bias_desc, [row, key_tile * p.BLOCK_N], bufs.q_ready.index(stage), bufs.bias.index(stage))
 
@@ -615,7 +616,7 @@ def _gradient_item(p, bufs, index, count, kv_taken, consumed, HALF: gl.constexpr
             rows = first_row + gl.arange(0, p.BLOCK_M, rows_of_s)  # [BLOCK_M]
             st = warpgroup_mma_wait(1 if OWNS_DK else 0, deps=[st])
             s = log2_scores(p, st) + key_scores[:, None]
-            if p.STAGED_BIAS:
+            if pair_bias_staged(p.BIAS, p.STAGED_BIAS):
                 staged = bufs.bias.index(stage).slice(HALF * KEYS, KEYS, dim=1).permute((1, 0))  # [KEYS, BLOCK_M]
                 s = s + staged.load(s_layout).to(gl.float32) * tiles.LOG2E
             elif p.BIAS == BIAS_PAIRS:
@@ -745,7 +746,7 @@ def _dkdv_hopper_kernel(
     words, bias = staged_buffers(words_desc, bias_desc, Bias, MASK, BIAS, STAGED_BIAS, Q_STAGES, BLOCK_N)
     # A per-pair bias gradient written once per element leaves as the bias came in: by TMA.
     STAGED_DBIAS: gl.constexpr = (
-        STAGED_BIAS and DBIAS == _FULL and not DBIAS_ATOMIC and DBias.dtype.element_ty == Bias.dtype.element_ty
+        pair_bias_staged(BIAS, STAGED_BIAS) and DBIAS == _FULL and not DBIAS_ATOMIC and DBias.dtype.element_ty == Bias.dtype.element_ty
     )
     dbias_desc = q_desc
     dbias = gl.allocate_shared_memory(gl.int32, [1, 1], PLAIN)
