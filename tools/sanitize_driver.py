@@ -659,6 +659,10 @@ CASES = {
         _attention("attn-summary-d128-softcap-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
                    head_dim=128, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True, softcap=5.0,
                    walk="summary", block_size=(128, 128)),
+        # Summary blocks of 64 keys: the Hopper dQ in its tiles of 64 keys (``hopper/dq.SMALL_TILE``).
+        _attention("attn-summary-d128-64-key-blocks", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
+                   head_dim=128, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True,
+                   walk="summary", block_size=(128, 64)),
         # A head dim of 96 on Hopper: tiles of 128 columns, the copies filling the last 32 with zeros.
         _attention("attn-summary-d96-causal", batch=2, seqlen_q=257, seqlen_k=300, heads=4, kv_heads=2,
                    head_dim=96, mask="B,Hkv,1,Sk", mask_kind="blocks", bias="B,Hkv,1,Sk", causal=True,

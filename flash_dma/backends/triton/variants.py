@@ -256,20 +256,27 @@ VARIANTS = [
                                         SOFTCAP=True)),
         )),
     ),
-    *_gluon_variants(
+    *_gluon_variants(  # 128 keys a tile: one Q/dO slot at D = 128 (``hopper_dq.RINGS``)
         "dq-hopper", hopper_dq.hopper_dq_launcher, hopper_dq.TILE,
-        *((name, {"SEQ": SEQ_FIXED, "Q_SLOTS": 2, **flags}) for name, flags in (
+        *((name, {"SEQ": SEQ_FIXED, "Q_SLOTS": 1, **flags}) for name, flags in (
             ("per-key-blocks", _HOPPER),
             ("key-list", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_KEYS)),
-            ("dense-d64", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, COLUMNS=64, KV_STAGES=3)),
-            ("dense-d32", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=32, COLUMNS=32, KV_STAGES=3)),
+            ("dense-d64", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=64, COLUMNS=64, KV_STAGES=3, Q_SLOTS=2)),
+            ("dense-d32", dict(_HOPPER, MASK=MASK_NONE.value, WALK=WALK_DENSE, HEAD_DIM=32, COLUMNS=32, KV_STAGES=3, Q_SLOTS=2)),
+            ("bits-rows-bias", dict(_HOPPER, MASK=MASK_BITS.value, BIAS=BIAS_ROWS.value)),
+            ("rows", _HOPPER_ROWS),
+            ("per-key-blocks-d96", dict(_HOPPER, COLUMNS=96)),
+        )),
+    ),
+    *_gluon_variants(  # 64 keys a tile (``hopper_dq.SMALL_TILE``)
+        "dq-hopper", hopper_dq.hopper_dq_launcher, hopper_dq.SMALL_TILE,
+        *((name, {"SEQ": SEQ_FIXED, "Q_SLOTS": 2, **flags}) for name, flags in (
             ("pairs-d64", _HOPPER_PAIRS),
             ("pairs-d64-staged", dict(_HOPPER_PAIRS, STAGED_BIAS=True)),
-            ("intervals", dict(_HOPPER, MASK=MASK_INTERVALS.value)),
-            ("rows", _HOPPER_ROWS),
             ("per-key-blocks-softcap", dict(_HOPPER, SOFTCAP=True)),
-            ("per-key-blocks-d96", dict(_HOPPER, COLUMNS=96)),
+            ("per-key-blocks-64-keys", _HOPPER),
             ("per-key-blocks-varlen", dict(_HOPPER, SEQ=SEQ_PACKED)),
+            ("intervals", dict(_HOPPER, MASK=MASK_INTERVALS.value)),
         )),
     ),
     *_gluon_variants(

@@ -51,13 +51,27 @@ from flash_dma.backends.triton.hopper.common import (
     work_items,
 )
 from flash_dma.backends.triton.launch import Launcher
-from flash_dma.backends.triton.layout import Call, Sequences
+from flash_dma.backends.triton.layout import SEQ_PACKED, Call, Sequences, input_form
 
-TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dq"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
-# Head dims 192 and 256 (tiles of 256 columns): one Q/dO slot (128 KB) and two K/V stages of 32 keys
-# (64 KB), as the forward keeps one Q slot there; a warpgroup's dQ is 128 of its 240 registers.
+# Key tiles of 128 keys: dQ's kernel 14-16 % faster than with 64 at D = 128 (docs/design-notes.md,
+# "Hopper backward: dQ's key tiles"), and without spills in its tile loop.
+TILE = triton.Config(dict(BLOCK_M=TILES["dq"][0], BLOCK_N=128), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
+# Tiles of TILES["dq"]'s 64 keys, the routing table's unit: where a summary's key blocks are 64 keys;
+# with softcap or a per-pair bias, whose slope or bias tile beside S and dP spills 232-828 bytes at
+# 128 keys; and for packed sequences and key intervals, whose tile loops reload spilled words at 128
+# keys (packed sequences 3 % slower).
+SMALL_TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dq"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
+# Head dims 192 and 256 (tiles of 256 columns): K/V tiles of 32 keys; a warpgroup's dQ is 128 of
+# its 240 registers.
 WIDE_TILE = triton.Config(dict(BLOCK_M=TILE.kwargs["BLOCK_M"], BLOCK_N=32), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
-KV_STAGES = {32: 3, 64: 3, 128: 2, 256: 2}  # per tile head dim; with two Q/dO buffers, D = 128 fills 192 KB
+# (tile head dim, keys a tile) -> (K/V stages, Q/dO slots), within shared memory: a second Q/dO slot
+# loads the next item's rows during this one, except where two K/V stages leave no room for it
+# (D = 128 with 128 keys: 2 x 64 KB of K/V and 64 KB of Q and dO; tiles of 256 columns).
+RINGS = {
+    (32, 128): (3, 2), (64, 128): (3, 2), (128, 128): (2, 1),
+    (32, 64): (3, 2), (64, 64): (3, 2), (128, 64): (2, 2),
+    (256, 32): (2, 1),
+}
 
 
 @record
@@ -249,17 +263,28 @@ def hopper_dq(
     beside dK/dV's last programs", has why and what it gains."""
     q = call.q
     head_dim = q.shape[3]
-    wide = wide_tiles(head_dim)
-    row_blocks, items, seq_tables, seq = work_items(call, TILE.kwargs["BLOCK_M"], sequences)
+    tile = _tile(call, head_dim, sequences)
+    row_blocks, items, seq_tables, seq = work_items(call, tile.kwargs["BLOCK_M"], sequences)
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists, kept)
     tensors = hopper_tensors(call, k, v, walk)
 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag, seq)
-        own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, KV_STAGES[head_dim_tile(head_dim)], 1 if wide else 2, seq]
+        rings = RINGS[head_dim_tile(head_dim), tile.kwargs["BLOCK_N"]]
+        own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, *rings, seq]
         return [*tensors, *seq_tables, *runtime, *flags, dout, lse, delta, dq, queue, *own], (q.dtype, dq.dtype, *flags)
 
     hopper_dq_launcher.launch(
-        signature, [*tensors, *seq_tables, dout, lse, delta, dq, queue], build, lambda: [WIDE_TILE if wide else TILE],
+        signature, [*tensors, *seq_tables, dout, lse, delta, dq, queue], build, lambda: [tile],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )
+
+
+def _tile(call: Call, head_dim: int, sequences: Sequences | None) -> triton.Config:
+    """The kernel's configuration for ``call`` over ``sequences`` (see TILE, SMALL_TILE and WIDE_TILE)."""
+    if wide_tiles(head_dim):
+        return WIDE_TILE
+    spills = (sequences is not None and sequences.kind == SEQ_PACKED) or input_form(call.mask, call.mask_kind) == "intervals"
+    if spills or call.softcap > 0 or input_form(call.bias) == "pairs" or call.list_block_k % TILE.kwargs["BLOCK_N"] != 0:
+        return SMALL_TILE
+    return TILE
