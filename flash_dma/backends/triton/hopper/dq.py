@@ -53,7 +53,7 @@ from flash_dma.backends.triton.hopper.common import (
 from flash_dma.backends.triton.launch import Launcher
 from flash_dma.backends.triton.layout import SEQ_PACKED, Call, Sequences, input_form
 
-# Key tiles of 128 keys: dQ's kernel 14-16 % faster than with 64 at D = 128 (docs/design-notes.md,
+# Key tiles of 128 keys: the dQ kernel 11-16 % faster than with 64 at D = 128 (docs/design-notes.md,
 # "Hopper backward: dQ's key tiles"), and without spills in its tile loop.
 TILE = triton.Config(dict(BLOCK_M=TILES["dq"][0], BLOCK_N=128), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
 # Tiles of TILES["dq"]'s 64 keys, the routing table's unit: where a summary's key blocks are 64 keys;
