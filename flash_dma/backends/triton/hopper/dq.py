@@ -263,19 +263,19 @@ def hopper_dq(
     beside dK/dV's last programs", has why and what it gains."""
     q = call.q
     head_dim = q.shape[3]
-    tile = _tile(call, head_dim, sequences)
-    row_blocks, items, seq_tables, seq = work_items(call, tile.kwargs["BLOCK_M"], sequences)
+    # Every tile has TILE's rows; which one the call takes is the layout's (built once per signature).
+    row_blocks, items, seq_tables, seq = work_items(call, TILE.kwargs["BLOCK_M"], sequences)
     k, v, walk, walk_flag = walked_keys(call, call.kv_lists, kept)
     tensors = hopper_tensors(call, k, v, walk)
 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag, seq)
-        rings = RINGS[head_dim_tile(head_dim), tile.kwargs["BLOCK_N"]]
+        rings = RINGS[head_dim_tile(head_dim), _tile(call, head_dim, sequences).kwargs["BLOCK_N"]]
         own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, *rings, seq]
         return [*tensors, *seq_tables, *runtime, *flags, dout, lse, delta, dq, queue, *own], (q.dtype, dq.dtype, *flags)
 
     hopper_dq_launcher.launch(
-        signature, [*tensors, *seq_tables, dout, lse, delta, dq, queue], build, lambda: [tile],
+        signature, [*tensors, *seq_tables, dout, lse, delta, dq, queue], build, lambda: [_tile(call, head_dim, sequences)],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )
 
