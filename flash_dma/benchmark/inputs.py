@@ -2,8 +2,9 @@
 
 Masks are chosen from the per-key bias itself, as a dynamic-mask model chooses them: a block
 top-k per key (:func:`block_topk_mask`; per packed document, :func:`document_topk_block_mask`),
-a block top-k per query block (``flash_dma.topk_block_mask``) or a token top-k
-(``flash_dma.create_mask``). Per-query selections keep each query's top keys of a random per-pair
+a block top-k per query block (``flash_dma.topk_block_mask``), a token top-k
+(``flash_dma.create_mask``) or each query's top keys under the causal rule as key intervals
+(``flash_dma.causal_topk_intervals``, Doge's selection). Per-query selections keep each query's top keys of a random per-pair
 score; KV-cache cases (:class:`CacheInputs`) keep random keys.
 """
 
@@ -26,7 +27,7 @@ from flash_dma.benchmark.suites import (
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import EMPTY, BlockMask
 from flash_dma.integers import cdiv
-from flash_dma.masks import chunked_topk_indices, create_mask, topk_block_mask, topk_mask
+from flash_dma.masks import causal_topk_intervals, chunked_topk_indices, create_mask, topk_block_mask, topk_mask
 from flash_dma.summaries import block_mask_from_state
 
 DTYPE = torch.bfloat16
@@ -186,7 +187,8 @@ class Inputs:
         mask: ``[1, Hkv, 1, Sk]`` bool, chosen from the per-key scores: their block top-k
             (``mask="block"``) or token top-k (``"token"``); a ``BitMask`` ``[1, Hkv, Sq, Sk]`` of each
             query's top-k keys of a per-pair score (``"query-token"``, and the index selections
-            with ``indices``); None otherwise.
+            with ``indices``); ``KeyIntervals`` ``[1, Hkv, Sq, Sk]`` of each query's top keys of the
+            per-key scores (``"intervals"``); None otherwise.
         bias: ``[1, Hkv, 1, Sk]`` bf16 (the per-key scores themselves), ``[1, H, Sq, Sk]`` bf16,
             ``[1, Hkv, Sq, Sk]`` bf16 (``"pair"``: the per-pair scores the mask is chosen from), or None.
         block_mask: the per-query-block top-k of the scores (``mask="query-block"``), or None.
@@ -321,6 +323,8 @@ def make_inputs(case: Case, device: torch.device | str, seed: int = SEED) -> Inp
         mask = create_mask(key_scores, None, batch, case.seqlen_q, case.seqlen_k, window_size=case.window)
     elif case.mask == "query-block":
         block_mask = query_block_topk_mask(key_scores, case)
+    elif case.mask == "intervals":
+        mask = causal_topk_intervals(key_scores[:, :, 0], case.kept_keys, query_len=case.seqlen_q)
     per_pair = case.bias == "pair" or case.mask == "query-token"
     pair_scores = randn(1, kv_heads, case.seqlen_q, case.seqlen_k) if per_pair else None
     indices = None

@@ -13,6 +13,7 @@ import torch
 from flash_dma.backends.reference import valid_indices
 from flash_dma.bit_mask import BitMask
 from flash_dma.block_mask import BlockMask
+from flash_dma.key_intervals import KeyIntervals
 from flash_dma.masks import attended_fraction
 
 FORWARD_FLOPS_PER_PAIR_PER_DIM = 4  # two matrix products (q k^T and p v), a multiply-add each
@@ -77,9 +78,9 @@ def block_active_pairs(block_mask: BlockMask, seqlen_q: int, seqlen_k: int, batc
     return round(fraction * active_pairs(seqlen_q, seqlen_k, batch, num_heads))
 
 
-def bit_mask_active_pairs(mask: BitMask, seqlen_q: int, seqlen_k: int, batch: int, num_heads: int) -> int:
-    """Visible (query, key) pairs under a per-query :class:`BitMask` and the bottom-right causal rule,
-    counted from its bits a chunk of rows at a time (``attended_fraction``: the mean over the
+def selection_active_pairs(mask: BitMask | KeyIntervals, seqlen_q: int, seqlen_k: int, batch: int, num_heads: int) -> int:
+    """Visible (query, key) pairs under a per-query :class:`BitMask` or :class:`KeyIntervals` and the
+    bottom-right causal rule, counted from its rows a chunk at a time (``attended_fraction``: the mean over the
     mask's heads), times the causal pairs of every (batch, query head)."""
     fraction = attended_fraction(seqlen_q, seqlen_k, mask, is_causal=True)
     return round(fraction * active_pairs(seqlen_q, seqlen_k, batch, num_heads))

@@ -22,19 +22,20 @@ from flash_dma.benchmark.measure import Measurement, TimingOptions, measure, mea
 from flash_dma.benchmark.methods import METHODS, Method, MethodOptions, Prepared
 from flash_dma.benchmark.metrics import (
     active_pairs,
-    bit_mask_active_pairs,
     attention_flops,
     block_active_pairs,
     document_active_pairs,
-    index_active_pairs,
     gbps,
+    index_active_pairs,
     kv_bytes,
     kvcache_bytes,
+    selection_active_pairs,
     tflops,
 )
 from flash_dma.benchmark.results import Result
 from flash_dma.benchmark.suites import Case
 from flash_dma.bit_mask import BitMask
+from flash_dma.key_intervals import KeyIntervals
 
 _NOTE_CHARS = 300
 T = TypeVar("T")
@@ -104,8 +105,8 @@ def count_work(
         pairs = block_active_pairs(inputs.block_mask, case.seqlen_q, case.seqlen_k, case.batch, case.heads)
     elif method.applies_mask and inputs.indices is not None:  # every method attends what the indices list
         pairs = index_active_pairs(inputs.indices, case.seqlen_q, case.seqlen_k, case.heads)
-    elif method.applies_mask and isinstance(inputs.mask, BitMask):
-        pairs = bit_mask_active_pairs(inputs.mask, case.seqlen_q, case.seqlen_k, case.batch, case.heads)
+    elif method.applies_mask and isinstance(inputs.mask, (BitMask, KeyIntervals)):
+        pairs = selection_active_pairs(inputs.mask, case.seqlen_q, case.seqlen_k, case.batch, case.heads)
     else:
         mask = inputs.mask if method.applies_mask else None
         pairs = active_pairs(case.seqlen_q, case.seqlen_k, case.batch, case.heads, mask)

@@ -73,8 +73,9 @@ SUITE_HELP = {
     "kvcache": "decode through flash_dma_with_kvcache over a full cache, contiguous and paged, with a per-key "
                "mask and bias: B=8 over 32K keys, B=1 over 512K",
     "forms": "the llm shape at 16K, block top-k 1/8, plain and in the contract's other forms (softcap, "
-             "deterministic gradients): what each form costs against the plain call; and at head dims 96, "
-             "192 and 256 against Flex",
+             "deterministic gradients, FP8 inputs, a KV cache, each query's top 1/8 of the keys as key "
+             "intervals): what each form costs against the plain call; and at head dims 96, 192 and 256 "
+             "against Flex",
     "topkfit": "the sweep behind flash_dma_topk_func's choice of walk per pass (dispatch.TOPK_COSTS): the "
                "llm shape with each query's top-2048 keys, random and overlapping, at 16K-128K, through the index "
                "walk, the packed mask built in the call, the same mask handed over built, and the plan chosen; "
@@ -257,7 +258,9 @@ class Case:
     # "block": block top-k per key | "query-block": per query block | "token" | "random"
     # | "query-token": each query's top-k keys of a per-pair score, as a BitMask
     # | "query-index": the same selection as top-k indices (flash_dma_topk_func), with its BitMask
-    # | "query-index-overlap": top-k indices of a score smooth in the query, with its BitMask | "none"
+    # | "query-index-overlap": top-k indices of a score smooth in the query, with its BitMask
+    # | "intervals": each query's top keys of the per-key bias under the causal rule, as KeyIntervals
+    #   (Doge's selection, ``causal_topk_intervals``) | "none"
     mask: str = "block"
     cache: str | None = None  # "warm" | "cold" compiler caches: the first call in a new process; None: here
     documents: tuple[int, ...] | None = None  # lengths of the packed documents (varlen suite); None: unpacked
@@ -322,7 +325,7 @@ class Case:
     @property
     def kept_keys(self) -> int:
         """Keys a token-level mask keeps per head (a random one: per entry and K/V head)."""
-        if self.mask == "random":
+        if self.mask in ("random", "intervals"):
             return max(1, min(self.seqlen_k, round(self.keep * self.seqlen_k)))
         return min(self.window, self.seqlen_k)
 
@@ -331,8 +334,9 @@ class Case:
         """What the mask keeps, for the tables: ``"4/32"`` blocks, ``"16/128 per q-block"``, ``"2048/16384 keys"``."""
         if self.mask == "none":
             return "all"
-        if self.mask in ("token", "random", *PER_QUERY_SELECTIONS):
-            return f"{self.kept_keys}/{self.seqlen_k} keys" + (" per query" if self.mask in PER_QUERY_SELECTIONS else "")
+        if self.mask in ("token", "random", "intervals", *PER_QUERY_SELECTIONS):
+            per_query = self.mask in (*PER_QUERY_SELECTIONS, "intervals")
+            return f"{self.kept_keys}/{self.seqlen_k} keys" + (" per query" if per_query else "")
         if self.documents is not None:
             return f"{self.kept_blocks}/{self.key_blocks} per doc"
         per_query_block = " per q-block" if self.mask == "query-block" else ""
@@ -371,6 +375,8 @@ class Case:
             return f"top-{self.kept_keys} keys"
         if self.mask in PER_QUERY_SELECTIONS:
             return f"top-{self.kept_keys} keys per query" + INDEX_LABELS.get(self.mask, "")
+        if self.mask == "intervals":
+            return f"top-{self.kept_keys} keys per query, key intervals"
         if self.mask == "none":
             return "bias only" if self.bias != "none" else "no mask, no bias"
         if self.mask == "random":
@@ -630,7 +636,8 @@ def kvcache_cases(quick: bool = False) -> list[Case]:
 
 def forms_cases(quick: bool = False) -> list[Case]:
     """The plain llm call at 16K keep 1/8 (and its FP8 forward, also at keep 1), then the same call
-    in each other form, a chunk of prefill over a KV cache (contiguous, and paged at keep 1) against
+    in each other form (softcap, deterministic gradients, and each query's top 1/8 of the keys by
+    the bias as key intervals, Doge's selection), a chunk of prefill over a KV cache (contiguous, and paged at keep 1) against
     the same problem without one, the plain call's forward at 4K (bf16 and FP8),
     and the llm call at other head dims against Flex; ``quick`` leaves out the last two (the head
     dims cost a Flex compilation each)."""
@@ -644,6 +651,7 @@ def forms_cases(quick: bool = False) -> list[Case]:
     forms = [
         plain, replace(plain, keep=1, modes=("fwd",)),
         replace(single, softcap=FORMS_SOFTCAP), replace(single, deterministic=True, modes=("fwdbwd",)),
+        replace(single, mask="intervals"),
         prefill,
         # Every key kept (no mask): a paged cache's pages read whole, against the contiguous call without a cache.
         replace(prefill, keep=1, methods=("flash-dma-nocache",)),

@@ -481,7 +481,7 @@ TARGETS = (
     *(
         Target(f"forms S=16K keep 1/8 {MODE_LABELS[mode]}: flash-dma {form} / plain time", "<=", 1.15,
                _time_ratio(_pick("flash-dma", mode, suite="forms", **fields),
-                           _pick("flash-dma", mode, suite="forms", softcap=0.0, deterministic=False,
+                           _pick("flash-dma", mode, suite="forms", mask="block", softcap=0.0, deterministic=False,
                                  head_dim=LLM_SHAPE["head_dim"], keep=FORMS_KEEP, seqlen_k=FORMS_LENGTH)))
         for form, fields, modes in (
             (f"softcap={FORMS_SOFTCAP:g}", dict(softcap=FORMS_SOFTCAP), MODES),
@@ -492,7 +492,8 @@ TARGETS = (
     # FP8 (issues 31 and 44): at least 1.5x the bfloat16 forward's speed at 16K, and faster at 4K.
     *(
         Target(f"forms S={_k(length)} keep {format_fraction(keep)} fwd: flash-dma-fp8 / flash-dma time", "<=", limit,
-               _time_ratio(*(_pick(m, "fwd", suite="forms", keep=keep, softcap=0.0, head_dim=LLM_SHAPE["head_dim"], seqlen_k=length)
+               _time_ratio(*(_pick(m, "fwd", suite="forms", mask="block", keep=keep, softcap=0.0, head_dim=LLM_SHAPE["head_dim"],
+                                   seqlen_k=length)
                              for m in ("flash-dma-fp8", "flash-dma"))))
         for length, keep, limit in (
             (FORMS_LENGTH, 1, 1 / 1.5), (FORMS_LENGTH, FORMS_KEEP, 1 / 1.5), (FORMS_FP8_SHORT_LENGTH, FORMS_KEEP, 0.85),

@@ -136,7 +136,7 @@ def passing_results() -> list[Result]:
         else:
             ms, tbps = 0.01, 1.75
         rows.append(row(kv, "flash-dma-kvcache", "fwd", ms=ms, gbps=tbps * 1e3))
-    plain, keep_all, softcap, deterministic, prefill, prefill_all, paged_all, short, *head_dims = forms_cases()
+    plain, keep_all, softcap, deterministic, intervals, prefill, prefill_all, paged_all, short, *head_dims = forms_cases()
     rows += [row(prefill, "flash-dma-kvcache", "fwd", ms=0.5), row(prefill, "flash-dma-nocache", "fwd", ms=0.48)]
     rows += [row(prefill_all, "flash-dma-nocache", "fwd", ms=4.0), row(paged_all, "flash-dma-kvcache", "fwd", ms=4.1)]
     for fp8_case, bf16_ms in ((plain, 0.3), (keep_all, 1.5)):  # FP8 at 1.6x the bfloat16 speed
@@ -144,7 +144,8 @@ def passing_results() -> list[Result]:
     rows.append(row(keep_all, "flash-dma", "fwd", ms=1.5))
     rows += [row(short, "flash-dma", "fwd", ms=0.1), row(short, "flash-dma-fp8", "fwd", ms=0.08)]  # FP8 at 0.8x at 4K
     for mode, plain_ms in (("fwd", 0.3), ("fwdbwd", 1.4)):
-        rows += [row(plain, "flash-dma", mode, ms=plain_ms), row(softcap, "flash-dma", mode, ms=plain_ms * 1.1)]
+        rows += [row(plain, "flash-dma", mode, ms=plain_ms), row(softcap, "flash-dma", mode, ms=plain_ms * 1.1),
+                 row(intervals, "flash-dma", mode, ms=plain_ms * 1.3)]
         for other in head_dims:  # 0.55x / 0.35x of Flex
             rows += [row(other, "flash-dma", mode, ms=plain_ms * 2), row(other, "flex", mode, ms=plain_ms * 2 / (0.55 if mode == "fwd" else 0.35))]
     rows.append(row(deterministic, "flash-dma", "fwdbwd", ms=1.4 * 1.12))

@@ -14,6 +14,8 @@ from flash_dma.benchmark.inputs import (
 from flash_dma.benchmark.llama import LLAMA_CONFIG
 from flash_dma.benchmark.suites import Case, kept_block_count
 from flash_dma.block_mask import EMPTY, FULL
+from flash_dma.key_intervals import KeyIntervals
+from flash_dma.masks import causal_topk_intervals
 
 BLOCK = 128
 
@@ -98,6 +100,16 @@ def test_token_masks_are_the_seeds_create_mask_of_the_bias():
     assert torch.equal(inputs.mask, create_mask(inputs.bias.detach(), None, 2, 256, 256, window_size=100))
     # Scattered: unlike a block top-k, kept keys are not whole blocks.
     assert not torch.equal(inputs.mask, block_topk_mask(inputs.bias.detach(), 100 / 256))
+
+
+def test_interval_masks_are_each_querys_top_keys_of_the_bias():
+    inputs = make_inputs(_case(mask="intervals", keep=1 / 8), "cpu")
+    mask = inputs.mask
+    assert isinstance(mask, KeyIntervals) and mask.shape == (1, 2, 256, 256) and inputs.block_mask is None
+    expected = causal_topk_intervals(inputs.bias.detach()[:, :, 0], 32, query_len=256)
+    assert torch.equal(mask.dense(), expected.dense())
+    # Row i sees keys 0..i and keeps its 32 best.
+    assert mask.dense().sum(-1)[0, :, 31:].eq(32).all() and mask.dense().sum(-1)[0, :, :31].eq(torch.arange(1, 32)).all()
 
 
 def test_query_block_masks_keep_a_share_of_the_visible_blocks_per_query_block():

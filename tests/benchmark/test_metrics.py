@@ -11,9 +11,11 @@ from flash_dma.benchmark.metrics import (
     gbps,
     kv_bytes,
     kvcache_bytes,
+    selection_active_pairs,
     tflops,
 )
 from flash_dma.block_mask import FULL
+from flash_dma.masks import causal_topk_intervals
 
 
 def _brute_force_pairs(seqlen_q, seqlen_k, batch, num_heads, mask):
@@ -122,3 +124,14 @@ def test_fa3_bytes_count_its_outputs_and_rounded_fp32_scratch():
     bytes, the LSE 800, the scratch 4 x 2 x 128 x (2 + 96); GQA adds dK and dV accumulators."""
     assert fa3_fwdbwd_bytes(1, 100, 100, 2, 2, 72) == 115200 + 800 + 100352
     assert fa3_fwdbwd_bytes(1, 100, 100, 2, 1, 72) == 86400 + 800 + 100352 + 2 * 4 * 128 * 96
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(17, 17), (40, 63)])
+def test_selection_pairs_of_key_intervals_are_those_of_their_dense_mask(seqlen_q, seqlen_k):
+    """Each (batch, query head) counts the causal pairs its mask head keeps (two query heads a head)."""
+    scores = torch.randn(1, 2, seqlen_k, generator=torch.Generator().manual_seed(3))
+    intervals = causal_topk_intervals(scores, 5, query_len=seqlen_q)
+    i = torch.arange(seqlen_q)[:, None]
+    causal = i >= torch.arange(seqlen_k)[None, :] + seqlen_q - seqlen_k
+    expected = 2 * 2 * int((intervals.dense() & causal).sum())  # batch 2, 4 query heads over 2 mask heads
+    assert selection_active_pairs(intervals, seqlen_q, seqlen_k, 2, 4) == expected

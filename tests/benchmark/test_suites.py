@@ -166,7 +166,7 @@ def test_quick_is_a_small_subset_of_the_full_run():
     full, quick = build_cases(), build_cases(quick=True)
     assert set(quick) <= set(full)
     assert {c.suite for c in quick} == set(SUITES)
-    assert count_rows(quick) <= 132 < count_rows(full)
+    assert count_rows(quick) <= 134 < count_rows(full)
 
 
 def test_all_runs_every_suite_in_order_and_each_suite_runs_alone():
@@ -251,12 +251,14 @@ def test_kvcache_suite_decodes_over_full_caches():
 
 
 def test_forms_suite_is_the_plain_call_then_each_form():
-    plain, keep_all, softcap, deterministic, prefill, prefill_all, paged_all, short, *head_dims = build_cases("forms")
+    plain, keep_all, softcap, deterministic, intervals, prefill, prefill_all, paged_all, short, *head_dims = build_cases("forms")
     assert (plain.seqlen_k, plain.keep, plain.softcap, plain.deterministic) == (16384, 1 / 8, 0.0, False)
     assert plain.methods == ("flash-dma", "flash-dma-fp8") and keep_all == replace(plain, keep=1, modes=("fwd",))
     assert softcap == replace(plain, softcap=30.0, methods=("flash-dma",)) and softcap.label == "S=16384 keep=1/8 softcap=30"
     assert deterministic.deterministic and deterministic.modes == ("fwdbwd",)
     assert deterministic.label == "S=16384 keep=1/8 deterministic"
+    assert intervals == replace(plain, mask="intervals", methods=("flash-dma",)) and intervals.kept_keys == 2048
+    assert intervals.label == "S=16384 top-2048 keys per query, key intervals" and intervals.kept_text == "2048/16384 keys per query"
     assert [c.head_dim for c in head_dims] == [96, 192, 256] and all(c.methods == ("flash-dma", "flex") for c in head_dims)
     assert head_dims[0] == replace(plain, head_dim=96, methods=("flash-dma", "flex")) and head_dims[0].label == "S=16384 keep=1/8 D=96"
     assert (prefill.seqlen_q, prefill.seqlen_k, prefill.kv_layout, prefill.methods) == (
@@ -265,4 +267,4 @@ def test_forms_suite_is_the_plain_call_then_each_form():
     assert prefill_all == replace(prefill, keep=1, methods=("flash-dma-nocache",))
     assert paged_all == replace(prefill, keep=1, methods=("flash-dma-kvcache",), kv_layout="paged")
     assert short == replace(plain, seqlen_q=4096, seqlen_k=4096, modes=("fwd",)) and short.label == "S=4096 keep=1/8"
-    assert build_cases("forms", quick=True) == [plain, keep_all, softcap, deterministic, prefill, prefill_all, paged_all]
+    assert build_cases("forms", quick=True) == [plain, keep_all, softcap, deterministic, intervals, prefill, prefill_all, paged_all]

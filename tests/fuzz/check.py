@@ -123,6 +123,8 @@ def _key_intervals(trial: Trial, gen: torch.Generator, device) -> KeyIntervals:
         return causal_topk_intervals(scores, spec["keep"], padding, query_len=sq, block_size=trial.block_size)
     start = torch.randint(-2, sq + 2, shape, generator=gen, device=device, dtype=torch.int32)
     end = start + torch.randint(-2, sq + 2, shape, generator=gen, device=device, dtype=torch.int32)
+    if spec["aligned"]:  # each key keeping all of a 128-row tile's rows or none
+        start, end = start // 128 * 128, end // 128 * 128
     # Reads past the keys would pick up runs over every row.
     start = _stored(start, trial.padded, -(2**30)) if spec["start"] else None
     return interval_mask(_stored(end, trial.padded, 2**30), start, query_len=sq, block_size=trial.block_size)

@@ -123,7 +123,8 @@ class Trial:
     key ``"{1|B},{1|Hkv|H},Sk"``; ``intervals`` passes the mask as ``KeyIntervals`` in blocks of
     ``block_size``, described by ``intervals``: a causal top-k (``causal_topk_intervals`` of random
     scores, ``keep`` per query, few distinct values with ``ties``, keys padded as the mask pattern
-    and density say) or random runs of rows (``interval_mask``, with a start row or from row 0).
+    and density say) or random runs of rows (``interval_mask``, with a start row or from row 0;
+    ``aligned`` puts them on multiples of 128 rows, which makes the Hopper kernels' tiles per key).
     """
 
     index: int
@@ -198,7 +199,8 @@ class Trial:
         if self.walk == INDICES:
             parts.append(f"W{self.width}")
         if self.walk == INTERVALS:
-            parts.append(self.intervals["kind"] + (f"-keep{self.intervals['keep']}" if self.intervals["kind"] == "topk" else ""))
+            kind = self.intervals["kind"]
+            parts.append(kind + (f"-keep{self.intervals['keep']}" if kind == "topk" else "-aligned" if self.intervals["aligned"] else ""))
         if self.causal:
             parts.append("causal")
         if self.window != (-1, -1):
@@ -389,4 +391,5 @@ def _intervals(rng: random.Random, seqlen_k: int) -> dict:
         "keep": rng.randint(0, seqlen_k + 2),
         "ties": rng.random() < 0.3,
         "start": rng.random() < 0.7,
+        "aligned": rng.random() < 0.5,
     }

@@ -160,12 +160,16 @@ def test_exceptions_are_crashes(monkeypatch):
 @pytest.mark.parametrize(
     "changes",
     [
-        dict(intervals={"kind": "topk", "keep": 5, "ties": True, "start": True}, mask="B,Hkv,Sq,Sk", causal=True),
-        dict(intervals={"kind": "topk", "keep": 9, "ties": False, "start": True}, mask="1,H,Sq,Sk", seqlen_q=30, seqlen_k=12),
-        dict(intervals={"kind": "runs", "keep": 0, "ties": False, "start": True}, mask="B,1,Sq,Sk", check_inputs=True),
-        dict(intervals={"kind": "runs", "keep": 0, "ties": False, "start": False}, mask="1,Hkv,Sq,Sk", causal=True, padded=False),
+        dict(intervals={"kind": "topk", "keep": 5, "ties": True, "start": True, "aligned": False}, mask="B,Hkv,Sq,Sk", causal=True),
+        dict(intervals={"kind": "topk", "keep": 9, "ties": False, "start": True, "aligned": False}, mask="1,H,Sq,Sk", seqlen_q=30,
+             seqlen_k=12),
+        dict(intervals={"kind": "runs", "keep": 0, "ties": False, "start": True, "aligned": False}, mask="B,1,Sq,Sk", check_inputs=True),
+        dict(intervals={"kind": "runs", "keep": 0, "ties": False, "start": False, "aligned": False}, mask="1,Hkv,Sq,Sk", causal=True,
+             padded=False),
+        dict(intervals={"kind": "runs", "keep": 0, "ties": False, "start": True, "aligned": True}, mask="B,Hkv,Sq,Sk", seqlen_q=300,
+             seqlen_k=260),
     ],
-    ids=["topk-ties-causal", "topk-Sq>Sk", "runs", "runs-from-row-0-causal"],
+    ids=["topk-ties-causal", "topk-Sq>Sk", "runs", "runs-from-row-0-causal", "runs-aligned"],
 )
 def test_key_interval_trials_match_the_reference(changes):
     """The intervals walk on every kind of contents (seed 0's CI families hold none)."""

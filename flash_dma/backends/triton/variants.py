@@ -266,6 +266,7 @@ VARIANTS = [
             ("bits-rows-bias", dict(_HOPPER, MASK=MASK_BITS.value, BIAS=BIAS_ROWS.value)),
             ("rows", _HOPPER_ROWS),
             ("per-key-blocks-d96", dict(_HOPPER, COLUMNS=96)),
+            ("intervals", dict(_HOPPER, MASK=MASK_INTERVALS.value)),
         )),
     ),
     *_gluon_variants(  # 64 keys a tile (``hopper_dq.SMALL_TILE``)
@@ -276,7 +277,6 @@ VARIANTS = [
             ("per-key-blocks-softcap", dict(_HOPPER, SOFTCAP=True)),
             ("per-key-blocks-64-keys", _HOPPER),
             ("per-key-blocks-varlen", dict(_HOPPER, SEQ=SEQ_PACKED)),
-            ("intervals", dict(_HOPPER, MASK=MASK_INTERVALS.value)),
         )),
     ),
     *_gluon_variants(

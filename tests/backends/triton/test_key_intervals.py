@@ -42,6 +42,20 @@ def random_intervals(batch: int, heads: int, query_len: int, key_len: int, label
     return start.to(DEVICE, torch.int32), end.to(DEVICE, torch.int32)
 
 
+def aligned_intervals(batch: int, heads: int, query_len: int, key_len: int, label: str):
+    """``(start, end)`` as ``random_intervals``, with runs that start and end on multiples of 128 rows
+    (some off them, some over every row): on the Hopper kernels many PARTIAL tiles are then per
+    key, each key keeping all of a tile's rows or none (``hopper/common.rows_kept_whole``)."""
+    gen = seeded_generator(label)
+    shape = (batch, heads, key_len)
+    start = 128 * torch.randint(-1, query_len // 128 + 2, shape, generator=gen)
+    end = start + 128 * torch.randint(0, query_len // 128 + 2, shape, generator=gen)
+    start = torch.where(torch.rand(shape, generator=gen) < 0.01, start + torch.randint(1, 128, shape, generator=gen), start)
+    whole = torch.rand(shape, generator=gen) < 0.3
+    start, end = torch.where(whole, 0, start), torch.where(whole, query_len, end)
+    return start.to(DEVICE, torch.int32), end.to(DEVICE, torch.int32)
+
+
 @pytest.mark.parametrize("block_size", SUMMARY_BLOCK_SIZES, ids=lambda b: f"block{b[0]}x{b[1]}")
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda s: f"Sq{s[0]}-Sk{s[1]}")
 def test_block_states_are_those_of_the_dense_mask(lengths, block_size, poison_outputs):
@@ -171,13 +185,33 @@ def test_bf16_scores_on_the_gpu(key_len, poison_outputs):
         assert torch.equal(build_causal_topk_ends(scores, allowed, keep, query_len), causal_topk_ends(scores, allowed, keep, query_len))
 
 
-def _check_attention(case: Case, dtype, keep: int, block_size) -> None:
+# Runs on 128-row boundaries: many tiles per key on the Hopper kernels, with and without a bias to
+# carry the dropped keys' -inf, and rows that end past the last full tile.
+ALIGNED_CASES = [
+    Case(seqlen_q=1000, seqlen_k=777, heads=4, kv_heads=2, head_dim=128, bias="B,Hkv,1,Sk"),
+    Case(batch=1, seqlen_q=1000, seqlen_k=1000, heads=4, kv_heads=2, head_dim=64, causal=True),
+    Case(batch=1, seqlen_q=700, seqlen_k=900, heads=2, kv_heads=1, head_dim=256, bias="B,H,1,Sk"),
+]
+
+
+@pytest.mark.gpu_only
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", ALIGNED_CASES, ids=str)
+def test_runs_on_tile_boundaries_on_the_gpu(case, dtype, poison_outputs):
+    _check_attention(case, dtype, keep=0, block_size=(128, 128), runs=aligned_intervals)
+
+
+def _check_attention(case: Case, dtype, keep: int, block_size, runs=None) -> None:
+    """``runs``: how to draw runs of rows per query head; None takes a causal top-k per key/value
+    head where ``case.causal``, else ``random_intervals``."""
     inputs = make_inputs(case, dtype, requires_grad=True)
-    shape = (case.batch, case.kv_heads if case.causal else case.heads, case.seqlen_k)
-    if case.causal:
+    topk = case.causal and runs is None
+    shape = (case.batch, case.kv_heads if topk else case.heads, case.seqlen_k)
+    if topk:
         intervals = causal_topk_intervals(_scores(shape, str(case)), keep, query_len=case.seqlen_q, block_size=block_size)
     else:
-        start, end = random_intervals(*shape[:2], case.seqlen_q, case.seqlen_k, str(case))
+        start, end = (runs or random_intervals)(*shape[:2], case.seqlen_q, case.seqlen_k, str(case))
         intervals = interval_mask(end, start, query_len=case.seqlen_q, block_size=block_size)
     dout = torch.randn(inputs["query"].shape, generator=case.generator("dout")).to(DEVICE, dtype)
     out, lse = flash_dma_func(**{**inputs, "attn_mask": intervals}, is_causal=case.causal, return_lse=True, backend="triton")

@@ -11,7 +11,9 @@ warpgroups of 64 rows (or keys) each do the math. What they share lives here:
   (``row_epilogue`` in the forward, ``_row_statistics`` in the backward's LSEs); per pair, by the
   math warpgroups on the tiles that need it (``pair_offsets``, ``kept_by_bits``); key intervals, by
   the math warpgroups on PARTIAL tiles (the forward and dQ from row words the loader stages:
-  ``_store_row_words``, ``kept_by_row_words``; dK/dV from its keys' rows, read once per item);
+  ``_store_row_words``, ``kept_by_row_words``, except on tiles whose keys each keep all of the
+  item's rows or none, staged as key scores: ``rows_kept_whole``; dK/dV from its keys' rows, read
+  once per item);
 - the loader of the kernels that own query rows (forward and dQ: ``load_partition``), its
   barriers and staging slots, and what their math warpgroups read back (``staged_keys``,
   ``wait_for_scores``, ``visible_scores``), take (``taken_item``, ``take_rows``) and store (``store_rows``).
@@ -554,9 +556,12 @@ def pair_bias_staged(BIAS, STAGED_BIAS):
 @gluon.constexpr_function
 def keys_scored(BIAS, MASK, WALK, STAGED_BIAS):
     """Whether the loader stages key scores with each K tile (``_load_key_tile``) for the math
-    warpgroups to add: a bias or a mask per key, or a key list (its slots past the kept count
-    score -inf); not where it stages the bias as an operand, which carries the -inf too."""
-    return (BIAS == BIAS_KEYS or MASK == MASK_KEYS or WALK == tiles.WALK_KEYS) and not key_bias_staged(BIAS, STAGED_BIAS)
+    warpgroups to add: a bias or a mask per key, a key list (its slots past the kept count score
+    -inf) or key intervals (a tile whose keys keep all of the item's rows or none is applied as
+    scores, ``rows_kept_whole``); not where it stages the bias as an operand, which carries the
+    -inf too."""
+    KEY_WISE = BIAS == BIAS_KEYS or MASK == MASK_KEYS or MASK == MASK_INTERVALS or WALK == tiles.WALK_KEYS
+    return KEY_WISE and not key_bias_staged(BIAS, STAGED_BIAS)
 
 
 @gluon.constexpr_function
@@ -792,6 +797,22 @@ def kept_by_row_words(s, words):
 
 
 @gluon.jit
+def keeps_no_row(start, end, first_row, last_row):
+    """Whether key intervals ``[start, end)`` keep none of the rows ``[first_row, last_row)``."""
+    return (end <= first_row) | (start >= last_row) | (end <= start)
+
+
+@gluon.jit
+def rows_kept_whole(start, end, first_row, last_row):
+    """Whether each of key intervals ``[start, end)`` ``[keys]`` keeps all of the rows ``[first_row,
+    last_row)`` or none of them. Then a PARTIAL tile of those keys and rows is per key, not per pair
+    (its dropped keys score -inf, and nobody tests its pairs): a causal top-k of per-key scores
+    mostly is at long lengths, a key's run seldom starting or ending inside a tile's rows."""
+    every = (start <= first_row) & (end >= last_row)
+    return gl.min((every | keeps_no_row(start, end, first_row, last_row)).to(gl.int32), 0) != 0
+
+
+@gluon.jit
 def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv_batch):
     """The j-th key tile of work item ``it`` into ring position ``loaded``: the span of its keys'
     positions (with a key list also the positions), whether its pair bits are read, its key scores
@@ -808,6 +829,15 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
     if p.CACHE == CACHE_PAGES:  # the tile lies within one page: ``dispatch.form_of`` wants pages of whole tiles
         page = gl.load(p.BlockTable + it.batch.to(gl.int64) * p.stride_table + key_row // p.page_size)
         key_row = gl.minimum(gl.maximum(page, 0), p.cache_last) * p.page_size + key_row % p.page_size
+    first_row = it.row_block * p.BLOCK_M
+    if p.MASK == MASK_INTERVALS:  # the keys' rows, for a PARTIAL tile; read before the wait, as the scores
+        row_keys = first_key + gl.arange(0, p.BLOCK_N, gl.SliceLayout(0, _row_words_layout(p.BLOCK_N)))
+        start, end = interval_rows(p, mask_row, row_keys, (row_keys < span.seqlen_k) & partial)
+        # A tile whose keys each keep all of the item's rows or none: -inf in the dropped keys' scores.
+        last_row = gl.minimum(first_row + p.BLOCK_M, span.seqlen_q)
+        whole = partial & rows_kept_whole(start, end, first_row, last_row)
+        dropped = keeps_no_row(start, end, first_row, last_row) & whole
+        partial = partial & ~whole
     if SCORED or STAGES_KEY_BIAS:  # read before waiting for the buffer: the loads overlap the wait
         keys = first_key + gl.arange(0, p.BLOCK_N, key_layout)  # [BLOCK_N]
         key_ok = keys < span.seqlen_k
@@ -827,10 +857,9 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
                 scores = scores.to(gl.float32) * tiles.LOG2E
         if p.MASK == MASK_KEYS:
             key_ok = key_ok & (gl.load(mask_row + keys * p.stride_mk, mask=key_ok & partial, other=1) != 0)
+        if p.MASK == MASK_INTERVALS:
+            key_ok = key_ok & ~gl.convert_layout(dropped, key_layout)
         scores = gl.where(key_ok, scores, float("-inf"))
-    if p.MASK == MASK_INTERVALS:  # the keys' rows, for a PARTIAL tile; read before the wait, as the scores
-        keys = first_key + gl.arange(0, p.BLOCK_N, gl.SliceLayout(0, _row_words_layout(p.BLOCK_N)))
-        start, end = interval_rows(p, mask_row, keys, (keys < span.seqlen_k) & partial)
     stage = loaded % p.KV_STAGES
     phase = (loaded // p.KV_STAGES) & 1 ^ 1
     # K (with the tile's number and key scores) and V have rings of their own: K is free once
@@ -842,9 +871,9 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
     if KEYS:
         put(bufs.spans.index(p.KV_STAGES + stage), gl.max(keys, 0))
         bufs.positions.index(stage).store(keys)
-    first_row = it.row_block * p.BLOCK_M
     if p.MASK == MASK_INTERVALS:
-        _store_row_words(p, bufs, stage, start, end, first_row)
+        if partial:
+            _store_row_words(p, bufs, stage, start, end, first_row)
     if tests_pairs(p.MASK):
         put(bufs.partial.index(stage), partial.to(gl.int32))
     if SCORED:

@@ -58,8 +58,9 @@ from flash_dma.backends.triton.layout import SEQ_PACKED, Call, Sequences, input_
 TILE = triton.Config(dict(BLOCK_M=TILES["dq"][0], BLOCK_N=128), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
 # Tiles of TILES["dq"]'s 64 keys, the routing table's unit: where a summary's key blocks are 64 keys;
 # with softcap or a per-pair bias, whose slope or bias tile beside S and dP spills 232-828 bytes at
-# 128 keys; and for packed sequences and key intervals, whose tile loops reload spilled words at 128
-# keys (packed sequences 3 % slower).
+# 128 keys; and for packed sequences, whose tile loop reloads spilled words at 128 keys (3 % slower).
+# Key intervals reload a few too and are faster at 128 keys all the same (docs/design-notes.md,
+# "Tiles whose keys keep all of their rows or none").
 SMALL_TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dq"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
 # Head dims 192 and 256 (tiles of 256 columns): K/V tiles of 32 keys; a warpgroup's dQ is 128 of
 # its 240 registers.
@@ -284,7 +285,7 @@ def _tile(call: Call, head_dim: int, sequences: Sequences | None) -> triton.Conf
     """The kernel's configuration for ``call`` over ``sequences`` (see TILE, SMALL_TILE and WIDE_TILE)."""
     if wide_tiles(head_dim):
         return WIDE_TILE
-    spills = (sequences is not None and sequences.kind == SEQ_PACKED) or input_form(call.mask, call.mask_kind) == "intervals"
-    if spills or call.softcap > 0 or input_form(call.bias) == "pairs" or call.list_block_k % TILE.kwargs["BLOCK_N"] != 0:
+    packed = sequences is not None and sequences.kind == SEQ_PACKED
+    if packed or call.softcap > 0 or input_form(call.bias) == "pairs" or call.list_block_k % TILE.kwargs["BLOCK_N"] != 0:
         return SMALL_TILE
     return TILE

@@ -53,9 +53,9 @@ def test_the_tile_fits_the_calls_form(case, softcap, sequences, expected):
     assert _tile(call, case.head_dim, sequences) is expected
 
 
-def test_key_intervals_keep_tiles_of_64_keys():
+def test_key_intervals_take_tiles_of_128_keys():
     call = _call(BLOCKS)._replace(mask_kind="intervals")
-    assert _tile(call, 128, None) is SMALL_TILE
+    assert _tile(call, 128, None) is TILE
 
 
 TILES_OF_HEAD_DIMS = [
