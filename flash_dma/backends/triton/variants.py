@@ -267,13 +267,13 @@ VARIANTS = [
             ("rows", _HOPPER_ROWS),
             ("per-key-blocks-d96", dict(_HOPPER, COLUMNS=96)),
             ("intervals", dict(_HOPPER, MASK=MASK_INTERVALS.value)),
+            ("pairs-d64-staged", dict(_HOPPER_PAIRS, STAGED_BIAS=True, KV_STAGES=2, Q_SLOTS=2)),  # ``hopper_dq.STAGED_BIAS_RINGS``
         )),
     ),
     *_gluon_variants(  # 64 keys a tile (``hopper_dq.SMALL_TILE``)
         "dq-hopper", hopper_dq.hopper_dq_launcher, hopper_dq.SMALL_TILE,
         *((name, {"SEQ": SEQ_FIXED, "Q_SLOTS": 2, **flags}) for name, flags in (
             ("pairs-d64", _HOPPER_PAIRS),
-            ("pairs-d64-staged", dict(_HOPPER_PAIRS, STAGED_BIAS=True)),
             ("per-key-blocks-softcap", dict(_HOPPER, SOFTCAP=True)),
             ("per-key-blocks-64-keys", _HOPPER),
             ("per-key-blocks-varlen", dict(_HOPPER, SEQ=SEQ_PACKED)),

@@ -39,6 +39,7 @@ from flash_dma.backends.triton.hopper.common import (
     softcap_slope,
     staged_buffers,
     staged_descriptors,
+    stages_pair_bias,
     store_rows,
     take_rows,
     taken_item,
@@ -57,8 +58,9 @@ from flash_dma.backends.triton.layout import SEQ_PACKED, Call, Sequences, input_
 # "Hopper backward: dQ's key tiles"), and without spills in its tile loop.
 TILE = triton.Config(dict(BLOCK_M=TILES["dq"][0], BLOCK_N=128), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
 # Tiles of TILES["dq"]'s 64 keys, the routing table's unit: where a summary's key blocks are 64 keys;
-# with softcap or a per-pair bias, whose slope or bias tile beside S and dP spills 232-828 bytes at
-# 128 keys; and for packed sequences, whose tile loop reloads spilled words at 128 keys (3 % slower).
+# with softcap or a per-pair bias that the math warpgroups read, whose slope or bias tile beside S
+# and dP spills 208-828 bytes at 128 keys (a bias the loader stages, D <= 64, takes 128 keys); and
+# for packed sequences, whose tile loop reloads spilled words at 128 keys (3 % slower).
 # Key intervals reload a few too and are faster at 128 keys all the same (docs/design-notes.md,
 # "Tiles whose keys keep all of their rows or none").
 SMALL_TILE = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), TILES["dq"])), num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
@@ -73,6 +75,9 @@ RINGS = {
     (32, 64): (3, 2), (64, 64): (3, 2), (128, 64): (2, 2),
     (256, 32): (2, 1),
 }
+# 128 keys with a per-pair bias staged beside K and V (``common.stages_pair_bias``, D <= 64): its
+# [128, 128] 16-bit tile takes 32 KB a stage, so two stages.
+STAGED_BIAS_RINGS = (2, 2)
 
 
 @record
@@ -271,21 +276,31 @@ def hopper_dq(
 
     def build():
         runtime, flags = hopper_arguments(call, k, v, walk, walk_flag, seq)
-        rings = RINGS[head_dim_tile(head_dim), _tile(call, head_dim, sequences).kwargs["BLOCK_N"]]
+        rings = _rings(call, head_dim, sequences, walk_flag)
         own = [*dout.stride()[:3], *dq.stride()[:3], items, row_blocks, *rings, seq]
         return [*tensors, *seq_tables, *runtime, *flags, dout, lse, delta, dq, queue, *own], (q.dtype, dq.dtype, *flags)
 
     hopper_dq_launcher.launch(
-        signature, [*tensors, *seq_tables, dout, lse, delta, dq, queue], build, lambda: [_tile(call, head_dim, sequences)],
+        signature, [*tensors, *seq_tables, dout, lse, delta, dq, queue], build, lambda: [_tile(call, head_dim, sequences, walk_flag)],
         lambda meta: (min(items, configs.multiprocessor_count(q.device)),),
     )
 
 
-def _tile(call: Call, head_dim: int, sequences: Sequences | None) -> triton.Config:
-    """The kernel's configuration for ``call`` over ``sequences`` (see TILE, SMALL_TILE and WIDE_TILE)."""
+def _tile(call: Call, head_dim: int, sequences: Sequences | None, walk_flag: int) -> triton.Config:
+    """The kernel's configuration for ``call`` over ``sequences`` and its walk (see TILE, SMALL_TILE
+    and WIDE_TILE)."""
     if wide_tiles(head_dim):
         return WIDE_TILE
     packed = sequences is not None and sequences.kind == SEQ_PACKED
-    if packed or call.softcap > 0 or input_form(call.bias) == "pairs" or call.list_block_k % TILE.kwargs["BLOCK_N"] != 0:
+    read_pair_bias = input_form(call.bias) == "pairs" and not stages_pair_bias(call, walk_flag)
+    if packed or call.softcap > 0 or read_pair_bias or call.list_block_k % TILE.kwargs["BLOCK_N"] != 0:
         return SMALL_TILE
     return TILE
+
+
+def _rings(call: Call, head_dim: int, sequences: Sequences | None, walk_flag: int) -> tuple[int, int]:
+    """``(K/V stages, Q/dO slots)`` of the call's tile (``RINGS``, ``STAGED_BIAS_RINGS``)."""
+    keys = _tile(call, head_dim, sequences, walk_flag).kwargs["BLOCK_N"]
+    if keys == TILE.kwargs["BLOCK_N"] and stages_pair_bias(call, walk_flag):
+        return STAGED_BIAS_RINGS
+    return RINGS[head_dim_tile(head_dim), keys]
