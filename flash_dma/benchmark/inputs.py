@@ -4,8 +4,8 @@ Masks are chosen from the per-key bias itself, as a dynamic-mask model chooses t
 top-k per key (:func:`block_topk_mask`; per packed document, :func:`document_topk_block_mask`),
 a block top-k per query block (``flash_dma.topk_block_mask``), a token top-k
 (``flash_dma.create_mask``) or each query's top keys under the causal rule as key intervals
-(``flash_dma.causal_topk_intervals``, Doge's selection). Per-query selections keep each query's top keys of a random per-pair
-score; KV-cache cases (:class:`CacheInputs`) keep random keys.
+(``flash_dma.causal_topk_intervals``, Doge's selection). Per-query selections keep each query's
+top keys of a random per-pair score; KV-cache cases (:class:`CacheInputs`) keep random keys.
 """
 
 from __future__ import annotations

@@ -80,8 +80,8 @@ def block_active_pairs(block_mask: BlockMask, seqlen_q: int, seqlen_k: int, batc
 
 def selection_active_pairs(mask: BitMask | KeyIntervals, seqlen_q: int, seqlen_k: int, batch: int, num_heads: int) -> int:
     """Visible (query, key) pairs under a per-query :class:`BitMask` or :class:`KeyIntervals` and the
-    bottom-right causal rule, counted from its rows a chunk at a time (``attended_fraction``: the mean over the
-    mask's heads), times the causal pairs of every (batch, query head)."""
+    bottom-right causal rule, counted from its rows a chunk at a time (``attended_fraction``: the
+    mean over the mask's heads), times the causal pairs of every (batch, query head)."""
     fraction = attended_fraction(seqlen_q, seqlen_k, mask, is_causal=True)
     return round(fraction * active_pairs(seqlen_q, seqlen_k, batch, num_heads))
 

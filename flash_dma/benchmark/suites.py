@@ -637,10 +637,10 @@ def kvcache_cases(quick: bool = False) -> list[Case]:
 def forms_cases(quick: bool = False) -> list[Case]:
     """The plain llm call at 16K keep 1/8 (and its FP8 forward, also at keep 1), then the same call
     in each other form (softcap, deterministic gradients, and each query's top 1/8 of the keys by
-    the bias as key intervals, Doge's selection), a chunk of prefill over a KV cache (contiguous, and paged at keep 1) against
-    the same problem without one, the plain call's forward at 4K (bf16 and FP8),
-    and the llm call at other head dims against Flex; ``quick`` leaves out the last two (the head
-    dims cost a Flex compilation each)."""
+    the bias as key intervals, Doge's selection), a chunk of prefill over a KV cache (contiguous,
+    and paged at keep 1) against the same problem without one, the plain call's forward at 4K
+    (bf16 and FP8), and the llm call at other head dims against Flex; ``quick`` leaves out the last
+    two (the head dims cost a Flex compilation each)."""
     plain = Case("forms", "prefill", **LLM_SHAPE, seqlen_q=FORMS_LENGTH, seqlen_k=FORMS_LENGTH, keep=FORMS_KEEP,
                  methods=("flash-dma", "flash-dma-fp8"), modes=MODES)
     single = replace(plain, methods=("flash-dma",))
