@@ -797,19 +797,15 @@ def kept_by_row_words(s, words):
 
 
 @gluon.jit
-def keeps_no_row(start, end, first_row, last_row):
-    """Whether key intervals ``[start, end)`` keep none of the rows ``[first_row, last_row)``."""
-    return (end <= first_row) | (start >= last_row) | (end <= start)
-
-
-@gluon.jit
 def rows_kept_whole(start, end, first_row, last_row):
-    """Whether each of key intervals ``[start, end)`` ``[keys]`` keeps all of the rows ``[first_row,
-    last_row)`` or none of them. Then a PARTIAL tile of those keys and rows is per key, not per pair
-    (its dropped keys score -inf, and nobody tests its pairs): a causal top-k of per-key scores
-    mostly is at long lengths, a key's run seldom starting or ending inside a tile's rows."""
+    """``(whole, none)`` of key intervals ``[start, end)`` ``[keys]`` over the rows ``[first_row,
+    last_row)``: whether each key keeps all of the rows or none of them, and which keys keep none.
+    Where ``whole``, a PARTIAL tile of those keys and rows is per key, not per pair (its dropped
+    keys score -inf, and nobody tests its pairs): a causal top-k of per-key scores mostly is at long
+    lengths, a key's run seldom starting or ending inside a tile's rows."""
+    none = (end <= first_row) | (start >= last_row) | (end <= start)
     every = (start <= first_row) & (end >= last_row)
-    return gl.min((every | keeps_no_row(start, end, first_row, last_row)).to(gl.int32), 0) != 0
+    return gl.min((every | none).to(gl.int32), 0) != 0, none
 
 
 @gluon.jit
@@ -835,8 +831,9 @@ def _load_key_tile(p, bufs, it, span, j, loaded, bias_row, mask_row, kv_head, kv
         start, end = interval_rows(p, mask_row, row_keys, (row_keys < span.seqlen_k) & partial)
         # A tile whose keys each keep all of the item's rows or none: -inf in the dropped keys' scores.
         last_row = gl.minimum(first_row + p.BLOCK_M, span.seqlen_q)
-        whole = partial & rows_kept_whole(start, end, first_row, last_row)
-        dropped = keeps_no_row(start, end, first_row, last_row) & whole
+        whole, none = rows_kept_whole(start, end, first_row, last_row)
+        whole = partial & whole
+        dropped = none & whole
         partial = partial & ~whole
     if SCORED or STAGES_KEY_BIAS:  # read before waiting for the buffer: the loads overlap the wait
         keys = first_key + gl.arange(0, p.BLOCK_N, key_layout)  # [BLOCK_N]
